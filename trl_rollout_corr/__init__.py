@@ -1,0 +1,31 @@
+"""trl-rollout-corr: rollout correction (IS weights, rejection sampling, diagnostics) for TRL's GRPO.
+
+The math (``config``, ``correction``, ``metrics``, ``losses``) imports nothing from TRL; the trainer
+(``trl_rollout_corr.trainer``) is imported lazily so that the core works with torch alone.
+"""
+
+from .config import ISBounds, RolloutCorrectionConfig, RSSpec, PRESETS
+from .correction import RolloutCorrectionOutput, compute_rollout_correction
+from .metrics import CorrectionStats
+
+__all__ = [
+    "CorrectionStats",
+    "ISBounds",
+    "PRESETS",
+    "RSSpec",
+    "RolloutCorrectionConfig",
+    "RolloutCorrectionOutput",
+    "compute_rollout_correction",
+    "RolloutCorrGRPOConfig",
+    "RolloutCorrGRPOTrainer",
+]
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name in ("RolloutCorrGRPOConfig", "RolloutCorrGRPOTrainer"):
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'trl_rollout_corr' has no attribute {name!r}")

@@ -1,0 +1,471 @@
+"""Rollout-correction configuration: the dataclass, its presets and threshold parsing.
+
+Nothing here imports torch.distributed or TRL, so the config can be built, validated and serialised
+anywhere (CLI parsing, YAML loading, model cards).
+
+Vocabulary (see ``README.md``): behaviour policy mu (``rollout_log_probs``), proximal policy pi_old
+(``old_log_probs``), current policy pi_theta (``log_probs``). The correction compares a *training*
+policy (pi_old in decoupled mode, pi_theta in bypass mode) with mu through the per-token log ratio
+``l = log pi_train - log mu`` in nats.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Optional, Union
+
+IS_LEVELS = ("token", "sequence")
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+RS_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
+
+ThresholdSpec = Union[float, int, str, tuple, list, None]
+
+
+@dataclass(frozen=True)
+class ISBounds:
+    """Parsed ``rollout_is_threshold``.
+
+    Attributes:
+        upper: U > 0, a ratio (probability ratio pi_train / mu, unitless).
+        lower: L in (0, U] for an IcePop band, None for truncation (TIS).
+    """
+
+    upper: float
+    lower: Optional[float] = None
+
+    @property
+    def is_icepop(self) -> bool:
+        """True when the spec is a band ``[L, U]`` (IcePop: weights outside are zeroed)."""
+        return self.lower is not None
+
+
+@dataclass(frozen=True)
+class RSSpec:
+    """One parsed rejection-sampling option.
+
+    Attributes:
+        option: the option name, e.g. ``"seq_mean_k3"``.
+        level: ``"token"``, ``"seq_sum"``, ``"seq_mean"`` or ``"seq_max"``.
+        stat: ``"k1"``, ``"k2"`` or ``"k3"``.
+        upper: k1: upper bound U of the ratio band; k2/k3: the largest kept statistic.
+        lower: k1 only: lower bound L of the ratio band (ratio units); None for k2/k3.
+
+    For k1 the statistic is ``k1 = -clamp(l, -20, 20)`` (nats) and a token/row is kept when the ratio
+    ``r = exp(-k1)`` lies in ``[L, U]``, i.e. ``-log U <= k1 <= -log L`` (see ``stat_bounds``).
+    """
+
+    option: str
+    level: str
+    stat: str
+    upper: float
+    lower: Optional[float] = None
+
+    @property
+    def is_token_level(self) -> bool:
+        return self.level == "token"
+
+    @property
+    def stat_bounds(self) -> tuple[Optional[float], float]:
+        """(lo, hi) bounds on the statistic itself (nats for k1, k2/k3 units otherwise).
+
+        k1: ``(-log U, -log L)``, so that the kept ratio band is exactly ``[L, U]`` (deliberate
+        difference from verl, which keeps ``[1/U, 1/L]``; both agree for symmetric bands).
+        k2/k3: ``(None, U)``.
+        """
+        if self.stat == "k1":
+            return -math.log(self.upper), -math.log(self.lower)
+        return None, self.upper
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _to_float(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: cannot parse {text!r} as a number.") from None
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{what}: {text!r} is not a finite number.")
+    return value
+
+
+def _parse_band(spec: Any, what: str, allowed: str) -> tuple[Optional[float], float]:
+    """Parse a number, ``"U"``, ``"L_U"`` or ``(L, U)`` into ``(L or None, U)``; checks L, U > 0, L <= U."""
+    if isinstance(spec, bool):
+        raise TypeError(f"{what} must be a number or a string, not a boolean ({spec!r}). Allowed: {allowed}.")
+    if _is_number(spec):
+        lower, upper = None, _to_float(str(spec), what)
+    elif isinstance(spec, (tuple, list)):
+        if len(spec) != 2 or not all(_is_number(v) for v in spec):
+            raise ValueError(f"{what} as a sequence must be two numbers (L, U), got {spec!r}. Allowed: {allowed}.")
+        lower, upper = float(spec[0]), float(spec[1])
+    elif isinstance(spec, str):
+        text = spec.strip()
+        if not text:
+            raise ValueError(f"{what} is an empty string. Allowed: {allowed}.")
+        if "_" in text:
+            lo_text, hi_text = text.split("_", 1)
+            lower, upper = _to_float(lo_text, what), _to_float(hi_text, what)
+        else:
+            lower, upper = None, _to_float(text, what)
+    else:
+        raise TypeError(f"{what} has unsupported type {type(spec).__name__} ({spec!r}). Allowed: {allowed}.")
+    if not upper > 0:
+        raise ValueError(f"{what}: the upper bound must be positive, got {upper}. Allowed: {allowed}.")
+    if lower is not None and not lower > 0:
+        raise ValueError(f"{what}: the lower bound must be positive, got {lower}. Allowed: {allowed}.")
+    if lower is not None and lower > upper:
+        raise ValueError(f"{what}: the lower bound {lower} is above the upper bound {upper}. Allowed: {allowed}.")
+    return lower, upper
+
+
+def parse_is_threshold(spec: ThresholdSpec) -> ISBounds:
+    """Parse ``rollout_is_threshold``.
+
+    Args:
+        spec: a positive number U (truncated IS, TIS: ``W = min(R, U)``), or a band ``"L_U"`` /
+            ``(L, U)`` with ``0 < L <= U`` (IcePop: ``W = R`` inside the band, 0 outside).
+
+    Returns:
+        ISBounds.
+
+    Raises:
+        TypeError: for a bool or an unsupported type.
+        ValueError: for an empty or unparsable string, U <= 0, L <= 0 or L > U.
+    """
+    lower, upper = _parse_band(
+        spec, "rollout_is_threshold", "a positive number U (TIS) or 'L_U' / (L, U) with 0 < L <= U (IcePop)"
+    )
+    return ISBounds(upper=upper, lower=lower)
+
+
+def parse_rs_options(rollout_rs: Any) -> tuple[str, ...]:
+    """Split ``rollout_rs`` into options, dropping empties and duplicates (first occurrence kept).
+
+    Raises:
+        ValueError: if it is not a string, holds no option, or names an unknown option.
+    """
+    if not isinstance(rollout_rs, str):
+        raise ValueError(f"rollout_rs must be a comma-separated string of options from {RS_OPTIONS}, got {rollout_rs!r}.")
+    options: list[str] = []
+    for raw in rollout_rs.split(","):
+        name = raw.strip()
+        if not name:
+            continue
+        if name not in RS_OPTIONS:
+            raise ValueError(f"rollout_rs: unknown option {name!r}. Allowed options: {', '.join(RS_OPTIONS)}.")
+        if name not in options:
+            options.append(name)
+    if not options:
+        raise ValueError(f"rollout_rs must contain at least one option from {RS_OPTIONS}, got {rollout_rs!r}.")
+    return tuple(options)
+
+
+def parse_rs_thresholds(options: tuple[str, ...], spec: ThresholdSpec) -> tuple[RSSpec, ...]:
+    """Parse ``rollout_rs_threshold`` for the (de-duplicated) ``options``.
+
+    Args:
+        options: output of ``parse_rs_options``.
+        spec: one spec shared by all options, or a comma list with one spec per option. For k1 options
+            a spec is a ratio band ``"L_U"`` (or a number u meaning ``[1/u, u]``); for k2/k3 it is a
+            positive upper bound (a ``"L_U"`` band is an error).
+
+    Raises:
+        ValueError: missing spec, wrong count, unparsable or non-positive bound, L > U, or a band for k2/k3.
+        TypeError: a bool or an unsupported type.
+    """
+    if spec is None:
+        raise ValueError(
+            "rollout_rs_threshold must be set when rollout_rs is set: one spec for all options or one per "
+            f"option, for options {list(options)} (k1: ratio band 'L_U' or u meaning [1/u, u]; k2/k3: upper bound)."
+        )
+    if isinstance(spec, bool):
+        raise TypeError(f"rollout_rs_threshold must be a number or a string, not a boolean ({spec!r}).")
+    if _is_number(spec):
+        parts = [spec]
+    elif isinstance(spec, str):
+        parts = [p.strip() for p in spec.split(",") if p.strip()]
+        if not parts:
+            raise ValueError("rollout_rs_threshold must contain at least one threshold value.")
+    else:
+        raise TypeError(f"rollout_rs_threshold has unsupported type {type(spec).__name__} ({spec!r}).")
+    if len(parts) == 1:
+        parts = parts * len(options)
+    if len(parts) != len(options):
+        raise ValueError(
+            f"rollout_rs_threshold has {len(parts)} specs but rollout_rs has {len(options)} options "
+            f"({list(options)}); give one spec for all or exactly one per option."
+        )
+    specs = []
+    for option, part in zip(options, parts):
+        level, stat = option.rsplit("_", 1)
+        what = f"rollout_rs_threshold for {option}"
+        if stat == "k1":
+            lower, upper = _parse_band(part, what, "a ratio band 'L_U' with 0 < L <= U, or u > 0 meaning [1/u, u]")
+            if lower is None:
+                lower = 1.0 / upper
+                if lower > upper:
+                    lower, upper = upper, lower
+            specs.append(RSSpec(option=option, level=level, stat=stat, upper=upper, lower=lower))
+        else:
+            if isinstance(part, str) and "_" in part:
+                raise ValueError(f"{what}: k2/k3 options take a single upper bound, not a band ({part!r}).")
+            _, upper = _parse_band(part, what, "a positive number (upper bound on the statistic)")
+            specs.append(RSSpec(option=option, level=level, stat=stat, upper=upper, lower=None))
+    return tuple(specs)
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Rollout correction settings, validated when constructed.
+
+    Attributes:
+        rollout_is: IS weight level, ``None`` (no IS weights), ``"token"`` or ``"sequence"``.
+        rollout_is_threshold: a positive number U (truncated IS, TIS: ``min(R, U)``), or a band
+            ``"L_U"`` / ``(L, U)`` (IcePop: R inside ``[L, U]``, else 0). Ratio units. Required when
+            ``rollout_is`` is set.
+        rollout_is_batch_normalize: divide the weights by their mean over the global batch (token
+            level: over valid tokens; sequence level: over valid rows). After truncation, not re-truncated.
+        rollout_rs: comma list of rejection options (``token_k1`` ... ``seq_max_k3``), or None.
+        rollout_rs_threshold: one spec for all options or one per option (k1: ratio band ``"L_U"`` or u
+            meaning ``[1/u, u]``; k2/k3: upper bound).
+        bypass_mode: False = decoupled (keep pi_old, one extra forward); True = bypass
+            (pi_old := mu, the correction runs inside the loss from pi_theta).
+        bypass_loss_type: ``"ppo_clip"`` (PPO clip on pi_theta / mu; IS weights for metrics only) or
+            ``"reinforce"`` (``-A * w * log pi_theta``). Only used in bypass mode.
+
+    Raises:
+        ValueError / TypeError: on construction, for any invalid field (the message names the field
+        and the allowed values).
+
+    Presets follow verl's ``RolloutCorrectionConfig`` classmethods, plus ``direct_double_sided``.
+    """
+
+    rollout_is: Optional[str] = None
+    rollout_is_threshold: ThresholdSpec = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: ThresholdSpec = None
+    bypass_mode: bool = False
+    bypass_loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+
+    is_bounds: Optional[ISBounds] = field(init=False, repr=False, compare=False, default=None)
+    rs_specs: tuple[RSSpec, ...] = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rollout_is, str) and self.rollout_is.strip().lower() in ("", "none", "null"):
+            self.rollout_is = None
+        if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
+            raise ValueError(f"rollout_is must be None, 'token' or 'sequence', got {self.rollout_is!r}.")
+        if isinstance(self.rollout_rs, str) and self.rollout_rs.strip().lower() in ("", "none", "null"):
+            self.rollout_rs = None
+        for name in ("rollout_is_batch_normalize", "bypass_mode"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool (True/False), got {getattr(self, name)!r}.")
+        if self.bypass_loss_type not in BYPASS_LOSS_TYPES:
+            raise ValueError(f"bypass_loss_type must be 'ppo_clip' or 'reinforce', got {self.bypass_loss_type!r}.")
+        if self.rollout_is is not None:
+            if self.rollout_is_threshold is None:
+                raise ValueError(
+                    f"rollout_is={self.rollout_is!r} needs rollout_is_threshold: a positive number U (TIS) "
+                    "or 'L_U' (IcePop); set rollout_is=None to turn IS weights off."
+                )
+            self.is_bounds = parse_is_threshold(self.rollout_is_threshold)
+        else:
+            self.is_bounds = None
+            if self.rollout_is_threshold is not None:
+                # Validate anyway so that a typo is caught before it is switched on.
+                parse_is_threshold(self.rollout_is_threshold)
+        if self.rollout_is_batch_normalize and self.rollout_is is None:
+            raise ValueError("rollout_is_batch_normalize=True needs rollout_is='token' or 'sequence'.")
+        if self.rollout_rs is not None:
+            self.rs_specs = parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold)
+        else:
+            self.rs_specs = ()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def is_enabled(self) -> bool:
+        """True when IS weights are computed (``rollout_is`` set)."""
+        return self.is_bounds is not None
+
+    @property
+    def rs_enabled(self) -> bool:
+        """True when at least one rejection option is set."""
+        return bool(self.rs_specs)
+
+    @property
+    def enabled(self) -> bool:
+        """True when the correction changes training (IS weights, RS, or bypass mode)."""
+        return self.is_enabled or self.rs_enabled or self.bypass_mode
+
+    def to_dict(self) -> dict[str, Any]:
+        """The user-facing fields as a plain dict (for YAML, logs and model cards)."""
+        d = asdict(self)
+        d.pop("is_bounds", None)
+        d.pop("rs_specs", None)
+        return d
+
+    # ------------------------------------------------------------------ presets (verl names)
+    @classmethod
+    def disabled(cls) -> "RolloutCorrectionConfig":
+        """No IS, no RS, decoupled mode: diagnostics only."""
+        return cls(rollout_is=None, rollout_is_threshold=None)
+
+    @classmethod
+    def decoupled_token_is(cls, threshold: float = 2.0) -> "RolloutCorrectionConfig":
+        """Token-level truncated IS (TIS) against pi_old."""
+        return cls(rollout_is="token", rollout_is_threshold=threshold)
+
+    @classmethod
+    def decoupled_seq_is(cls, threshold: float = 2.0) -> "RolloutCorrectionConfig":
+        """Sequence-level truncated IS (Seq-TIS) against pi_old."""
+        return cls(rollout_is="sequence", rollout_is_threshold=threshold)
+
+    @classmethod
+    def decoupled_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5) -> "RolloutCorrectionConfig":
+        """Token-level IcePop: weights outside ``[threshold_lower, threshold]`` are zeroed."""
+        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}")
+
+    @classmethod
+    def decoupled_seq_is_rs(cls, is_threshold: float = 2.0, rs_threshold: ThresholdSpec = "0.5_2.0") -> "RolloutCorrectionConfig":
+        """Sequence TIS plus rejection on the sequence ratio (``seq_sum_k1``)."""
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_sum_k1", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_geo_rs(cls, rs_threshold: ThresholdSpec = "0.999_1.001") -> "RolloutCorrectionConfig":
+        """Geometric-mean ratio rejection (``seq_mean_k1``), no IS weights."""
+        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_geo_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: ThresholdSpec = "0.999_1.001") -> "RolloutCorrectionConfig":
+        """Geometric-mean rejection plus sequence TIS."""
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_geo_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: ThresholdSpec = "0.999_1.001") -> "RolloutCorrectionConfig":
+        """Geometric-mean rejection plus token TIS."""
+        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_k3_rs(cls, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
+        """Rejection on the per-row mean K3 divergence (``seq_mean_k3``), no IS weights."""
+        return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_k3_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
+        """``seq_mean_k3`` rejection plus sequence TIS."""
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_k3_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
+        """``seq_mean_k3`` rejection plus token TIS (this project's CPU default)."""
+        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def bypass_ppo_clip(cls) -> "RolloutCorrectionConfig":
+        """Bypass mode, PPO clip on pi_theta / mu, no IS, no RS."""
+        return cls(bypass_mode=True, bypass_loss_type="ppo_clip")
+
+    @classmethod
+    def bypass_ppo_clip_geo_rs(cls, rs_threshold: ThresholdSpec = "0.999_1.001") -> "RolloutCorrectionConfig":
+        """Bypass PPO clip plus geometric-mean rejection."""
+        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True, bypass_loss_type="ppo_clip")
+
+    @classmethod
+    def bypass_ppo_clip_k3_rs(cls, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
+        """Bypass PPO clip plus ``seq_mean_k3`` rejection."""
+        return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold, bypass_mode=True, bypass_loss_type="ppo_clip")
+
+    @classmethod
+    def bypass_pg_is(cls, threshold: float = 2.0) -> "RolloutCorrectionConfig":
+        """Bypass REINFORCE with sequence TIS."""
+        return cls(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True, bypass_loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5) -> "RolloutCorrectionConfig":
+        """Bypass REINFORCE with token IcePop."""
+        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}", bypass_mode=True, bypass_loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_geo_rs(cls, rs_threshold: ThresholdSpec = "0.999_1.001") -> "RolloutCorrectionConfig":
+        """Bypass REINFORCE with geometric-mean rejection, no IS."""
+        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True, bypass_loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_geo_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: ThresholdSpec = "0.999_1.001") -> "RolloutCorrectionConfig":
+        """Bypass REINFORCE with geometric-mean rejection and sequence TIS."""
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True, bypass_loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_geo_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: ThresholdSpec = "0.999_1.001") -> "RolloutCorrectionConfig":
+        """Bypass REINFORCE with geometric-mean rejection and token TIS."""
+        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True, bypass_loss_type="reinforce")
+
+    @classmethod
+    def direct_double_sided(cls, eps_low: float = 0.2, eps_high: float = 0.2) -> "RolloutCorrectionConfig":
+        """Direct double-sided IS (SAO's DIS, GLM-5's direct two-policy gate).
+
+        Bypass + REINFORCE + token IcePop band ``[1 - eps_low, 1 + eps_high]`` on pi_theta / mu.
+
+        Raises:
+            ValueError: unless ``0 <= eps_low < 1`` and ``eps_high >= 0``.
+        """
+        if not (0.0 <= eps_low < 1.0) or not eps_high >= 0.0:
+            raise ValueError(f"direct_double_sided needs 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}.")
+        return cls(rollout_is="token", rollout_is_threshold=(1.0 - eps_low, 1.0 + eps_high), bypass_mode=True, bypass_loss_type="reinforce")
+
+    @classmethod
+    def preset_names(cls) -> tuple[str, ...]:
+        """Names accepted by ``from_preset``."""
+        return PRESETS
+
+    @classmethod
+    def from_preset(cls, name: str, **kwargs: Any) -> "RolloutCorrectionConfig":
+        """Build a preset by name, e.g. ``from_preset("decoupled_k3_rs_token_tis", rs_threshold=0.005)``.
+
+        Raises:
+            ValueError: for an unknown name (the message lists the presets).
+        """
+        if name not in PRESETS:
+            raise ValueError(f"Unknown rollout-correction preset {name!r}. Presets: {', '.join(PRESETS)}.")
+        return getattr(cls, name)(**kwargs)
+
+
+PRESETS = (
+    "disabled",
+    "decoupled_token_is",
+    "decoupled_seq_is",
+    "decoupled_token_icepop",
+    "decoupled_seq_is_rs",
+    "decoupled_geo_rs",
+    "decoupled_geo_rs_seq_tis",
+    "decoupled_geo_rs_token_tis",
+    "decoupled_k3_rs",
+    "decoupled_k3_rs_seq_tis",
+    "decoupled_k3_rs_token_tis",
+    "bypass_ppo_clip",
+    "bypass_ppo_clip_geo_rs",
+    "bypass_ppo_clip_k3_rs",
+    "bypass_pg_is",
+    "bypass_pg_token_icepop",
+    "bypass_pg_geo_rs",
+    "bypass_pg_geo_rs_seq_tis",
+    "bypass_pg_geo_rs_token_tis",
+    "direct_double_sided",
+)

@@ -1,0 +1,419 @@
+"""Rollout correction: importance-sampling (IS) weights and rejection-sampling (RS) masks.
+
+Pure functions on ``(B, T)`` tensors; nothing here knows TRL or ``torch.distributed`` (a cross-rank sum is
+passed in as a callable). The behaviour is specified in the project's ``ROLLOUT_CORRECTION.md`` and follows
+verl's ``algorithm.rollout_correction`` (0.9.x) except where that spec marks a deliberate difference:
+
+* k1 rejection bands keep the ratio band the user wrote (verl keeps ``[1/U, 1/L]``);
+* rows without a valid token are never counted in per-sequence metrics (verl averages them in);
+* NaN/inf log-probs at valid tokens make the token invalid (removed from the mask, weight 1, counted),
+  instead of propagating NaN into weights, metrics and gradients;
+* an all-zero IcePop batch gives ESS 0 instead of a ``ZeroDivisionError``;
+* an empty batch (no valid token) is not an error: weights/mask are returned, metrics are 0 with counts.
+
+Sources: truncated IS (TIS) from Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+Training" (2025); IcePop from the Ring-1T report (2025); k1/k2/k3 estimators from J. Schulman,
+"Approximating KL Divergence" (2020); the mode split (decoupled/bypass) from verl.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .config import RolloutCorrectionConfig, RSSpec
+from .metrics import CorrectionStats
+
+SAFETY_BOUND = 20.0  # |log ratio| clamp before exponentiation, in nats (as verl)
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class RolloutCorrectionOutput:
+    """Result of ``compute_rollout_correction``.
+
+    Attributes:
+        weights: (B, T) float32 IS weights, detached; 0 at padding, 1 (neutral) at invalid tokens; None
+            when ``rollout_is`` is None. RS never changes them.
+        response_mask: (B, T), same dtype as the input mask: the input mask with RS-rejected and invalid
+            tokens set to 0. Use it for the advantage, the loss and the loss normaliser.
+        stats: reducible statistics (on the input's device) behind the metrics.
+    """
+
+    weights: Optional[torch.Tensor]
+    response_mask: torch.Tensor
+    stats: CorrectionStats
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """``rollout_corr/*`` metrics of this call alone, as Python floats (one device-to-host transfer)."""
+        return self.stats.finalize()
+
+
+# ---------------------------------------------------------------------- input handling
+def _check_inputs(log_probs, rollout_log_probs, response_mask) -> None:
+    if rollout_log_probs is None:
+        raise ValueError(
+            "rollout_log_probs (behaviour log-probs mu) are None but rollout correction is on: request the "
+            "sampled tokens' log-probs from the rollout engine (vLLM: logprobs=0 with "
+            "logprobs_mode='processed_logprobs'; transformers.generate: output_scores=True), or disable the "
+            "correction."
+        )
+    if log_probs is None:
+        raise ValueError("log_probs (pi_old in decoupled mode, pi_theta in bypass mode) are None.")
+    if response_mask is None:
+        raise ValueError("response_mask is None: pass the (B, T) 0/1 completion mask.")
+    for name, t in (("log_probs", log_probs), ("rollout_log_probs", rollout_log_probs), ("response_mask", response_mask)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D (B, T), got shape {tuple(t.shape)}.")
+    if not (log_probs.shape == rollout_log_probs.shape == response_mask.shape):
+        raise ValueError(
+            "Shapes differ: log_probs "
+            f"{tuple(log_probs.shape)}, rollout_log_probs {tuple(rollout_log_probs.shape)}, response_mask "
+            f"{tuple(response_mask.shape)}; all must be (B, T) over the same completion tokens (never padded or "
+            "truncated silently)."
+        )
+    for name, t in (("log_probs", log_probs), ("rollout_log_probs", rollout_log_probs)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor (nats), got {t.dtype}.")
+    if log_probs.device != rollout_log_probs.device or log_probs.device != response_mask.device:
+        raise ValueError(
+            f"Tensors are on different devices: log_probs {log_probs.device}, rollout_log_probs "
+            f"{rollout_log_probs.device}, response_mask {response_mask.device}."
+        )
+
+
+@dataclass
+class _Prepared:
+    """Cleaned per-token quantities shared by IS, RS and the metrics (all (B, T) unless noted)."""
+
+    valid: torch.Tensor  # bool: mask 1 and both log-probs finite
+    vf: torch.Tensor  # float32 copy of valid
+    invalid: torch.Tensor  # bool: mask 1 but a log-prob is NaN/inf
+    l: torch.Tensor  # float32 log ratio, 0 outside valid
+    x: torch.Tensor  # clamp(l, -20, 20)
+    n_row: torch.Tensor  # (B,) float32 valid tokens per row
+    row_valid: torch.Tensor  # (B,) bool
+    seq_l: torch.Tensor  # (B,) float32 sum of l over valid tokens (unclamped)
+    rollout_row_sum: torch.Tensor  # (B,) float32 sum of log mu over valid tokens
+    n_masked: torch.Tensor  # 0-d, tokens with mask 1
+
+
+def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor) -> _Prepared:
+    lp = log_probs.detach().float()
+    rlp = rollout_log_probs.detach().float()
+    mask = response_mask != 0
+    finite = torch.isfinite(lp) & torch.isfinite(rlp)
+    valid = mask & finite
+    invalid = mask & ~finite
+    l = torch.where(valid, lp - rlp, 0.0)
+    vf = valid.float()
+    n_row = vf.sum(-1)
+    return _Prepared(
+        valid=valid,
+        vf=vf,
+        invalid=invalid,
+        l=l,
+        x=l.clamp(-SAFETY_BOUND, SAFETY_BOUND),
+        n_row=n_row,
+        row_valid=n_row > 0,
+        seq_l=l.sum(-1),
+        rollout_row_sum=torch.where(valid, rlp, 0.0).sum(-1),
+        n_masked=mask.sum(),
+    )
+
+
+def _d(t: torch.Tensor) -> torch.Tensor:
+    return t.double().sum()
+
+
+def _count(t: torch.Tensor) -> torch.Tensor:
+    return t.sum().double()
+
+
+def _max(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == 0:
+        return torch.tensor(-math.inf, dtype=torch.float64, device=t.device)
+    return t.amax().double()
+
+
+def _min(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == 0:
+        return torch.tensor(math.inf, dtype=torch.float64, device=t.device)
+    return t.amin().double()
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(B,) row sums of a * b in one pass (both (B, T), finite)."""
+    return torch.einsum("bt,bt->b", a, b)
+
+
+def _seq_stats(store: CorrectionStats, prefix: str, values: torch.Tensor, row_valid: torch.Tensor) -> None:
+    """Sum, sum of squares, max and min of a per-row value over valid rows."""
+    v = values.double()
+    kept = torch.where(row_valid, v, 0.0)
+    store.sums[prefix] = kept.sum()
+    store.sums[prefix + "2"] = (kept * kept).sum()
+    store.maxs[prefix + "_max"] = _max(torch.where(row_valid, v, -math.inf))
+    store.mins[prefix + "_min"] = _min(torch.where(row_valid, v, math.inf))
+
+
+# ---------------------------------------------------------------------- IS weights
+def _icepop(r: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
+    return torch.where((r >= lower) & (r <= upper), r, 0.0)
+
+
+def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, stats: CorrectionStats, all_reduce: Optional[AllReduce]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Returns the (B, T) weights and, for token level, the raw ratio R = exp(x) (B, T)."""
+    bounds = config.is_bounds
+    upper, lower = bounds.upper, bounds.lower
+    lower_m = lower if lower is not None else 1.0 / upper
+    s = stats.sums
+    if config.rollout_is == "token":
+        ratio = torch.exp(p.x)  # raw R (1 at padding since l = 0 there)
+        raw = ratio * p.vf
+        weights = _icepop(raw, lower, upper) * p.vf if bounds.is_icepop else raw.clamp(max=upper)
+        row_w = weights.sum(-1)
+        row_r = raw.sum(-1)
+        s["is_w"] = _d(row_w)
+        s["is_w2"] = _d(_rowdot(weights, weights))
+        s["is_r"] = _d(row_r)
+        s["is_r2"] = _d(_rowdot(raw, raw))
+        high = raw > upper
+        low = (ratio < lower_m) & p.valid
+        s["is_ratio_high"] = _count(high)
+        s["is_ratio_low"] = _count(low)
+        if bounds.is_icepop:
+            stats.maxs["is_w_max"] = _max(torch.where(p.valid, weights, -math.inf))
+            stats.mins["is_w_min"] = _min(torch.where(p.valid, weights, math.inf))
+        else:  # min(exp(x), U) is monotone in x: the extrema follow from those of x
+            stats.maxs["is_w_max"] = _max(torch.where(p.valid, p.x, -math.inf)).exp().clamp(max=upper)
+            stats.mins["is_w_min"] = _min(torch.where(p.valid, p.x, math.inf)).exp().clamp(max=upper)
+        n = p.n_row.clamp(min=1)
+        row_mean_w = row_w / n
+        row_mean_r = row_r / n
+    else:
+        seq_ratio = torch.exp(p.seq_l.clamp(-SAFETY_BOUND, SAFETY_BOUND))  # (B,)
+        seq_w = _icepop(seq_ratio, lower, upper) if bounds.is_icepop else seq_ratio.clamp(max=upper)
+        seq_w = torch.where(p.row_valid, seq_w, 0.0)
+        seq_ratio_v = torch.where(p.row_valid, seq_ratio, 0.0)
+        weights = seq_w.unsqueeze(-1) * p.vf
+        nd = p.n_row.double()
+        s["is_w"] = (nd * seq_w.double()).sum()
+        s["is_w2"] = (nd * seq_w.double() ** 2).sum()
+        s["is_r"] = (nd * seq_ratio_v.double()).sum()
+        s["is_r2"] = (nd * seq_ratio_v.double() ** 2).sum()
+        log_u, log_l = math.log(upper), math.log(lower_m)
+        s["is_ratio_high"] = _count(p.row_valid & (p.seq_l > log_u))
+        s["is_ratio_low"] = _count(p.row_valid & (p.seq_l < log_l))
+        stats.maxs["is_logw_max"] = _max(torch.where(p.row_valid, p.seq_l, -math.inf))
+        stats.mins["is_logw_min"] = _min(torch.where(p.row_valid, p.seq_l, math.inf))
+        row_mean_w, row_mean_r = seq_w, seq_ratio_v
+        if bounds.is_icepop:
+            oob = p.row_valid & ((seq_ratio < lower) | (seq_ratio > upper))
+            s["is_oob"] = (nd * oob.double()).sum()
+    if bounds.is_icepop and config.rollout_is == "token":
+        s["is_oob"] = s["is_ratio_high"] + s["is_ratio_low"]  # lower_m == lower for IcePop
+    _seq_stats(stats, "is_seq", row_mean_w, p.row_valid)
+    s["is_seq_high"] = _count(p.row_valid & (row_mean_r > upper))
+    s["is_seq_low"] = _count(p.row_valid & (row_mean_r < lower_m))
+
+    if config.rollout_is_batch_normalize:
+        if config.rollout_is == "token":
+            total = torch.stack([s["is_w"], _count(p.valid)])
+        else:
+            total = torch.stack([s["is_seq"], _count(p.row_valid)])
+        if all_reduce is not None:
+            total = all_reduce(total)
+        mean = total[0] / total[1].clamp(min=1)
+        factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean)).float()
+        weights = weights / factor
+    weights = weights.masked_fill(p.invalid, 1.0)
+    return weights, (ratio if config.rollout_is == "token" else None)
+
+
+# ---------------------------------------------------------------------- RS masks
+def _token_statistic(stat: str, p: _Prepared) -> torch.Tensor:
+    """(B, T) k1/k2/k3 per token from x = clamp(l); 0 outside valid tokens."""
+    if stat == "k1":
+        return -p.x
+    if stat == "k2":
+        return 0.5 * p.x * p.x
+    return torch.expm1(p.x) - p.x  # expm1 keeps k3 ~ x^2/2 accurate for small x
+
+
+def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], stats: CorrectionStats, token_stats: dict) -> torch.Tensor:
+    """Returns the (B, T) bool keep mask (True = kept) combining every option (logical AND)."""
+    s = stats.sums
+    keep_tok: Optional[torch.Tensor] = None
+    keep_row = torch.ones_like(p.row_valid)
+    n = p.n_row.clamp(min=1)
+    nd = p.n_row.double()
+    for spec in specs:
+        pre = f"rollout_rs_{spec.option}_"
+        lo, hi = spec.stat_bounds
+        clamp_lo = lo if lo is not None else 0.0
+        t = token_stats[spec.stat]
+        if spec.is_token_level:
+            high = (t > hi) & p.valid
+            low = ((t < lo) & p.valid) if lo is not None else None
+            rejected = high | low if low is not None else high
+            row_rej = rejected.sum(-1)
+            keep_tok = ~rejected if keep_tok is None else keep_tok & ~rejected
+            s[pre + "sum"] = _d(t.sum(-1))
+            clamped = t.clamp(clamp_lo, hi) * p.vf
+            s[pre + "csum"] = _d(clamped.sum(-1))
+            s[pre + "csum2"] = _d(_rowdot(clamped, clamped))
+            if spec.stat == "k1":  # k1 = -x: extrema from those of x
+                stats.maxs[pre + "max"] = -_min(torch.where(p.valid, p.x, math.inf))
+                stats.mins[pre + "min"] = -_max(torch.where(p.valid, p.x, -math.inf))
+            else:
+                stats.maxs[pre + "max"] = _max(t)  # k2, k3 >= 0 and 0 outside valid tokens
+                stats.mins[pre + "min"] = _min(torch.where(p.valid, t, math.inf))
+            s[pre + "high"] = _count(high)
+            s[pre + "low"] = _count(low) if low is not None else torch.zeros((), dtype=torch.float64, device=t.device)
+            s[pre + "rejected"] = s[pre + "high"] + s[pre + "low"]
+            row_values = t.sum(-1) / n
+            s[pre + "rejected_seqs"] = _count(p.row_valid & (row_rej > 0))
+        else:
+            if spec.level == "seq_sum":
+                row_values = t.sum(-1)
+            elif spec.level == "seq_mean":
+                row_values = t.sum(-1) / n
+            else:  # seq_max (k2/k3 only, >= 0, so padding zeros never win over a valid token)
+                row_values = t.amax(-1) if t.numel() else t.sum(-1)
+            row_values = torch.where(p.row_valid, row_values, 0.0)
+            rv = row_values.double()
+            high = p.row_valid & (row_values > hi)
+            low = (p.row_valid & (row_values < lo)) if lo is not None else None
+            bad = p.row_valid & ~((row_values <= hi) & ((row_values >= lo) if lo is not None else True))
+            keep_row = keep_row & ~bad
+            s[pre + "sum"] = (nd * rv).sum()
+            c = rv.clamp(clamp_lo, hi)
+            s[pre + "csum"] = (nd * c).sum()
+            s[pre + "csum2"] = (nd * c * c).sum()
+            stats.maxs[pre + "max"] = _max(torch.where(p.row_valid, rv, -math.inf))
+            stats.mins[pre + "min"] = _min(torch.where(p.row_valid, rv, math.inf))
+            s[pre + "high"] = _count(high)
+            s[pre + "low"] = _count(low) if low is not None else torch.zeros((), dtype=torch.float64, device=rv.device)
+            s[pre + "rejected"] = (nd * bad.double()).sum()
+            s[pre + "rejected_seqs"] = _count(bad)
+        _seq_stats(stats, pre + "seq", row_values, p.row_valid)
+        s[pre + "seq_high"] = _count(p.row_valid & (row_values > hi))
+        s[pre + "seq_low"] = _count(p.row_valid & (row_values < lo)) if lo is not None else torch.zeros((), dtype=torch.float64, device=row_values.device)
+    keep = keep_row.unsqueeze(-1).expand_as(p.valid)
+    if keep_tok is not None:
+        keep = keep & keep_tok
+    rejected_all = p.valid & ~keep
+    s["rs_rejected"] = _count(rejected_all)
+    s["rs_rejected_seqs"] = _count(p.row_valid & rejected_all.any(-1))
+    return keep
+
+
+# ---------------------------------------------------------------------- entry point
+def compute_rollout_correction(
+    log_probs: torch.Tensor,
+    rollout_log_probs: Optional[torch.Tensor],
+    response_mask: torch.Tensor,
+    config: RolloutCorrectionConfig,
+    *,
+    all_reduce: Optional[AllReduce] = None,
+) -> RolloutCorrectionOutput:
+    """IS weights, RS mask and reducible ``rollout_corr/*`` statistics for one batch.
+
+    Args:
+        log_probs: (B, T) log-probs of the sampled tokens under the training policy, in nats: pi_old
+            (``old_log_probs``) in decoupled mode, pi_theta (``log_probs``, detached here) in bypass mode.
+            bf16/fp16 are upcast to float32.
+        rollout_log_probs: (B, T) behaviour log-probs mu from the rollout engine, in nats.
+        response_mask: (B, T) 0/1 (bool, int or float) completion mask.
+        config: a validated ``RolloutCorrectionConfig``.
+        all_reduce: optional callable summing a small 1-D tensor across ranks, used only for batch
+            normalisation so that it divides by the global-batch mean. None: this batch is the global batch.
+
+    Returns:
+        ``RolloutCorrectionOutput`` with ``weights`` ((B, T) float32 or None), ``response_mask`` (RS and
+        invalid tokens removed) and ``stats`` (``.metrics`` finalises them).
+
+    Raises:
+        ValueError: ``rollout_log_probs`` is None (names the fix), shapes differ, tensors are not 2-D or on
+            different devices.
+        TypeError: non-tensor or non-float log-probs.
+
+    Tokens whose log-probs are NaN or +-inf where the mask is 1 are *invalid*: they are removed from the
+    mask, get weight 1, take no part in sequence sums, means or metrics, and are counted in
+    ``rollout_corr/invalid_token_fraction``. NaN/inf at padding is ignored.
+    """
+    _check_inputs(log_probs, rollout_log_probs, response_mask)
+    p = _prepare(log_probs, rollout_log_probs, response_mask)
+    stats = CorrectionStats()
+    s = stats.sums
+    s["n_tok"] = _d(p.n_row)
+    s["n_seq"] = _count(p.row_valid)
+    s["n_masked"] = p.n_masked.double()
+    s["n_invalid"] = _count(p.invalid)
+
+    weights, ratio = (None, None)
+    if config.is_enabled:
+        weights, ratio = _importance_weights(p, config, stats, all_reduce)
+
+    token_stats: dict[str, torch.Tensor] = {}
+    needed = {spec.stat for spec in config.rs_specs} | {"k3"}
+    for stat in sorted(needed):
+        token_stats[stat] = _token_statistic(stat, p)
+    keep = None
+    if config.rs_enabled:
+        keep = _rejection_keep(p, config.rs_specs, stats, token_stats)
+
+    _offpolicy_stats(p, stats, ratio, token_stats["k3"])
+
+    new_mask = p.valid if keep is None else p.valid & keep
+    stats.layout = _layout(config)
+    return RolloutCorrectionOutput(weights=weights, response_mask=new_mask.to(response_mask.dtype), stats=stats)
+
+
+def _offpolicy_stats(p: _Prepared, stats: CorrectionStats, ratio: Optional[torch.Tensor], k3: torch.Tensor) -> None:
+    s = stats.sums
+    if ratio is None:
+        ratio = torch.exp(p.x)
+    rv = ratio * p.vf
+    s["l"] = _d(p.seq_l)
+    s["k3"] = _d(k3.sum(-1))  # k3 is 0 outside valid tokens (x = 0 there)
+    s["r2"] = _d(_rowdot(rv, rv))
+    n = p.n_row.double().clamp(min=1)
+    rv_mask = p.row_valid
+    mean_roll = p.rollout_row_sum.double() / n  # mean log mu per row
+    mean_l = p.seq_l.double() / n
+    mean_train = mean_roll + mean_l  # mean log pi_train per row
+    d = -mean_l  # mean(log mu - log pi_train) per row
+    zero = torch.zeros_like(d)
+
+    def over_rows(v: torch.Tensor) -> torch.Tensor:
+        return torch.where(rv_mask, v, zero).sum()
+
+    s["train_log_ppl"] = over_rows(-mean_train)
+    s["train_ppl"] = over_rows(torch.exp((-mean_train).clamp(max=700.0)))
+    s["roll_log_ppl"] = over_rows(-mean_roll)
+    s["roll_ppl"] = over_rows(torch.exp((-mean_roll).clamp(max=700.0)))
+    s["d"] = over_rows(d)
+    s["abs_d"] = over_rows(d.abs())
+    s["exp_d"] = over_rows(torch.exp(d.clamp(max=700.0)))
+    s["seq_r2"] = over_rows(torch.exp(2.0 * p.seq_l.double().clamp(-SAFETY_BOUND, SAFETY_BOUND)))
+    stats.maxs["d_max"] = _max(torch.where(rv_mask, d, -math.inf))
+    stats.mins["d_min"] = _min(torch.where(rv_mask, d, math.inf))
+
+
+def _layout(config: RolloutCorrectionConfig) -> tuple:
+    items = []
+    if config.is_enabled:
+        b = config.is_bounds
+        lower_m = b.lower if b.lower is not None else 1.0 / b.upper
+        items.append(("is", (config.rollout_is, b.upper, lower_m, b.is_icepop, config.rollout_is_batch_normalize)))
+    if config.rs_enabled:
+        items.append(("rs", tuple((sp.option, sp.stat, sp.is_token_level, *sp.stat_bounds) for sp in config.rs_specs)))
+    return tuple(items)
