@@ -192,8 +192,10 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, stats: Co
             stats.maxs["is_w_max"] = _max(torch.where(p.valid, weights, -math.inf))
             stats.mins["is_w_min"] = _min(torch.where(p.valid, weights, math.inf))
         else:  # min(exp(x), U) is monotone in x: the extrema follow from those of x
-            stats.maxs["is_w_max"] = _max(torch.where(p.valid, p.x, -math.inf)).exp().clamp(max=upper)
-            stats.mins["is_w_min"] = _min(torch.where(p.valid, p.x, math.inf)).exp().clamp(max=upper)
+            x_max = _max(torch.where(p.valid, p.x, -math.inf))
+            x_min = _min(torch.where(p.valid, p.x, math.inf))
+            stats.maxs["is_w_max"] = x_max.exp().clamp(max=upper)  # -inf (empty) -> 0, reported as 0
+            stats.mins["is_w_min"] = torch.where(torch.isinf(x_min), x_min, x_min.exp().clamp(max=upper))
         n = p.n_row.clamp(min=1)
         row_mean_w = row_w / n
         row_mean_r = row_r / n
@@ -417,3 +419,39 @@ def _layout(config: RolloutCorrectionConfig) -> tuple:
     if config.rs_enabled:
         items.append(("rs", tuple((sp.option, sp.stat, sp.is_token_level, *sp.stat_bounds) for sp in config.rs_specs)))
     return tuple(items)
+
+
+def rollout_log_probs_to_tensor(
+    per_row: Sequence[Optional[Sequence[Optional[float]]]], completion_mask: torch.Tensor
+) -> torch.Tensor:
+    """Lay per-row behaviour log-probs from a rollout engine out as a (B, T) tensor aligned with the mask.
+
+    Args:
+        per_row: B sequences of per-token log-probs (nats), one per sampled completion token, in order.
+            A ``None`` entry (engine returned no log-prob for that token) becomes NaN, i.e. an invalid
+            token (see ``compute_rollout_correction``).
+        completion_mask: (B, T) 0/1; row i must have exactly ``len(per_row[i])`` leading ones
+            (the completion tokens, before padding).
+
+    Returns:
+        (B, T) float32 on the mask's device; NaN where the engine gave None, 0 at padding.
+
+    Raises:
+        ValueError: if B differs, a row is None, or a row's length differs from its completion length
+            (the message names the row; nothing is padded or truncated silently).
+    """
+    if len(per_row) != completion_mask.shape[0]:
+        raise ValueError(f"Got behaviour log-probs for {len(per_row)} rows but the batch has {completion_mask.shape[0]}.")
+    lengths = (completion_mask != 0).sum(-1).tolist()
+    out = torch.zeros(completion_mask.shape, dtype=torch.float32)
+    for i, (row, n) in enumerate(zip(per_row, lengths)):
+        if row is None:
+            raise ValueError(f"Row {i}: the rollout engine returned no log-probs; request them (vLLM logprobs=0).")
+        if len(row) != n:
+            raise ValueError(
+                f"Row {i}: {len(row)} behaviour log-probs for {n} completion tokens; the rollout engine's "
+                "log-probs must align token for token with the completion (nothing is padded or truncated)."
+            )
+        if n:
+            out[i, :n] = torch.tensor([float("nan") if v is None else float(v) for v in row], dtype=torch.float32)
+    return out.to(completion_mask.device)

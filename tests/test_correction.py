@@ -1,0 +1,171 @@
+"""compute_rollout_correction: the spec's test vectors and every input of spec section 5."""
+
+import math
+
+import pytest
+import torch
+
+from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction
+from trl_rollout_corr.correction import rollout_log_probs_to_tensor
+from vectors import VECTORS, tensor
+
+OLD, ROLL, MASK = tensor("old_log_prob"), tensor("rollout_log_prob"), tensor("response_mask")
+P = "rollout_corr/"
+
+
+@pytest.mark.parametrize("name", sorted(VECTORS["cases"]))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_vectors(name, dtype):
+    case = VECTORS["cases"][name]
+    out = compute_rollout_correction(OLD.to(dtype), ROLL.to(dtype), MASK, RolloutCorrectionConfig(**case["config"]))
+    if "rollout_is" in case["config"]:
+        torch.testing.assert_close(out.weights, torch.tensor(case["weights"]), atol=1e-6, rtol=0)
+        assert out.weights.dtype == torch.float32
+    else:
+        assert out.weights is None
+    assert out.response_mask.tolist() == case["mask"]
+    assert out.response_mask.dtype == MASK.dtype
+    metrics = out.metrics
+    for key, value in case["metrics"].items():
+        assert metrics[P + key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_metric_key_set_matches_verl_plus_ours():
+    case = VECTORS["cases"]["token_TIS+token_k1,seq_mean_k2"]
+    out = compute_rollout_correction(OLD, ROLL, MASK, RolloutCorrectionConfig(**case["config"]))
+    ours = {"rollout_is_eff_sample_size_raw", "num_valid_tokens", "num_valid_seqs", "invalid_token_fraction"}
+    assert {k[len(P):] for k in out.metrics} == set(case["metrics"]) | ours
+
+
+def test_asymmetric_k1_band_keeps_what_the_user_wrote():
+    # Spec 4, deliberate difference: "0.5_1.5" keeps ratios in [0.5, 1.5]. Row 0 ratios are
+    # e^[0, .5, -.5, 1] = [1, 1.65, .61, 2.72]: keep, reject, keep, reject (verl would do the opposite for .61/1.65).
+    cfg = RolloutCorrectionConfig(rollout_rs="token_k1", rollout_rs_threshold="0.5_1.5")
+    out = compute_rollout_correction(OLD, ROLL, MASK, cfg)
+    assert out.response_mask.tolist() == [[1, 0, 1, 0], [1, 1, 1, 0], [0, 1, 0, 0]]
+    m = out.metrics
+    # k1 = -x; "high" = k1 above -log L = ratio below L (row 2 token 0: ratio e^-1.5 = .22); "low" = ratio above U.
+    assert m[P + "rollout_rs_token_k1_fraction_high"] == pytest.approx(1 / 9)
+    assert m[P + "rollout_rs_token_k1_fraction_low"] == pytest.approx(2 / 9)
+
+
+def test_icepop_all_out_of_band_gives_zero_ess():
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="5_6")
+    out = compute_rollout_correction(OLD, ROLL, MASK, cfg)
+    assert out.weights.abs().sum() == 0
+    m = out.metrics
+    assert m[P + "rollout_is_eff_sample_size"] == 0.0
+    assert m[P + "rollout_is_oob_ratio"] == 1.0
+    assert all(math.isfinite(v) for v in m.values())
+
+
+def test_missing_rollout_log_probs_names_the_fix():
+    with pytest.raises(ValueError, match="logprobs_mode='processed_logprobs'"):
+        compute_rollout_correction(OLD, None, MASK, RolloutCorrectionConfig.decoupled_token_is())
+
+
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        ((torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3)), ValueError, "Shapes differ"),
+        ((torch.zeros(6), torch.zeros(6), torch.ones(6)), ValueError, "must be 2-D"),
+        ((torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3), torch.ones(2, 3)), TypeError, "floating-point"),
+        (([[0.0]], torch.zeros(1, 1), torch.ones(1, 1)), TypeError, "torch.Tensor"),
+    ],
+)
+def test_bad_inputs(args, exc, match):
+    with pytest.raises(exc, match=match):
+        compute_rollout_correction(*args, RolloutCorrectionConfig.decoupled_token_is())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["old", "rollout"])
+def test_nonfinite_at_valid_token_is_invalid_not_nan(bad, where):
+    old, roll = OLD.clone(), ROLL.clone()
+    (old if where == "old" else roll)[1, 0] = bad
+    cfg = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3", rollout_rs_threshold=10.0)
+    out = compute_rollout_correction(old, roll, MASK, cfg)
+    assert out.response_mask[1].tolist() == [0, 1, 1, 0]
+    assert out.weights[1, 0] == 1.0  # neutral
+    # Row 1 now sums l over its two remaining tokens: 0.2 + 0.2 = 0.4 (not 0.6).
+    assert out.weights[1, 1].item() == pytest.approx(math.exp(0.4), abs=1e-6)
+    m = out.metrics
+    assert m[P + "invalid_token_fraction"] == pytest.approx(1 / 9)
+    assert m[P + "num_valid_tokens"] == 8
+    # kl over the 8 valid tokens: -(0.2 - 0.2... ) = -(sum l) / 8 with sum l = 0.2 - 0.2 = 0
+    assert m[P + "kl"] == pytest.approx(-(0.0 + 0.5 - 0.5 + 1.0 + 0.2 + 0.2 - 1.5 + 0.1) / 8)
+    assert all(math.isfinite(v) for v in m.values())
+
+
+def test_nonfinite_at_padding_is_ignored():
+    old, roll = OLD.clone(), ROLL.clone()
+    old[2, 3] = float("nan")
+    roll[1, 3] = float("-inf")
+    cfg = RolloutCorrectionConfig.decoupled_token_is()
+    out = compute_rollout_correction(old, roll, MASK, cfg)
+    ref = compute_rollout_correction(OLD, ROLL, MASK, cfg)
+    torch.testing.assert_close(out.weights, ref.weights)
+    assert out.metrics == ref.metrics
+
+
+def test_empty_mask_is_not_an_error():
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True, rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="0.5_2,0.01")
+    out = compute_rollout_correction(OLD, ROLL, torch.zeros(3, 4), cfg)
+    assert out.response_mask.sum() == 0 and out.weights.sum() == 0
+    m = out.metrics
+    assert m[P + "num_valid_tokens"] == 0 and m[P + "num_valid_seqs"] == 0
+    assert all(v == 0.0 for k, v in m.items() if k != P + "rollout_is_batch_norm_factor")
+    assert m[P + "rollout_is_batch_norm_factor"] == 1.0
+
+
+def test_zero_sized_batch():
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_max_k2,token_k1", rollout_rs_threshold="0.3,2")
+    for shape in [(0, 4), (3, 0)]:
+        out = compute_rollout_correction(torch.zeros(shape), torch.zeros(shape), torch.zeros(shape), cfg)
+        assert out.weights.shape == shape and out.metrics[P + "num_valid_tokens"] == 0
+
+
+def test_padding_rows_are_not_counted_in_sequence_metrics():
+    # Deliberate difference from verl: an all-padding row does not enter per-row means.
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold=2.0)
+    base = compute_rollout_correction(OLD, ROLL, MASK, cfg).metrics
+    pad = lambda t, v: torch.cat([t, torch.full((2, 4), v, dtype=t.dtype)])
+    padded = compute_rollout_correction(pad(OLD, float("nan")), pad(ROLL, 0.0), pad(MASK, 0.0), cfg).metrics
+    assert padded == pytest.approx(base, abs=1e-9)
+
+
+def test_bf16_inputs_are_upcast():
+    cfg = RolloutCorrectionConfig.decoupled_token_is()
+    out = compute_rollout_correction(OLD.bfloat16(), ROLL.bfloat16(), MASK.bool(), cfg)
+    ref = compute_rollout_correction(OLD.bfloat16().float(), ROLL.bfloat16().float(), MASK, cfg)
+    assert out.weights.dtype == torch.float32 and out.response_mask.dtype == torch.bool
+    torch.testing.assert_close(out.weights, ref.weights)
+
+
+def test_batch_normalize_uses_the_global_mean_through_all_reduce():
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
+    full = compute_rollout_correction(OLD, ROLL, MASK, cfg)
+    # Pretend rows 0-1 and row 2 live on two ranks: each rank's all_reduce adds the other's (sum, count).
+    parts = [(slice(0, 2), slice(2, 3)), (slice(2, 3), slice(0, 2))]
+    for mine, other in parts:
+        raw = compute_rollout_correction(OLD[other], ROLL[other], MASK[other], RolloutCorrectionConfig.decoupled_token_is())
+        other_sum = torch.stack([raw.stats.sums["is_w"], raw.stats.sums["n_tok"]])
+        out = compute_rollout_correction(OLD[mine], ROLL[mine], MASK[mine], cfg, all_reduce=lambda t: t + other_sum)
+        torch.testing.assert_close(out.weights, full.weights[mine])
+
+
+def test_rs_never_changes_weights():
+    is_only = compute_rollout_correction(OLD, ROLL, MASK, RolloutCorrectionConfig.decoupled_token_is())
+    both = compute_rollout_correction(OLD, ROLL, MASK, RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_max_k2", rollout_rs_threshold=0.3))
+    torch.testing.assert_close(both.weights, is_only.weights)
+    assert both.response_mask.sum() < is_only.response_mask.sum()
+
+
+def test_rollout_log_probs_to_tensor():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    t = rollout_log_probs_to_tensor([[-0.1, None], [-2.0]], mask)
+    assert t[0, 0].item() == pytest.approx(-0.1) and math.isnan(t[0, 1].item()) and t[1].tolist() == [-2.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="Row 1: 2 behaviour log-probs for 1 completion tokens"):
+        rollout_log_probs_to_tensor([[-0.1, -0.2], [-2.0, -1.0]], mask)
+    with pytest.raises(ValueError, match="3 rows but the batch has 2"):
+        rollout_log_probs_to_tensor([[0.0], [0.0], [0.0]], mask)
