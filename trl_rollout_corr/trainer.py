@@ -1,0 +1,613 @@
+"""``RolloutCorrGRPOTrainer``: TRL's GRPO with rollout correction (decoupled or bypass mode).
+
+A drop-in ``GRPOTrainer`` subclass: change the import and the config class, add a few fields::
+
+    from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
+    args = RolloutCorrGRPOConfig(..., rollout_corr_preset="decoupled_k3_rs_token_tis")
+    trainer = RolloutCorrGRPOTrainer(model=..., reward_funcs=..., args=args, train_dataset=...)
+
+Four policies are kept apart (spec section 1): mu (``rollout_log_probs``, from the rollout engine: vLLM
+processed log-probs, or the processed scores of ``transformers.generate``), pi_old (``old_log_probs``, one
+trainer forward per generation batch, decoupled mode only), pi_theta (the loss forward) and pi_ref (TRL's
+``beta`` KL anchor, never used for the correction).
+
+* Decoupled mode: right after generation, IS weights and the RS mask are computed once from
+  ``log pi_old - log mu``; rows that RS rejects entirely get advantage 0 and leave their group's mean/std
+  (``rs_keep_rejected_in_baseline=True`` keeps them in, as verl does); the loss is TRL's own PPO-clip loss (any
+  of grpo, bnpo, dr_grpo, dapo, ...) with the RS mask as loss mask and normaliser and the IS weights multiplying
+  the clipped per-token loss.
+* Bypass mode: no pi_old forward; in every micro-batch the correction is computed from the current pi_theta
+  (detached) against mu and the loss is PPO-clip on pi_theta / mu or REINFORCE ``-A w log pi_theta``
+  (``trl_rollout_corr.losses.bypass_policy_loss``), aggregated as TRL's ``loss_type`` does.
+* Metrics: ``rollout_corr/*`` are exact over everything trained on since the previous log call, on all ranks:
+  the reducible statistics are merged across generation batches / micro-batches, summed (max/min) across ranks
+  once at log time and finalised once; they are written straight into the log record (never averaged again).
+
+All knowledge of TRL 1.16 internals is in the block marked "TRL 1.16 coupling" below; the tests
+``tests/test_trainer.py::test_trl_coupling_*`` fail loudly if the pinned TRL changes under it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import nanstd
+
+from .config import PRESETS, RolloutCorrectionConfig
+from .correction import compute_rollout_correction
+from .engines.transformers_generate import capture_generate_log_probs
+from .losses import bypass_policy_loss
+from .metrics import CorrectionStats
+
+logger = logging.getLogger(__name__)
+
+# Fields of RolloutCorrectionConfig that the trainer config exposes flat (same names, same meaning).
+CORRECTION_FIELDS = (
+    "rollout_is",
+    "rollout_is_threshold",
+    "rollout_is_batch_normalize",
+    "rollout_rs",
+    "rollout_rs_threshold",
+    "bypass_mode",
+    "bypass_loss_type",
+)
+# TRL loss types whose per-token loss is positively homogeneous in the advantage (W * loss(A) == loss(W * A) for
+# W >= 0), so decoupled IS weights can be applied through the advantages without re-implementing TRL's loss.
+DECOUPLED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+# TRL loss types whose aggregation the bypass loss reproduces.
+BYPASS_LOSS_AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+def _threshold_to_field(value: Any) -> Any:
+    """A threshold spec as stored in the flat config: numbers and ``"L_U"`` strings as strings, None kept.
+
+    A (L, U) pair (e.g. from the ``direct_double_sided`` preset) becomes ``"L_U"`` so that the value survives
+    JSON, YAML and the command line unchanged.
+    """
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return f"{float(value[0])!r}_{float(value[1])!r}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(float(value))
+    return value  # let RolloutCorrectionConfig raise its own TypeError
+
+
+@dataclass
+class RolloutCorrGRPOConfig(GRPOConfig):
+    r"""``GRPOConfig`` plus rollout correction. Every field of ``RolloutCorrectionConfig`` is here, flat, so it
+    works as a ``TrlParser``/``HfArgumentParser`` flag (``--rollout_is token``) and as a YAML key.
+
+    Parameters:
+        rollout_corr_preset (`str`, *optional*):
+            Name of a ``RolloutCorrectionConfig`` preset (``decoupled_token_is``, ``decoupled_k3_rs_token_tis``,
+            ``bypass_ppo_clip``, ``bypass_pg_is``, ``direct_double_sided``, ...). Explicitly set correction
+            fields override the preset's values. After construction the flat fields hold the effective values.
+        rollout_is (`str`, *optional*):
+            IS weight level: ``token``, ``sequence`` or unset (no IS weights).
+        rollout_is_threshold (`str`, *optional*):
+            ``U`` (truncated IS: ``min(R, U)``) or ``"L_U"`` (IcePop band: 0 outside). Ratio units. Default 2.0.
+        rollout_is_batch_normalize (`bool`, *optional*):
+            Divide the IS weights by their mean over the global batch. Default False.
+        rollout_rs (`str`, *optional*):
+            Comma list of rejection options (``token_k1`` ... ``seq_max_k3``).
+        rollout_rs_threshold (`str`, *optional*):
+            One spec for all RS options or one per option (k1: ratio band ``"L_U"``; k2/k3: upper bound).
+        bypass_mode (`bool`, *optional*):
+            False: decoupled (keep pi_old, one extra forward per generation batch). True: bypass (pi_old := mu).
+        bypass_loss_type (`str`, *optional*):
+            Bypass loss: ``ppo_clip`` (PPO clip on pi_theta / mu, IS for metrics only) or ``reinforce``
+            (``-A * w * log pi_theta``). Default ``ppo_clip``.
+        rs_keep_rejected_in_baseline (`bool`, defaults to `False`):
+            Decoupled mode: keep rows that RS rejects entirely in their group's reward mean/std (verl's
+            behaviour). Default False: they leave the baseline. Their own advantage is 0 either way.
+        vllm_importance_sampling_correction (`bool`, *optional*):
+            TRL's own vLLM IS correction. Unset: off when this config's correction is enabled (IS, RS or bypass),
+            TRL's default (on) otherwise. Setting it True together with an enabled correction is an error
+            (the two would both apply).
+
+    Raises:
+        ValueError / TypeError: at construction, for an invalid correction field, an unknown preset, or an
+            incompatible combination (the message names the options involved).
+    """
+
+    rollout_corr_preset: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Rollout-correction preset (e.g. decoupled_k3_rs_token_tis, bypass_ppo_clip, direct_double_sided). "
+            "Explicit rollout_* / bypass_* fields override it."
+        },
+    )
+    rollout_is: Optional[str] = field(
+        default=None,
+        metadata={"help": "IS weight level: 'token', 'sequence', or unset for no IS weights."},
+    )
+    rollout_is_threshold: Optional[str] = field(
+        default=None,
+        metadata={"help": "IS threshold: U (truncated IS, min(R, U)) or 'L_U' (IcePop band). Default 2.0."},
+    )
+    rollout_is_batch_normalize: Optional[bool] = field(
+        default=None,
+        metadata={"help": "Divide IS weights by their global-batch mean (after truncation). Default False."},
+    )
+    rollout_rs: Optional[str] = field(
+        default=None,
+        metadata={"help": "Comma list of rejection options: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3."},
+    )
+    rollout_rs_threshold: Optional[str] = field(
+        default=None,
+        metadata={"help": "RS threshold(s): one spec for all options or one per option (k1: 'L_U'; k2/k3: upper bound)."},
+    )
+    bypass_mode: Optional[bool] = field(
+        default=None,
+        metadata={"help": "Bypass mode: pi_old := mu, no extra forward; correction inside the loss. Default False."},
+    )
+    bypass_loss_type: Optional[str] = field(
+        default=None,
+        metadata={"help": "Bypass loss: 'ppo_clip' or 'reinforce'. Default 'ppo_clip'."},
+    )
+    rs_keep_rejected_in_baseline: bool = field(
+        default=False,
+        metadata={"help": "Keep fully RS-rejected rows in their GRPO group's mean/std (verl). Default: excluded."},
+    )
+    vllm_importance_sampling_correction: Optional[bool] = field(
+        default=None,
+        metadata={
+            "help": "TRL's own vLLM IS correction. Unset: off when rollout correction is enabled, else TRL's default "
+            "(on). True together with an enabled rollout correction is an error."
+        },
+    )
+
+    def __post_init__(self):
+        correction = self._resolve_rollout_correction()
+        if self.vllm_importance_sampling_correction is None:
+            self.vllm_importance_sampling_correction = not correction.enabled
+            if correction.enabled:
+                logger.info("rollout correction is enabled: TRL's vllm_importance_sampling_correction is switched off.")
+        elif self.vllm_importance_sampling_correction and correction.enabled:
+            raise ValueError(
+                "vllm_importance_sampling_correction=True and rollout correction (rollout_is / rollout_rs / "
+                "bypass_mode) are both enabled: the mismatch would be corrected twice. Unset "
+                "vllm_importance_sampling_correction (it is then switched off) or disable the rollout correction."
+            )
+        super().__post_init__()
+        self._check_compatibility(correction)
+
+    # ------------------------------------------------------------------ helpers
+    def _resolve_rollout_correction(self) -> RolloutCorrectionConfig:
+        """Merge the preset and the explicit fields, validate, and store the effective values in the fields."""
+        if self.rollout_corr_preset is not None:
+            base = RolloutCorrectionConfig.from_preset(self.rollout_corr_preset).to_dict()
+        else:
+            base = RolloutCorrectionConfig().to_dict()
+        for name in CORRECTION_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                base[name] = value
+        if base.get("rollout_is_threshold") is not None and isinstance(base["rollout_is_threshold"], str):
+            base["rollout_is_threshold"] = base["rollout_is_threshold"].strip()
+        correction = RolloutCorrectionConfig(**base)
+        effective = correction.to_dict()
+        for name in CORRECTION_FIELDS:
+            value = effective[name]
+            if name in ("rollout_is_threshold", "rollout_rs_threshold"):
+                value = _threshold_to_field(value)
+            setattr(self, name, value)
+        return correction
+
+    def rollout_correction(self) -> RolloutCorrectionConfig:
+        """The validated ``RolloutCorrectionConfig`` these fields describe (a new object each call)."""
+        return RolloutCorrectionConfig(**{name: getattr(self, name) for name in CORRECTION_FIELDS})
+
+    def _check_compatibility(self, correction: RolloutCorrectionConfig) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(f"RolloutCorrGRPOConfig: {msg}")
+
+        if self.use_transformers_continuous_batching:
+            fail(
+                "use_transformers_continuous_batching=True returns no behaviour log-probs, so rollout correction "
+                "cannot run; use the plain transformers.generate path (use_transformers_continuous_batching=False) "
+                "or vLLM."
+            )
+        if self.loss_type == "vespo":
+            fail("loss_type='vespo' applies its own importance weighting; it cannot be combined with rollout correction.")
+        if not correction.bypass_mode:
+            if self.loss_type not in DECOUPLED_LOSS_TYPES:
+                fail(f"decoupled mode supports loss_type in {DECOUPLED_LOSS_TYPES}, got {self.loss_type!r}.")
+            return
+        # Bypass mode: our own loss replaces TRL's, so only what it reproduces is allowed.
+        if self.loss_type not in BYPASS_LOSS_AGGREGATIONS:
+            fail(f"bypass_mode=True supports loss_type in {BYPASS_LOSS_AGGREGATIONS}, got {self.loss_type!r}.")
+        unsupported = {
+            "importance_sampling_level": (self.importance_sampling_level != "token", "'token'"),
+            "top_entropy_quantile": (self.top_entropy_quantile < 1.0, "1.0"),
+            "off_policy_mask_threshold": (self.off_policy_mask_threshold is not None, "None"),
+            "entropy_coef": (self.entropy_coef != 0.0, "0.0"),
+            "use_adaptive_entropy": (bool(self.use_adaptive_entropy), "False"),
+            "delta": (self.delta is not None, "None"),
+        }
+        for name, (bad, needed) in unsupported.items():
+            if bad:
+                fail(f"bypass_mode=True replaces TRL's loss and does not support {name}={getattr(self, name)!r}; set {name}={needed}.")
+
+
+class RolloutCorrGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` with rollout correction; see the module docstring.
+
+    Args: as ``GRPOTrainer``; ``args`` must be a ``RolloutCorrGRPOConfig``.
+
+    Attributes:
+        rollout_correction: the ``RolloutCorrectionConfig`` in use.
+        rollout_corr_forward_counts: ``{"old_log_probs": n}``, the pi_old forwards this trainer ran itself (for
+            tests and benchmarks).
+
+    Raises:
+        TypeError: if ``args`` is not a ``RolloutCorrGRPOConfig``.
+        ValueError: when no behaviour log-probs can be obtained (at the first generation, naming the fix), when
+            a row's behaviour log-probs do not match its completion length (naming the row).
+    """
+
+    def __init__(self, *args, **kwargs):
+        train_args = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if not isinstance(train_args, RolloutCorrGRPOConfig):
+            raise TypeError(
+                "RolloutCorrGRPOTrainer needs args=RolloutCorrGRPOConfig(...) (a GRPOConfig subclass with the "
+                f"rollout-correction fields), got {type(train_args).__name__}."
+            )
+        super().__init__(*args, **kwargs)
+        self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction()
+        self._rc_stats: dict[str, Optional[CorrectionStats]] = {"train": None, "eval": None}
+        self._rc_rewards: Optional[torch.Tensor] = None
+        self._rc_skip_trl_old_forward = False
+        self.rollout_corr_forward_counts = {"old_log_probs": 0}
+        if self.use_vllm and self.args.vllm_mode == "server" and self.accelerator.is_main_process:
+            mode = self.vllm_generation.vllm_client.get_server_info()["model_config"]["logprobs_mode"]
+            if mode != "processed_logprobs":
+                raise ValueError(
+                    f"The vLLM server runs with --logprobs-mode {mode}; rollout correction needs the log-probs of the "
+                    "distribution that sampled (after temperature/top-p/top-k). Restart it with "
+                    "--logprobs-mode processed_logprobs."
+                )
+
+    # ================================================================== TRL 1.16 coupling (begin)
+    # Everything below up to "TRL 1.16 coupling (end)" relies on trl==1.16 internals (method names, signatures,
+    # dict keys, and the order of calls inside _generate_and_score_completions). Pinned by the
+    # test_trl_coupling_* tests.
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's generation, plus behaviour log-probs on the ``transformers.generate`` path.
+
+        vLLM (colocate/server) and ``rollout_func`` already return the sampled tokens' processed log-probs.
+        On the plain ``generate`` path TRL returns none: ``generate`` is shadowed for this call so that it also
+        records the processed scores (see ``engines.transformers_generate``). Returns ``(completion_ids,
+        logprobs)`` with ``logprobs[i]`` a list of floats as long as ``completion_ids[i]``.
+        """
+        if self.use_vllm or self.use_transformers_continuous_batching:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        with capture_generate_log_probs(unwrapped) as capture:
+            completion_ids, _ = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        return completion_ids, capture.completion_log_probs(completion_ids)
+
+    def _generate(self, prompts: list):
+        """TRL's ``_generate``; checks that every row has one behaviour log-prob per completion token."""
+        result = super()._generate(prompts)
+        completion_ids, logprobs = result[1], result[4]
+        if logprobs is None:
+            raise ValueError(
+                "Rollout correction is on but the generation path returned no behaviour log-probs (mu). Use vLLM "
+                "(use_vllm=True, which requests processed log-probs), the plain transformers.generate path, or a "
+                "rollout_func that returns 'logprobs'."
+            )
+        if len(logprobs) != len(completion_ids):
+            raise ValueError(f"{len(logprobs)} rows of behaviour log-probs for {len(completion_ids)} completions.")
+        for row, (ids, lps) in enumerate(zip(completion_ids, logprobs)):
+            if len(lps) != len(ids):
+                raise ValueError(
+                    f"Row {row}: {len(lps)} behaviour log-probs for a completion of {len(ids)} tokens; the rollout "
+                    "engine's log-probs must align token for token with completion_ids."
+                )
+        return result
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards; keeps the gathered ``(B_global, n_funcs)`` tensor for the RS-aware advantage."""
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._rc_rewards = rewards_per_func
+        return rewards_per_func
+
+    def _trl_computes_old_log_probs(self) -> bool:
+        """Whether ``GRPOTrainer._generate_and_score_completions`` runs its own pi_old forward (trl 1.16 rule)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every != 0 or (
+            self.use_vllm and self.vllm_importance_sampling_correction
+        )
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        """TRL's log-prob forward. In bypass mode, TRL's own pi_old forward (the first no-grad call on the policy
+        inside ``_generate_and_score_completions``) is skipped: bypass uses mu as pi_old."""
+        if self._rc_skip_trl_old_forward and model is self.model and not torch.is_grad_enabled():
+            self._rc_skip_trl_old_forward = False
+            placeholder = torch.full((input_ids.size(0), logits_to_keep), float("nan"), device=input_ids.device)
+            return placeholder, None, None
+        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's generation and scoring, then the rollout correction (decoupled) or its inputs (bypass).
+
+        Adds to the returned dict (all ``(B, T)`` per local row, aligned with ``completion_ids``):
+        ``rollout_log_probs`` (mu), and in decoupled mode ``old_per_token_logps`` (pi_old),
+        ``rollout_rs_mask`` (RS + invalid tokens removed) and ``rollout_is_weights`` (when IS is on); rewrites
+        ``advantages`` (RS-rejected rows) and ``num_items_in_batch`` (kept tokens, global).
+        """
+        cfg = self.rollout_correction
+        mode = "train" if self.model.training else "eval"
+        self._rc_rewards = None
+        self._rc_skip_trl_old_forward = cfg.bypass_mode and self._trl_computes_old_log_probs()
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._rc_skip_trl_old_forward = False
+
+        rollout_log_probs = output.get("sampling_per_token_logps")
+        if rollout_log_probs is None:
+            raise ValueError(
+                "Rollout correction is on but no behaviour log-probs (mu) reached the batch; use vLLM or the plain "
+                "transformers.generate path."
+            )
+        output["rollout_log_probs"] = rollout_log_probs
+        mask = output["completion_mask"]
+        if "tool_mask" in output:
+            mask = mask * output["tool_mask"]
+
+        if cfg.bypass_mode:
+            output.pop("old_per_token_logps", None)  # bypass: pi_old := mu, handled in the loss
+            return output
+
+        old_log_probs = output.get("old_per_token_logps")
+        if old_log_probs is None:
+            old_log_probs = self._rc_old_log_probs(output)
+            output["old_per_token_logps"] = old_log_probs
+        correction = compute_rollout_correction(
+            old_log_probs, rollout_log_probs, mask, cfg, all_reduce=self._rc_all_reduce_sum()
+        )
+        self._rc_add_stats(mode, correction.stats)
+        new_mask = correction.response_mask
+        output["rollout_rs_mask"] = new_mask
+        if correction.weights is not None:
+            output["rollout_is_weights"] = correction.weights
+        output["num_items_in_batch"] = self.accelerator.gather(new_mask.sum()).sum()
+        rejected = (mask.sum(dim=1) > 0) & (new_mask.sum(dim=1) == 0)
+        output["advantages"] = self._rc_advantages(output["advantages"], rejected, mode)
+        return output
+
+    def _rc_old_log_probs(self, output: dict) -> torch.Tensor:
+        """pi_old: one no-grad forward of the policy over the local generation batch. Returns (B, T) float32."""
+        from trl.trainer.grpo_trainer import disable_gradient_checkpointing
+
+        mode = "train" if self.model.training else "eval"
+        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        forward_keys = (
+            "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+            "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+        )
+        extra = {k: output[k] for k in forward_keys if k in output}
+        self.rollout_corr_forward_counts["old_log_probs"] += 1
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            old, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, output["completion_ids"].size(1), batch_size=batch_size, **extra
+            )
+        return old.float()
+
+    def _rc_advantages(self, advantages: torch.Tensor, rejected_local: torch.Tensor, mode: str) -> torch.Tensor:
+        """Advantages with RS-rejected rows at 0 and (by default) out of their group's mean/std.
+
+        Args:
+            advantages: (B_local,) TRL's advantages for this rank's rows.
+            rejected_local: (B_local,) bool, rows with valid tokens that RS rejected entirely.
+
+        Returns:
+            (B_local,) advantages. Unchanged when no row on any rank is rejected. Otherwise recomputed from the
+            gathered rewards with TRL's formula, the rejected rows' rewards set to NaN (TRL's rule for rows
+            without signal: excluded from nanmean/nanstd, advantage 0); with ``rs_keep_rejected_in_baseline``
+            only the rejected rows' advantages are set to 0.
+        """
+        rejected = self.accelerator.gather(rejected_local)
+        if not bool(rejected.any()):
+            return advantages
+        if self.args.rs_keep_rejected_in_baseline or self._rc_rewards is None:
+            return torch.where(rejected_local, torch.zeros_like(advantages), advantages)
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        all_advantages = self._rc_group_advantages(self._rc_rewards, rejected, num_generations)
+        start = self.accelerator.process_index * advantages.size(0)
+        new_local = all_advantages[start : start + advantages.size(0)].to(advantages.dtype)
+        # Keep the completions table (TRL's _logs) consistent with what is trained on.
+        logged = self._logs["advantages"]
+        for _ in range(min(len(logged), all_advantages.numel())):
+            logged.pop()
+        logged.extend(all_advantages.tolist())
+        return new_local
+
+    def _rc_group_advantages(self, rewards_per_func: torch.Tensor, excluded: torch.Tensor, num_generations: int) -> torch.Tensor:
+        """TRL 1.16's advantage formula with ``excluded`` rows removed from the statistics.
+
+        Args:
+            rewards_per_func: (B_global, F) gathered rewards (NaN where a function gave None).
+            excluded: (B_global,) bool rows to exclude (their advantage is 0).
+
+        Returns:
+            (B_global,) advantages; equals TRL's when ``excluded`` is all False (tested).
+        """
+        device = rewards_per_func.device
+        rewards_per_func = rewards_per_func.clone()
+        rewards_per_func[excluded.to(device)] = float("nan")
+        weights = self.reward_weights.to(device).unsqueeze(0)
+        unscorable = torch.isnan(rewards_per_func).all(dim=1)
+        if self.multi_objective_aggregation == "sum_then_normalize":
+            rewards = (rewards_per_func * weights).nansum(dim=1)
+            rewards[unscorable] = float("nan")
+            grouped = rewards.view(-1, num_generations)
+            mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+            advantages = rewards - mean
+            if self.scale_rewards == "group":
+                std = nanstd(grouped, dim=1).repeat_interleave(num_generations) if num_generations > 1 else torch.zeros_like(rewards)
+                advantages = advantages / (std + 1e-4)
+            elif self.scale_rewards == "batch":
+                std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+                advantages = advantages / (std + 1e-4)
+            elif self.scale_rewards != "none":
+                raise ValueError(f"Unsupported scale_rewards={self.scale_rewards!r}.")
+        elif self.multi_objective_aggregation == "normalize_then_sum":
+            grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
+            mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+            std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+            reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.size(1))
+            rewards = (reward_k * weights).nansum(dim=1)
+            rewards[unscorable] = float("nan")
+            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+            advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+        else:
+            raise ValueError(f"Unsupported multi_objective_aggregation={self.multi_objective_aggregation!r}.")
+        advantages = torch.nan_to_num(advantages, nan=0.0)
+        advantages[excluded.to(device)] = 0.0
+        return advantages
+
+    def _compute_loss(self, model, inputs):
+        """Decoupled: TRL's loss with the RS mask as loss mask/normaliser and IS weights after the clip.
+        Bypass: ``_rc_bypass_loss``."""
+        if self.rollout_correction.bypass_mode:
+            return self._rc_bypass_loss(model, inputs)
+        inputs = dict(inputs)
+        # tool_mask only enters TRL's loss mask (completion_mask also builds the attention mask, so RS must not
+        # touch it); the RS mask already includes the original tool_mask.
+        inputs["tool_mask"] = inputs["rollout_rs_mask"]
+        weights = inputs.get("rollout_is_weights")
+        if weights is not None:
+            advantages = inputs["advantages"]
+            if advantages.dim() == 1:
+                advantages = advantages.unsqueeze(1)
+            # -min(r A w, clip(r) A w) == w * -min(r A, clip(r) A) for w >= 0: the weight multiplies the clipped loss.
+            inputs["advantages"] = advantages * weights.to(advantages.dtype)
+        return super()._compute_loss(model, inputs)
+
+    def _rc_bypass_loss(self, model, inputs):
+        """Bypass loss for one micro-batch: correction from pi_theta (no grad) vs mu, then PPO-clip on
+        pi_theta / mu or REINFORCE, aggregated like TRL's ``loss_type``, plus ``beta`` * KL to pi_ref."""
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        forward_keys = (
+            "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+            "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+        )
+        per_token_logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
+            **{k: inputs[k] for k in forward_keys if k in inputs},
+        )
+        mode = "train" if self.model.training else "eval"
+        out = bypass_policy_loss(
+            per_token_logps, inputs["rollout_log_probs"], inputs["advantages"], mask, self.rollout_correction,
+            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, all_reduce=self._rc_all_reduce_sum(),
+        )
+        self._rc_add_stats(mode, out.correction.stats)
+        keep = out.mask
+        per_token_loss = out.per_token_loss
+        if self.beta != 0.0:
+            ref = inputs["ref_per_token_logps"]
+            diff = torch.where(keep, ref - per_token_logps, 0.0)
+            per_token_kl = torch.exp(diff) - diff - 1
+            if self.args.use_bias_correction_kl:
+                # As TRL: KL times the (differentiable) policy ratio, here pi_theta / mu (bypass: pi_old := mu).
+                mu = torch.where(keep, inputs["rollout_log_probs"], per_token_logps.detach())
+                per_token_kl = per_token_kl * torch.exp((per_token_logps - mu).clamp(-20.0, 20.0))
+            per_token_loss = per_token_loss + self.beta * torch.where(keep, per_token_kl, 0.0)
+        loss = self._rc_aggregate(per_token_loss, keep, inputs, mode)
+
+        def global_masked_mean(x: torch.Tensor) -> float:
+            local = torch.stack([torch.where(keep, x, 0.0).sum(), keep.sum().to(x.dtype)]).detach()
+            total = self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
+            return (total[0] / total[1].clamp(min=1.0)).item()
+
+        if self.beta != 0.0:
+            self._metrics[mode]["kl"].append(global_masked_mean(per_token_kl))
+        self._metrics[mode]["entropy"].append(global_masked_mean(entropies))
+        if out.clipped_high is not None:
+            self._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(out.clipped_high.float()))
+            self._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(out.clipped_low.float()))
+        return loss
+
+    def _rc_aggregate(self, per_token_loss: torch.Tensor, keep: torch.Tensor, inputs: dict, mode: str) -> torch.Tensor:
+        """TRL 1.16's aggregation of a (B, T) per-token loss for grpo / bnpo / dr_grpo / dapo, scaled for
+        gradient accumulation as TRL does. ``keep`` (B, T) bool is the mask and normaliser."""
+        masked = torch.where(keep, per_token_loss, 0.0)
+        count = keep.sum(dim=-1).to(masked.dtype)
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        if self.loss_type == "grpo":
+            return (masked.sum(-1) / count.clamp(min=1.0)).mean() / accumulation
+        if self.loss_type == "bnpo":
+            return masked.sum() / count.sum().clamp(min=1.0) / accumulation
+        if self.loss_type == "dr_grpo":
+            return masked.sum() / (masked.size(0) * self.max_completion_length) / accumulation
+        if self.loss_type == "dapo":
+            # Pre-RS global token count (as verl's engine workers): the RS mask of other micro-batches is unknown.
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            return masked.sum() / normalizer
+        raise ValueError(f"bypass mode does not support loss_type={self.loss_type!r}")
+
+    def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
+        """Adds the exact ``rollout_corr/*`` values of everything since the previous call, then TRL's ``log``.
+
+        Runs on every rank (the Trainer calls ``log`` on all processes), so the cross-rank reduction is safe.
+        """
+        mode = "train" if self.model.training else "eval"
+        stats = self._rc_stats.get(mode)
+        if stats is not None:
+            self._rc_stats[mode] = None
+            reduced = stats.reduce(self._rc_reduce_sum, self._rc_reduce_max, self._rc_reduce_min)
+            metrics = reduced.finalize()
+            if mode == "eval":
+                metrics = {f"eval_{k}": v for k, v in metrics.items()}
+            logs = {**logs, **metrics}
+        super().log(logs, start_time)
+
+    # ================================================================== TRL 1.16 coupling (end)
+
+    # ------------------------------------------------------------------ metric plumbing
+    def _rc_add_stats(self, mode: str, stats: CorrectionStats) -> None:
+        current = self._rc_stats.get(mode)
+        self._rc_stats[mode] = stats if current is None else current.merge(stats)
+
+    def _rc_all_reduce_sum(self):
+        if self.accelerator.num_processes <= 1:
+            return None
+        return lambda t: self.accelerator.reduce(t, reduction="sum")
+
+    def _rc_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.accelerator.num_processes <= 1:
+            return t
+        return self.accelerator.reduce(t, reduction="sum")
+
+    def _rc_reduce_extreme(self, t: torch.Tensor, op) -> torch.Tensor:
+        if self.accelerator.num_processes <= 1:
+            return t
+        t = t.clone()
+        torch.distributed.all_reduce(t, op=op)
+        return t
+
+    def _rc_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        return self._rc_reduce_extreme(t, torch.distributed.ReduceOp.MAX)
+
+    def _rc_reduce_min(self, t: torch.Tensor) -> torch.Tensor:
+        return self._rc_reduce_extreme(t, torch.distributed.ReduceOp.MIN)
