@@ -88,43 +88,58 @@ def _check_inputs(log_probs, rollout_log_probs, response_mask) -> None:
         )
 
 
+# A note on speed: every per-token quantity below is built so that it is exactly 0 outside the valid
+# tokens (x = clamp(l) is 0 there, so are expm1(x), k1, k2, k3 and min(expm1(x), U - 1) for U >= 1).
+# Masked sums then need no mask pass, and weights/ratios are carried as "value - offset" with the
+# offset added back analytically (sum W = sum (W - c) + c N), which keeps float32 sums precise.
 @dataclass
 class _Prepared:
     """Cleaned per-token quantities shared by IS, RS and the metrics (all (B, T) unless noted)."""
 
-    valid: torch.Tensor  # bool: mask 1 and both log-probs finite
-    vf: torch.Tensor  # float32 copy of valid
-    invalid: torch.Tensor  # bool: mask 1 but a log-prob is NaN/inf
+    mask: torch.Tensor  # bool: mask 1
+    fin: torch.Tensor  # bool: the log ratio is finite (both log-probs finite)
+    valid: torch.Tensor  # bool: mask & fin
     l: torch.Tensor  # float32 log ratio, 0 outside valid
-    x: torch.Tensor  # clamp(l, -20, 20)
+    x: torch.Tensor  # clamp(l, -20, 20), 0 outside valid
+    e1: torch.Tensor  # expm1(x) = R - 1, 0 outside valid
     n_row: torch.Tensor  # (B,) float32 valid tokens per row
     row_valid: torch.Tensor  # (B,) bool
     seq_l: torch.Tensor  # (B,) float32 sum of l over valid tokens (unclamped)
     rollout_row_sum: torch.Tensor  # (B,) float32 sum of log mu over valid tokens
-    n_masked: torch.Tensor  # 0-d, tokens with mask 1
+    n_tok: torch.Tensor  # 0-d float64
+    n_masked: torch.Tensor  # 0-d float64, tokens with mask 1
+    _x_range: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def x_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(max, min) of x over valid tokens as float64 0-d tensors (-inf/+inf when empty); cached."""
+        if self._x_range is None:
+            self._x_range = (_max(torch.where(self.valid, self.x, -math.inf)), _min(torch.where(self.valid, self.x, math.inf)))
+        return self._x_range
 
 
 def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor) -> _Prepared:
     lp = log_probs.detach().float()
     rlp = rollout_log_probs.detach().float()
-    mask = response_mask != 0
-    finite = torch.isfinite(lp) & torch.isfinite(rlp)
-    valid = mask & finite
-    invalid = mask & ~finite
-    l = torch.where(valid, lp - rlp, 0.0)
-    vf = valid.float()
-    n_row = vf.sum(-1)
+    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    diff = lp - rlp
+    fin = diff.abs() < math.inf  # False for NaN and +-inf in either input (or a float32 overflow)
+    valid = mask & fin
+    l = torch.where(valid, diff, 0.0)
+    x = l.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    n_row = torch.count_nonzero(valid, dim=-1).float()
     return _Prepared(
+        mask=mask,
+        fin=fin,
         valid=valid,
-        vf=vf,
-        invalid=invalid,
         l=l,
-        x=l.clamp(-SAFETY_BOUND, SAFETY_BOUND),
+        x=x,
+        e1=torch.expm1(x),
         n_row=n_row,
         row_valid=n_row > 0,
         seq_l=l.sum(-1),
         rollout_row_sum=torch.where(valid, rlp, 0.0).sum(-1),
-        n_masked=mask.sum(),
+        n_tok=n_row.double().sum(),
+        n_masked=_count(mask),
     )
 
 
@@ -132,8 +147,9 @@ def _d(t: torch.Tensor) -> torch.Tensor:
     return t.double().sum()
 
 
-def _count(t: torch.Tensor) -> torch.Tensor:
-    return t.sum().double()
+def _count(t: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Number of True entries of a bool tensor (float64; per row with ``dim``)."""
+    return torch.count_nonzero(t, dim=dim).double()
 
 
 def _max(t: torch.Tensor) -> torch.Tensor:
@@ -153,6 +169,19 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bt,bt->b", a, b)
 
 
+def _valid_where(cond: torch.Tensor, zero_satisfies: bool, p: _Prepared) -> torch.Tensor:
+    """Restrict a per-token condition to valid tokens; free when the condition is False at 0 (the value
+    every zero-off-valid quantity has outside the valid tokens)."""
+    return cond & p.valid if zero_satisfies else cond
+
+
+def _compare_valid(t: torch.Tensor, op: str, threshold: float, p: _Prepared) -> torch.Tensor:
+    """(B, T) bool: ``t > threshold`` or ``t < threshold`` at valid tokens, for a zero-off-valid ``t``."""
+    if op == ">":
+        return _valid_where(t > threshold, 0.0 > threshold, p)
+    return _valid_where(t < threshold, 0.0 < threshold, p)
+
+
 def _seq_stats(store: CorrectionStats, prefix: str, values: torch.Tensor, row_valid: torch.Tensor) -> None:
     """Sum, sum of squares, max and min of a per-row value over valid rows."""
     v = values.double()
@@ -163,80 +192,93 @@ def _seq_stats(store: CorrectionStats, prefix: str, values: torch.Tensor, row_va
     store.mins[prefix + "_min"] = _min(torch.where(row_valid, v, math.inf))
 
 
+def _zero(device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float64, device=device)
+
+
 # ---------------------------------------------------------------------- IS weights
-def _icepop(r: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
-    return torch.where((r >= lower) & (r <= upper), r, 0.0)
+def _token_weights_shifted(p: _Prepared, upper: float, lower: Optional[float]) -> tuple[torch.Tensor, float]:
+    """Token weights as ``(W - c, c)``: a zero-off-valid tensor and the offset c added back at valid tokens."""
+    if lower is not None:  # IcePop: W = R inside [L, U], 0 outside
+        ratio = p.e1 + 1.0
+        return torch.where(p.valid & (ratio >= lower) & (ratio <= upper), ratio, 0.0), 0.0
+    shifted = p.e1.clamp(max=upper - 1.0)  # min(R, U) - 1
+    if upper < 1.0:  # then min(R, U) - 1 is not 0 outside the valid tokens
+        shifted = torch.where(p.valid, shifted, 0.0)
+    return shifted, 1.0
 
 
-def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, stats: CorrectionStats, all_reduce: Optional[AllReduce]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Returns the (B, T) weights and, for token level, the raw ratio R = exp(x) (B, T)."""
+def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, stats: CorrectionStats, all_reduce: Optional[AllReduce]) -> torch.Tensor:
+    """(B, T) IS weights: 0 at padding, 1 at invalid tokens; fills the ``is_*`` statistics."""
     bounds = config.is_bounds
     upper, lower = bounds.upper, bounds.lower
     lower_m = lower if lower is not None else 1.0 / upper
     s = stats.sums
+    n, nd = p.n_tok, p.n_row.double()
     if config.rollout_is == "token":
-        ratio = torch.exp(p.x)  # raw R (1 at padding since l = 0 there)
-        raw = ratio * p.vf
-        weights = _icepop(raw, lower, upper) * p.vf if bounds.is_icepop else raw.clamp(max=upper)
-        row_w = weights.sum(-1)
-        row_r = raw.sum(-1)
-        s["is_w"] = _d(row_w)
-        s["is_w2"] = _d(_rowdot(weights, weights))
-        s["is_r"] = _d(row_r)
-        s["is_r2"] = _d(_rowdot(raw, raw))
-        high = raw > upper
-        low = (ratio < lower_m) & p.valid
-        s["is_ratio_high"] = _count(high)
-        s["is_ratio_low"] = _count(low)
+        w_shift, c = _token_weights_shifted(p, upper, lower)
+        row_ws = w_shift.sum(-1).double()
+        row_e1 = p.e1.sum(-1).double()
+        s["is_w"] = row_ws.sum() + c * n
+        s["is_w2"] = _d(_rowdot(w_shift, w_shift)) + 2 * c * row_ws.sum() + c * c * n
+        s["is_r"] = row_e1.sum() + n
+        s["is_r2"] = _d(_rowdot(p.e1, p.e1)) + 2 * row_e1.sum() + n
+        s["is_ratio_high"] = _count(_compare_valid(p.e1, ">", upper - 1.0, p))
+        s["is_ratio_low"] = _count(_compare_valid(p.e1, "<", lower_m - 1.0, p))
         if bounds.is_icepop:
-            stats.maxs["is_w_max"] = _max(torch.where(p.valid, weights, -math.inf))
-            stats.mins["is_w_min"] = _min(torch.where(p.valid, weights, math.inf))
+            s["is_oob"] = s["is_ratio_high"] + s["is_ratio_low"]  # lower_m == lower for IcePop
+            stats.maxs["is_w_max"] = _max(w_shift)  # W >= 0 and 0 outside valid tokens
+            stats.mins["is_w_min"] = _min(torch.where(p.valid, w_shift, math.inf))
         else:  # min(exp(x), U) is monotone in x: the extrema follow from those of x
-            x_max = _max(torch.where(p.valid, p.x, -math.inf))
-            x_min = _min(torch.where(p.valid, p.x, math.inf))
-            stats.maxs["is_w_max"] = x_max.exp().clamp(max=upper)  # -inf (empty) -> 0, reported as 0
+            x_max, x_min = p.x_range()
+            stats.maxs["is_w_max"] = x_max.exp().clamp(max=upper)  # empty: exp(-inf) = 0, reported as 0
             stats.mins["is_w_min"] = torch.where(torch.isinf(x_min), x_min, x_min.exp().clamp(max=upper))
-        n = p.n_row.clamp(min=1)
-        row_mean_w = row_w / n
-        row_mean_r = row_r / n
+        rows = p.n_row.clamp(min=1).double()
+        row_mean_w = (row_ws + c * nd) / rows
+        row_mean_r = (row_e1 + nd) / rows
     else:
-        seq_ratio = torch.exp(p.seq_l.clamp(-SAFETY_BOUND, SAFETY_BOUND))  # (B,)
-        seq_w = _icepop(seq_ratio, lower, upper) if bounds.is_icepop else seq_ratio.clamp(max=upper)
+        seq_ratio = torch.exp(p.seq_l.clamp(-SAFETY_BOUND, SAFETY_BOUND)).double()  # (B,)
+        if bounds.is_icepop:
+            seq_w = torch.where((seq_ratio >= lower) & (seq_ratio <= upper), seq_ratio, 0.0)
+        else:
+            seq_w = seq_ratio.clamp(max=upper)
         seq_w = torch.where(p.row_valid, seq_w, 0.0)
         seq_ratio_v = torch.where(p.row_valid, seq_ratio, 0.0)
-        weights = seq_w.unsqueeze(-1) * p.vf
-        nd = p.n_row.double()
-        s["is_w"] = (nd * seq_w.double()).sum()
-        s["is_w2"] = (nd * seq_w.double() ** 2).sum()
-        s["is_r"] = (nd * seq_ratio_v.double()).sum()
-        s["is_r2"] = (nd * seq_ratio_v.double() ** 2).sum()
+        s["is_w"] = (nd * seq_w).sum()
+        s["is_w2"] = (nd * seq_w * seq_w).sum()
+        s["is_r"] = (nd * seq_ratio_v).sum()
+        s["is_r2"] = (nd * seq_ratio_v * seq_ratio_v).sum()
         log_u, log_l = math.log(upper), math.log(lower_m)
         s["is_ratio_high"] = _count(p.row_valid & (p.seq_l > log_u))
         s["is_ratio_low"] = _count(p.row_valid & (p.seq_l < log_l))
         stats.maxs["is_logw_max"] = _max(torch.where(p.row_valid, p.seq_l, -math.inf))
         stats.mins["is_logw_min"] = _min(torch.where(p.row_valid, p.seq_l, math.inf))
-        row_mean_w, row_mean_r = seq_w, seq_ratio_v
         if bounds.is_icepop:
-            oob = p.row_valid & ((seq_ratio < lower) | (seq_ratio > upper))
-            s["is_oob"] = (nd * oob.double()).sum()
-    if bounds.is_icepop and config.rollout_is == "token":
-        s["is_oob"] = s["is_ratio_high"] + s["is_ratio_low"]  # lower_m == lower for IcePop
+            s["is_oob"] = (nd * (p.row_valid & ((seq_ratio < lower) | (seq_ratio > upper))).double()).sum()
+        row_mean_w, row_mean_r = seq_w, seq_ratio_v
     _seq_stats(stats, "is_seq", row_mean_w, p.row_valid)
     s["is_seq_high"] = _count(p.row_valid & (row_mean_r > upper))
     s["is_seq_low"] = _count(p.row_valid & (row_mean_r < lower_m))
 
+    factor = None
     if config.rollout_is_batch_normalize:
         if config.rollout_is == "token":
-            total = torch.stack([s["is_w"], _count(p.valid)])
+            total = torch.stack([s["is_w"], n])
         else:
             total = torch.stack([s["is_seq"], _count(p.row_valid)])
         if all_reduce is not None:
             total = all_reduce(total)
         mean = total[0] / total[1].clamp(min=1)
         factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean)).float()
+    if config.rollout_is == "token":
+        weights = w_shift + c if c else w_shift
+    else:
+        weights = seq_w.float().unsqueeze(-1).expand_as(p.x)
+    if factor is not None:
         weights = weights / factor
-    weights = weights.masked_fill(p.invalid, 1.0)
-    return weights, (ratio if config.rollout_is == "token" else None)
+    weights = torch.where(p.valid, weights, 0.0)
+    # Invalid tokens (mask 1, NaN/inf log-prob) get the neutral weight 1.
+    return weights.masked_fill_(p.mask & ~p.fin, 1.0)
 
 
 # ---------------------------------------------------------------------- RS masks
@@ -246,15 +288,15 @@ def _token_statistic(stat: str, p: _Prepared) -> torch.Tensor:
         return -p.x
     if stat == "k2":
         return 0.5 * p.x * p.x
-    return torch.expm1(p.x) - p.x  # expm1 keeps k3 ~ x^2/2 accurate for small x
+    return p.e1 - p.x  # k3 = exp(x) - 1 - x; expm1 keeps it accurate for small x
 
 
 def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], stats: CorrectionStats, token_stats: dict) -> torch.Tensor:
-    """Returns the (B, T) bool keep mask (True = kept) combining every option (logical AND)."""
+    """Returns the (B, T) bool keep mask over valid tokens, combining every option (logical AND)."""
     s = stats.sums
-    keep_tok: Optional[torch.Tensor] = None
-    keep_row = torch.ones_like(p.row_valid)
-    n = p.n_row.clamp(min=1)
+    keep = p.valid
+    keep_row = p.row_valid
+    rows = p.n_row.clamp(min=1)
     nd = p.n_row.double()
     for spec in specs:
         pre = f"rollout_rs_{spec.option}_"
@@ -262,38 +304,44 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], stats: CorrectionStat
         clamp_lo = lo if lo is not None else 0.0
         t = token_stats[spec.stat]
         if spec.is_token_level:
-            high = (t > hi) & p.valid
-            low = ((t < lo) & p.valid) if lo is not None else None
+            high = _compare_valid(t, ">", hi, p)
+            low = _compare_valid(t, "<", lo, p) if lo is not None else None
             rejected = high | low if low is not None else high
-            row_rej = rejected.sum(-1)
-            keep_tok = ~rejected if keep_tok is None else keep_tok & ~rejected
-            s[pre + "sum"] = _d(t.sum(-1))
-            clamped = t.clamp(clamp_lo, hi) * p.vf
+            keep = keep & ~rejected
+            clamped = t.clamp(clamp_lo, hi)
+            if not clamp_lo <= 0.0 <= hi:
+                clamped = torch.where(p.valid, clamped, 0.0)
+            row_sum = t.sum(-1)
+            s[pre + "sum"] = _d(row_sum)
             s[pre + "csum"] = _d(clamped.sum(-1))
             s[pre + "csum2"] = _d(_rowdot(clamped, clamped))
             if spec.stat == "k1":  # k1 = -x: extrema from those of x
-                stats.maxs[pre + "max"] = -_min(torch.where(p.valid, p.x, math.inf))
-                stats.mins[pre + "min"] = -_max(torch.where(p.valid, p.x, -math.inf))
+                x_max, x_min = p.x_range()
+                stats.maxs[pre + "max"] = -x_min
+                stats.mins[pre + "min"] = -x_max
             else:
                 stats.maxs[pre + "max"] = _max(t)  # k2, k3 >= 0 and 0 outside valid tokens
                 stats.mins[pre + "min"] = _min(torch.where(p.valid, t, math.inf))
             s[pre + "high"] = _count(high)
-            s[pre + "low"] = _count(low) if low is not None else torch.zeros((), dtype=torch.float64, device=t.device)
+            s[pre + "low"] = _count(low) if low is not None else _zero(t.device)
             s[pre + "rejected"] = s[pre + "high"] + s[pre + "low"]
-            row_values = t.sum(-1) / n
-            s[pre + "rejected_seqs"] = _count(p.row_valid & (row_rej > 0))
+            s[pre + "rejected_seqs"] = _count(rejected.any(-1))
+            row_values = row_sum / rows
         else:
             if spec.level == "seq_sum":
                 row_values = t.sum(-1)
             elif spec.level == "seq_mean":
-                row_values = t.sum(-1) / n
+                row_values = t.sum(-1) / rows
             else:  # seq_max (k2/k3 only, >= 0, so padding zeros never win over a valid token)
                 row_values = t.amax(-1) if t.numel() else t.sum(-1)
             row_values = torch.where(p.row_valid, row_values, 0.0)
             rv = row_values.double()
             high = p.row_valid & (row_values > hi)
             low = (p.row_valid & (row_values < lo)) if lo is not None else None
-            bad = p.row_valid & ~((row_values <= hi) & ((row_values >= lo) if lo is not None else True))
+            in_band = row_values <= hi
+            if lo is not None:
+                in_band = in_band & (row_values >= lo)
+            bad = p.row_valid & ~in_band  # a NaN statistic is never in band: rejected
             keep_row = keep_row & ~bad
             s[pre + "sum"] = (nd * rv).sum()
             c = rv.clamp(clamp_lo, hi)
@@ -302,18 +350,17 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], stats: CorrectionStat
             stats.maxs[pre + "max"] = _max(torch.where(p.row_valid, rv, -math.inf))
             stats.mins[pre + "min"] = _min(torch.where(p.row_valid, rv, math.inf))
             s[pre + "high"] = _count(high)
-            s[pre + "low"] = _count(low) if low is not None else torch.zeros((), dtype=torch.float64, device=rv.device)
+            s[pre + "low"] = _count(low) if low is not None else _zero(rv.device)
             s[pre + "rejected"] = (nd * bad.double()).sum()
             s[pre + "rejected_seqs"] = _count(bad)
         _seq_stats(stats, pre + "seq", row_values, p.row_valid)
         s[pre + "seq_high"] = _count(p.row_valid & (row_values > hi))
-        s[pre + "seq_low"] = _count(p.row_valid & (row_values < lo)) if lo is not None else torch.zeros((), dtype=torch.float64, device=row_values.device)
-    keep = keep_row.unsqueeze(-1).expand_as(p.valid)
-    if keep_tok is not None:
-        keep = keep & keep_tok
-    rejected_all = p.valid & ~keep
-    s["rs_rejected"] = _count(rejected_all)
-    s["rs_rejected_seqs"] = _count(p.row_valid & rejected_all.any(-1))
+        s[pre + "seq_low"] = _count(p.row_valid & (row_values < lo)) if lo is not None else _zero(row_values.device)
+    if any(not spec.is_token_level for spec in specs):
+        keep = keep & keep_row.unsqueeze(-1)
+    kept_per_row = _count(keep, dim=-1)
+    s["rs_rejected"] = p.n_tok - kept_per_row.sum()
+    s["rs_rejected_seqs"] = _count(p.row_valid & (kept_per_row < p.n_row.double()))
     return keep
 
 
@@ -355,38 +402,26 @@ def compute_rollout_correction(
     p = _prepare(log_probs, rollout_log_probs, response_mask)
     stats = CorrectionStats()
     s = stats.sums
-    s["n_tok"] = _d(p.n_row)
+    s["n_tok"] = p.n_tok
     s["n_seq"] = _count(p.row_valid)
-    s["n_masked"] = p.n_masked.double()
-    s["n_invalid"] = _count(p.invalid)
+    s["n_masked"] = p.n_masked
+    s["n_invalid"] = p.n_masked - p.n_tok
 
-    weights, ratio = (None, None)
-    if config.is_enabled:
-        weights, ratio = _importance_weights(p, config, stats, all_reduce)
+    weights = _importance_weights(p, config, stats, all_reduce) if config.is_enabled else None
 
-    token_stats: dict[str, torch.Tensor] = {}
-    needed = {spec.stat for spec in config.rs_specs} | {"k3"}
-    for stat in sorted(needed):
-        token_stats[stat] = _token_statistic(stat, p)
-    keep = None
-    if config.rs_enabled:
-        keep = _rejection_keep(p, config.rs_specs, stats, token_stats)
+    token_stats = {stat: _token_statistic(stat, p) for stat in {spec.stat for spec in config.rs_specs} | {"k3"}}
+    keep = _rejection_keep(p, config.rs_specs, stats, token_stats) if config.rs_enabled else p.valid
 
-    _offpolicy_stats(p, stats, ratio, token_stats["k3"])
-
-    new_mask = p.valid if keep is None else p.valid & keep
+    _offpolicy_stats(p, stats, token_stats["k3"])
     stats.layout = _layout(config)
-    return RolloutCorrectionOutput(weights=weights, response_mask=new_mask.to(response_mask.dtype), stats=stats)
+    return RolloutCorrectionOutput(weights=weights, response_mask=keep.to(response_mask.dtype), stats=stats)
 
 
-def _offpolicy_stats(p: _Prepared, stats: CorrectionStats, ratio: Optional[torch.Tensor], k3: torch.Tensor) -> None:
+def _offpolicy_stats(p: _Prepared, stats: CorrectionStats, k3: torch.Tensor) -> None:
     s = stats.sums
-    if ratio is None:
-        ratio = torch.exp(p.x)
-    rv = ratio * p.vf
     s["l"] = _d(p.seq_l)
-    s["k3"] = _d(k3.sum(-1))  # k3 is 0 outside valid tokens (x = 0 there)
-    s["r2"] = _d(_rowdot(rv, rv))
+    s["k3"] = _d(k3.sum(-1))  # k3 is 0 outside valid tokens
+    s["r2"] = _d(_rowdot(p.e1, p.e1)) + 2 * _d(p.e1.sum(-1)) + p.n_tok  # sum of R^2 = (1 + e1)^2
     n = p.n_row.double().clamp(min=1)
     rv_mask = p.row_valid
     mean_roll = p.rollout_row_sum.double() / n  # mean log mu per row
