@@ -169,3 +169,18 @@ def test_rollout_log_probs_to_tensor():
         rollout_log_probs_to_tensor([[-0.1, -0.2], [-2.0, -1.0]], mask)
     with pytest.raises(ValueError, match="3 rows but the batch has 2"):
         rollout_log_probs_to_tensor([[0.0], [0.0], [0.0]], mask)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_invalid_token_keeps_neutral_weight_under_batch_normalisation(level):
+    old = OLD.clone()
+    old[0, 1] = float("nan")
+    cfg = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
+    out = compute_rollout_correction(old, ROLL, MASK, cfg)
+    assert out.weights[0, 1].item() == 1.0
+    valid = out.response_mask.bool()
+    # normalised: the mean over valid tokens (token) / valid rows (sequence) is 1
+    if level == "token":
+        assert out.weights[valid].mean().item() == pytest.approx(1.0, abs=1e-6)
+    else:
+        assert torch.stack([out.weights[i][valid[i]][0] for i in range(3)]).mean().item() == pytest.approx(1.0, abs=1e-6)

@@ -109,6 +109,20 @@ class _Prepared:
     n_tok: torch.Tensor  # 0-d float64
     n_masked: torch.Tensor  # 0-d float64, tokens with mask 1
     _x_range: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    _scratch: Optional[torch.Tensor] = None
+    _e1_sq: Optional[torch.Tensor] = None
+
+    def sq_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """float64 0-d sum of t**2 (row sums first, for precision), through one reused scratch buffer."""
+        if self._scratch is None:
+            self._scratch = torch.empty_like(self.x)
+        return _d(torch.mul(t, t, out=self._scratch).sum(-1))
+
+    def e1_sq_sum(self) -> torch.Tensor:
+        """Sum of expm1(x)**2 over valid tokens (cached: used by IS and chi2)."""
+        if self._e1_sq is None:
+            self._e1_sq = self.sq_sum(self.e1)
+        return self._e1_sq
 
     def x_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(max, min) of x over valid tokens as float64 0-d tensors (-inf/+inf when empty); cached."""
@@ -164,11 +178,6 @@ def _min(t: torch.Tensor) -> torch.Tensor:
     return t.amin().double()
 
 
-def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """(B,) row sums of a * b in one pass (both (B, T), finite)."""
-    return torch.einsum("bt,bt->b", a, b)
-
-
 def _valid_where(cond: torch.Tensor, zero_satisfies: bool, p: _Prepared) -> torch.Tensor:
     """Restrict a per-token condition to valid tokens; free when the condition is False at 0 (the value
     every zero-off-valid quantity has outside the valid tokens)."""
@@ -220,9 +229,9 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, stats: Co
         row_ws = w_shift.sum(-1).double()
         row_e1 = p.e1.sum(-1).double()
         s["is_w"] = row_ws.sum() + c * n
-        s["is_w2"] = _d(_rowdot(w_shift, w_shift)) + 2 * c * row_ws.sum() + c * c * n
+        s["is_w2"] = p.sq_sum(w_shift) + 2 * c * row_ws.sum() + c * c * n
         s["is_r"] = row_e1.sum() + n
-        s["is_r2"] = _d(_rowdot(p.e1, p.e1)) + 2 * row_e1.sum() + n
+        s["is_r2"] = p.e1_sq_sum() + 2 * row_e1.sum() + n
         s["is_ratio_high"] = _count(_compare_valid(p.e1, ">", upper - 1.0, p))
         s["is_ratio_low"] = _count(_compare_valid(p.e1, "<", lower_m - 1.0, p))
         if bounds.is_icepop:
@@ -270,15 +279,17 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, stats: Co
             total = all_reduce(total)
         mean = total[0] / total[1].clamp(min=1)
         factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean)).float()
+    # 0 at padding; the neutral weight 1 at invalid tokens (mask 1, NaN/inf log-prob).
+    outside = (p.mask & ~p.fin).float()
     if config.rollout_is == "token":
-        weights = w_shift + c if c else w_shift
+        values = w_shift.add_(c) if c else w_shift  # in place: w_shift is not used after this
+        if factor is not None:
+            values = values.div_(factor)
     else:
-        weights = seq_w.float().unsqueeze(-1).expand_as(p.x)
-    if factor is not None:
-        weights = weights / factor
-    weights = torch.where(p.valid, weights, 0.0)
-    # Invalid tokens (mask 1, NaN/inf log-prob) get the neutral weight 1.
-    return weights.masked_fill_(p.mask & ~p.fin, 1.0)
+        values = seq_w.float().unsqueeze(-1)
+        if factor is not None:
+            values = values / factor
+    return torch.where(p.valid, values, outside)
 
 
 # ---------------------------------------------------------------------- RS masks
@@ -314,7 +325,7 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], stats: CorrectionStat
             row_sum = t.sum(-1)
             s[pre + "sum"] = _d(row_sum)
             s[pre + "csum"] = _d(clamped.sum(-1))
-            s[pre + "csum2"] = _d(_rowdot(clamped, clamped))
+            s[pre + "csum2"] = p.sq_sum(clamped)
             if spec.stat == "k1":  # k1 = -x: extrema from those of x
                 x_max, x_min = p.x_range()
                 stats.maxs[pre + "max"] = -x_min
@@ -421,7 +432,7 @@ def _offpolicy_stats(p: _Prepared, stats: CorrectionStats, k3: torch.Tensor) -> 
     s = stats.sums
     s["l"] = _d(p.seq_l)
     s["k3"] = _d(k3.sum(-1))  # k3 is 0 outside valid tokens
-    s["r2"] = _d(_rowdot(p.e1, p.e1)) + 2 * _d(p.e1.sum(-1)) + p.n_tok  # sum of R^2 = (1 + e1)^2
+    s["r2"] = p.e1_sq_sum() + 2 * _d(p.e1.sum(-1)) + p.n_tok  # sum of R^2 = (1 + e1)^2
     n = p.n_row.double().clamp(min=1)
     rv_mask = p.row_valid
     mean_roll = p.rollout_row_sum.double() / n  # mean log mu per row
