@@ -1,0 +1,529 @@
+"""End-to-end and unit tests of RolloutCorrGRPOTrainer on tiny random models (CPU, no downloads)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_model import make_tiny_model, make_tiny_model_dir, prompt_dataset, reward_len  # noqa: E402
+
+import trl  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction  # noqa: E402
+from trl_rollout_corr.engines.transformers_generate import (  # noqa: E402
+    behaviour_log_probs_from_scores,
+    capture_generate_log_probs,
+)
+from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_llama")), "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2", seed=1)
+
+
+def make_args(tmp_path, **overrides) -> RolloutCorrGRPOConfig:
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        learning_rate=1e-3,
+        save_strategy="no",
+        beta=0.0,
+        seed=0,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return RolloutCorrGRPOConfig(**kwargs)
+
+
+def make_trainer(model_dir, tmp_path, trainer_cls=RolloutCorrGRPOTrainer, reward_funcs=reward_len, **overrides):
+    args = make_args(tmp_path, **overrides)
+    return trainer_cls(model=model_dir, reward_funcs=reward_funcs, args=args, train_dataset=prompt_dataset(8))
+
+
+def step_logs(trainer):
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+IS_KEYS = ("rollout_is_mean", "rollout_is_max", "rollout_is_min", "rollout_is_std", "rollout_is_eff_sample_size")
+OFFPOLICY_KEYS = (
+    "kl", "k3_kl", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
+    "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq",
+)
+
+
+# ---------------------------------------------------------------------------------------------- every mode trains
+MODES = {
+    # name: (model fixture, config overrides, expects IS keys, expects RS keys)
+    "decoupled_tis": ("llama_dir", dict(rollout_corr_preset="decoupled_token_is", loss_type="grpo"), True, False),
+    "decoupled_icepop_rs": (
+        "qwen_dir",
+        dict(rollout_corr_preset="decoupled_token_icepop", rollout_rs="seq_mean_k3", rollout_rs_threshold="0.5",
+             loss_type="dapo", beta=0.04, num_iterations=2),
+        True, True,
+    ),
+    "bypass_ppo_clip": ("llama_dir", dict(rollout_corr_preset="bypass_ppo_clip_k3_rs", rollout_rs_threshold="0.5",
+                                          loss_type="dr_grpo", gradient_accumulation_steps=2), False, True),
+    "bypass_reinforce_seq_is": ("qwen_dir", dict(rollout_corr_preset="bypass_pg_is", loss_type="bnpo",
+                                                 steps_per_generation=2), True, False),
+    "direct_double_sided": ("llama_dir", dict(rollout_corr_preset="direct_double_sided", beta=0.04, top_p=0.9), True, False),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_trains_and_logs(mode, request, tmp_path):
+    fixture, overrides, has_is, has_rs = MODES[mode]
+    trainer = make_trainer(request.getfixturevalue(fixture), tmp_path, max_steps=4, **overrides)
+    trainer.train()
+    logs = step_logs(trainer)
+    assert len(logs) == 4 and all(math.isfinite(log["loss"]) for log in logs)
+    # decoupled: one correction per generation batch, logged at the step that generated it (num_iterations=2:
+    # every other step); bypass: every micro-batch contributes
+    corr_logs = [log for log in logs if "rollout_corr/kl" in log]
+    assert len(corr_logs) == 4 // overrides.get("num_iterations", 1)
+    for log in corr_logs:
+        for key in OFFPOLICY_KEYS + ("num_valid_tokens", "invalid_token_fraction"):
+            assert math.isfinite(log[f"rollout_corr/{key}"]), key
+        assert all(f"rollout_corr/{k}" in log for k in IS_KEYS) == has_is
+        assert ("rollout_corr/rollout_rs_masked_fraction" in log) == has_rs
+        assert log["rollout_corr/num_valid_tokens"] > 0
+    # the flat fields and the effective correction agree with the preset
+    cfg = trainer.rollout_correction
+    assert cfg.bypass_mode == mode.startswith(("bypass", "direct"))
+    assert trainer.args.vllm_importance_sampling_correction is False
+
+
+# ---------------------------------------------------------------------------------------------- numerics
+def test_identical_numerics_give_unit_weights(llama_dir, tmp_path):
+    """float32 generate, temperature 1, no top-p/top-k: mu == pi_old up to float noise."""
+    for preset in ("decoupled_k3_rs_token_tis", "bypass_pg_is"):
+        trainer = make_trainer(llama_dir, tmp_path / preset, rollout_corr_preset=preset, max_steps=2)
+        trainer.train()
+        for log in step_logs(trainer):
+            assert abs(log["rollout_corr/kl"]) < 1e-6
+            assert abs(log["rollout_corr/k3_kl"]) < 1e-6
+            assert log["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-5)
+            assert log["rollout_corr/rollout_is_max"] == pytest.approx(1.0, abs=1e-5)
+            assert log["rollout_corr/rollout_is_min"] == pytest.approx(1.0, abs=1e-5)
+            if preset.startswith("decoupled"):
+                assert log["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+            assert log["rollout_corr/invalid_token_fraction"] == 0.0
+
+
+class BF16GenerateTrainer(RolloutCorrGRPOTrainer):
+    """Generates with a bf16 copy of the weights (a rollout engine in bf16, a float32 trainer)."""
+
+    def _generate_single_turn(self, *args, **kwargs):
+        model = self.accelerator.unwrap_model(self.model)
+        backup = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model.to(torch.bfloat16)
+        try:
+            return super()._generate_single_turn(*args, **kwargs)
+        finally:
+            model.to(torch.float32)
+            model.load_state_dict(backup)
+
+
+@pytest.mark.parametrize("how", ["top_p", "bf16"])
+def test_real_mismatch_shows_in_metrics(how, llama_dir, tmp_path):
+    if how == "top_p":
+        trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="decoupled_token_is", top_p=0.8, max_steps=2)
+    else:
+        trainer = make_trainer(llama_dir, tmp_path, trainer_cls=BF16GenerateTrainer,
+                               rollout_corr_preset="decoupled_token_is", max_steps=2)
+    trainer.train()
+    for log in step_logs(trainer):
+        if how == "top_p":
+            # truncating the tail raises log mu above log pi_old for every sampled token: kl = mean(log mu - log pi) > 0
+            assert log["rollout_corr/kl"] > 1e-2
+            assert log["rollout_corr/rollout_is_max"] < 1.0  # pi_old / mu < 1 for every kept token
+        else:
+            assert log["rollout_corr/log_ppl_abs_diff"] > 1e-4
+            # bf16 rounding of the logits: about 1e-2 relative spread of the token IS ratios on this model
+            assert log["rollout_corr/rollout_is_std"] > 1e-3
+            assert log["rollout_corr/rollout_is_max"] - log["rollout_corr/rollout_is_min"] > 1e-2
+            assert log["rollout_corr/k3_kl"] > 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- forward count
+def count_training_forwards(trainer):
+    """Counts policy forwards that compute training log-probs (TRL passes fused_lm_head=True; generate does not)."""
+    counter = {"n": 0}
+
+    def hook(module, args, kwargs):
+        if kwargs.get("fused_lm_head"):
+            counter["n"] += 1
+
+    trainer.model.register_forward_pre_hook(hook, with_kwargs=True)
+    return counter
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_bypass_runs_one_forward_fewer_per_generation_batch(num_iterations, llama_dir, tmp_path):
+    max_steps = 4
+    counts = {}
+    for preset in ("decoupled_token_is", "bypass_ppo_clip"):
+        trainer = make_trainer(llama_dir, tmp_path / preset, rollout_corr_preset=preset, max_steps=max_steps,
+                               num_iterations=num_iterations)
+        counter = count_training_forwards(trainer)
+        trainer.train()
+        counts[preset] = counter["n"]
+    generation_batches = max_steps // num_iterations
+    # one loss forward per micro-batch (GA=1: one per step), plus pi_old once per generation batch in decoupled mode
+    assert counts["bypass_ppo_clip"] == max_steps
+    assert counts["decoupled_token_is"] == max_steps + generation_batches
+
+
+# ---------------------------------------------------------------------------------------------- transformers.generate
+def test_generate_log_probs_match_processed_distribution():
+    """log mu from processed scores == log_softmax(top-k of logits / T) recomputed from a full forward."""
+    model, tok = make_tiny_model("llama", seed=3)
+    model.eval()
+    prompt = torch.tensor([[tok.bos_token_id, 5, 6, 7], [tok.bos_token_id, 9, 9, 10]])
+    temperature, top_k = 0.7, 5
+    torch.manual_seed(0)
+    with capture_generate_log_probs(model) as capture:
+        seqs = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                              temperature=temperature, top_k=top_k, top_p=1.0, max_new_tokens=6,
+                              pad_token_id=tok.pad_token_id, eos_token_id=[])
+    assert "generate" not in vars(model)  # the shadow is removed
+    assert torch.is_tensor(seqs) and seqs.shape == (2, 10)
+    log_mu = capture.log_probs[0]
+    with torch.no_grad():
+        logits = model(input_ids=seqs).logits[:, 3:-1].float() / temperature
+    kth = logits.topk(top_k, dim=-1).values[..., -1:]
+    expected = torch.log_softmax(logits.masked_fill(logits < kth, -float("inf")), dim=-1)
+    expected = expected.gather(-1, seqs[:, 4:].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(log_mu, expected, atol=2e-5, rtol=0)
+    # lists cut to each completion, checked token for token
+    rows = capture.completion_log_probs([seqs[0, 4:7].tolist(), seqs[1, 4:].tolist()])
+    assert [len(r) for r in rows] == [3, 6]
+    with pytest.raises(ValueError, match="Row 1"):
+        capture.completion_log_probs([seqs[0, 4:7].tolist(), (seqs[1, 4:] + 1).tolist()])
+    with pytest.raises(ValueError, match="Row 0"):
+        capture.completion_log_probs([seqs[0, 4:].tolist() + [1], seqs[1, 4:].tolist()])
+
+
+def test_generate_log_probs_from_scores_by_hand():
+    scores = (torch.tensor([[0.0, math.log(3.0), -float("inf")]]), torch.tensor([[math.log(2.0), 0.0, 0.0]]))
+    seqs = torch.tensor([[7, 1, 0]])
+    out = behaviour_log_probs_from_scores(scores, seqs, prompt_length=1)
+    torch.testing.assert_close(out, torch.tensor([[math.log(0.75), math.log(0.5)]]))
+
+
+def test_greedy_generation_is_refused():
+    model, tok = make_tiny_model("llama", seed=3)
+    with capture_generate_log_probs(model), pytest.raises(ValueError, match="do_sample=True"):
+        model.generate(input_ids=torch.tensor([[2, 5]]), do_sample=False, max_new_tokens=2)
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+def test_fully_rejected_row_gets_zero_advantage_and_leaves_baseline(llama_dir, tmp_path):
+    trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="decoupled_k3_rs")
+    rewards = torch.tensor([[1.0], [0.0], [1.0], [5.0], [2.0], [2.0], [0.0], [4.0]])
+    excluded = torch.tensor([False, False, False, True, False, False, False, False])
+    adv = trainer._rc_group_advantages(rewards, excluded, num_generations=4)
+    # group 0 without row 3: rewards [1, 0, 1], mean 2/3, unbiased std 0.577350
+    std0 = math.sqrt(((1 / 3) ** 2 * 2 + (2 / 3) ** 2) / 2)
+    expected0 = [(1 - 2 / 3) / (std0 + 1e-4), (0 - 2 / 3) / (std0 + 1e-4), (1 - 2 / 3) / (std0 + 1e-4), 0.0]
+    torch.testing.assert_close(adv[:4], torch.tensor(expected0), atol=1e-6, rtol=0)
+    # the baseline equals that of the group without the row at all
+    alone = trainer._rc_group_advantages(torch.tensor([[1.0], [0.0], [1.0]]), torch.zeros(3, dtype=torch.bool), 3)
+    torch.testing.assert_close(adv[:3], alone)
+    # group 1 untouched: rewards [2, 2, 0, 4], mean 2, std sqrt(8/3)
+    std1 = math.sqrt(8 / 3)
+    torch.testing.assert_close(adv[4:], torch.tensor([0.0, 0.0, -2 / (std1 + 1e-4), 2 / (std1 + 1e-4)]), atol=1e-6, rtol=0)
+
+    # through _rc_advantages (local slice, single rank) with and without keeping the row in the baseline
+    trainer._rc_rewards = rewards
+    trl_adv = trainer._rc_group_advantages(rewards, torch.zeros(8, dtype=torch.bool), 4)
+    torch.testing.assert_close(trainer._rc_advantages(trl_adv, excluded, "train"), adv)
+    trainer.args.rs_keep_rejected_in_baseline = True
+    kept = trainer._rc_advantages(trl_adv, excluded, "train")
+    assert kept[3] == 0.0
+    torch.testing.assert_close(kept[:3], trl_adv[:3])  # verl: rejected row still shapes the baseline
+    trainer.args.rs_keep_rejected_in_baseline = False
+    # nothing rejected anywhere: TRL's advantages are returned as they are
+    assert trainer._rc_advantages(trl_adv, torch.zeros(8, dtype=torch.bool), "train") is trl_adv
+
+
+def test_rejected_rows_end_to_end(llama_dir, tmp_path):
+    """top_p 0.8 + tight seq_mean_k3 RS: every fully rejected row carries advantage 0 into the loss."""
+    seen = []
+
+    class Spy(RolloutCorrGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            seen.append(out)
+            return out
+
+    trainer = make_trainer(llama_dir, tmp_path, trainer_cls=Spy, rollout_corr_preset="decoupled_k3_rs",
+                           rollout_rs_threshold="0.01", top_p=0.8, max_steps=3)
+    trainer.train()
+    total_rejected = 0
+    for out in seen:
+        rejected = (out["completion_mask"].sum(1) > 0) & (out["rollout_rs_mask"].sum(1) == 0)
+        total_rejected += int(rejected.sum())
+        assert torch.all(out["advantages"][rejected] == 0)
+        assert int(out["num_items_in_batch"]) == int(out["rollout_rs_mask"].sum())
+    assert total_rejected > 0
+
+
+# ---------------------------------------------------------------------------------------------- hand-computed losses
+def _loss_inputs(trainer, log_ratio_rows, advantages):
+    """A 2-row micro-batch; returns (inputs, pi_theta log-probs) with mask [[1,1,1],[1,1,0]]."""
+    prompt_ids = torch.tensor([[2, 10, 11], [2, 12, 13]])
+    completion_ids = torch.tensor([[14, 15, 16], [17, 18, 0]])
+    completion_mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([prompt_ids, completion_ids], 1),
+            torch.cat([torch.ones_like(prompt_ids), completion_mask], 1), 3)
+    inputs = dict(prompt_ids=prompt_ids, prompt_mask=torch.ones_like(prompt_ids), completion_ids=completion_ids,
+                  completion_mask=completion_mask, advantages=torch.tensor(advantages),
+                  num_items_in_batch=completion_mask.sum())
+    return inputs, logp.float(), torch.tensor(log_ratio_rows).log()
+
+
+def test_decoupled_loss_equals_hand_computed_value(llama_dir, tmp_path):
+    trainer = make_trainer(llama_dir, tmp_path, rollout_is="token", rollout_is_threshold="2.0",
+                           rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0", loss_type="grpo")
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    # engine ratio pi_old / mu and update ratio pi_theta / pi_old per token (third token of row 1 is padding)
+    inputs, logp, log_engine = _loss_inputs(trainer, [[3.0, 1.5, 0.8], [1.2, 0.25, 1.0]], [1.0, -0.5])
+    log_update = torch.tensor([[1.5, 1.1, 0.7], [0.9, 1.3, 1.0]]).log()
+    old = logp - log_update
+    mu = old - log_engine
+    mask = inputs["completion_mask"]
+    out = compute_rollout_correction(old, mu, mask, trainer.rollout_correction)
+    # as _generate_and_score_completions does: RS mask, IS weights, kept-token count for dapo
+    inputs.update(old_per_token_logps=old, rollout_log_probs=mu, rollout_rs_mask=out.response_mask,
+                  rollout_is_weights=out.weights, num_items_in_batch=out.response_mask.sum())
+    loss = trainer._compute_loss(trainer.model, inputs)
+    # RS keeps ratios in [0.5, 2]: row0 [0,1,1], row1 [1,0,-]; TIS weights min(R, 2): [2, 1.5, .8], [1.2, .25, -]
+    # row0: t1 -min(1.1, 1.1)*1.5 = -1.65, t2 -min(.7, .8)*.8 = -.56 -> mean -1.105
+    # row1 (A=-.5): t0 -min(-.45, -.45)*1.2 = .54 -> mean .54 ; grpo loss = mean over rows = -.2825
+    assert loss.item() == pytest.approx(-0.2825, abs=1e-5)
+    # dapo: sum over kept tokens / kept tokens of the global batch (3)
+    trainer.loss_type = "dapo"
+    assert trainer._compute_loss(trainer.model, inputs).item() == pytest.approx((-1.65 - 0.56 + 0.54) / 3, abs=1e-5)
+
+
+def test_bypass_losses_equal_hand_computed_values(llama_dir, tmp_path):
+    # PPO clip on pi_theta / mu with token_k1 RS [0.5, 2]
+    trainer = make_trainer(llama_dir, tmp_path / "ppo", rollout_corr_preset="bypass_ppo_clip",
+                           rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0", rollout_is="token", loss_type="grpo")
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs, logp, log_direct = _loss_inputs(trainer, [[3.0, 1.1, 0.7], [0.9, 1.3, 1.0]], [1.0, -0.5])
+    inputs["rollout_log_probs"] = logp - log_direct
+    loss = trainer._compute_loss(trainer.model, inputs)
+    # keep [0,1,1], [1,1,-]; row0: -1.1, -min(.7,.8)=-.7 -> -.9 ; row1 (A=-.5): .45, -min(-.65,-.6)=.65 -> .55
+    assert loss.item() == pytest.approx((-0.9 + 0.55) / 2, abs=1e-5)
+    # dapo in bypass: normalised by the pre-RS token count of the global batch (5), as verl's engine workers
+    trainer.loss_type = "dapo"
+    assert trainer._compute_loss(trainer.model, inputs).item() == pytest.approx((-1.1 - 0.7 + 0.45 + 0.65) / 5, abs=1e-5)
+    trainer._rc_stats["train"] = None
+    trainer.loss_type = "grpo"
+    trainer._compute_loss(trainer.model, inputs)
+    metrics = trainer._rc_stats["train"].finalize()
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1 / 5)
+    # IS weights are computed for metrics only (not multiplied in): mean of min(R, 2) over the 5 valid tokens
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx((2 + 1.1 + 0.7 + 0.9 + 1.3) / 5, abs=1e-5)
+
+    # REINFORCE with sequence TIS (U=2): -A * w * log pi_theta
+    trainer = make_trainer(llama_dir, tmp_path / "pg", rollout_corr_preset="bypass_pg_is", loss_type="grpo")
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs, logp, log_direct = _loss_inputs(trainer, [[3.0, 1.1, 0.7], [0.9, 1.3, 1.0]], [1.0, -0.5])
+    inputs["rollout_log_probs"] = logp - log_direct
+    loss = trainer._compute_loss(trainer.model, inputs)
+    w0, w1 = min(3.0 * 1.1 * 0.7, 2.0), 0.9 * 1.3
+    expected = (-(1.0 * w0 * logp[0, :3]).sum() / 3 + (0.5 * w1 * logp[1, :2]).sum() / 2) / 2
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- config, CLI, YAML
+def test_config_preset_overrides_and_validation(tmp_path):
+    args = make_args(tmp_path, rollout_corr_preset="decoupled_k3_rs_token_tis", rollout_rs_threshold="0.005")
+    cfg = args.rollout_correction()
+    assert (cfg.rollout_is, cfg.rollout_rs, cfg.rs_specs[0].upper) == ("token", "seq_mean_k3", 0.005)
+    assert args.rollout_is_threshold == "2.0" and args.vllm_importance_sampling_correction is False
+    dds = make_args(tmp_path, rollout_corr_preset="direct_double_sided")
+    assert dds.rollout_is_threshold == "0.8_1.2" and dds.bypass_loss_type == "reinforce" and dds.bypass_mode
+    # diagnostics only: TRL's default vLLM correction stays on
+    assert make_args(tmp_path).vllm_importance_sampling_correction is True
+    with pytest.raises(ValueError, match="corrected twice"):
+        make_args(tmp_path, rollout_is="token", vllm_importance_sampling_correction=True)
+    with pytest.raises(ValueError, match="continuous_batching"):
+        make_args(tmp_path, rollout_is="token", use_transformers_continuous_batching=True)
+    with pytest.raises(ValueError, match="loss_type"):
+        make_args(tmp_path, bypass_mode=True, loss_type="cispo")
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        make_args(tmp_path, bypass_mode=True, top_entropy_quantile=0.5)
+    with pytest.raises(ValueError, match="vespo"):
+        make_args(tmp_path, loss_type="vespo")
+    with pytest.raises(ValueError, match="preset"):
+        make_args(tmp_path, rollout_corr_preset="nope")
+    with pytest.raises(ValueError):
+        make_args(tmp_path, rollout_is="token", rollout_is_threshold="2_1")
+
+
+def test_cli_flags_and_yaml_round_trip(tmp_path):
+    import yaml
+    from trl import TrlParser
+
+    parser = TrlParser((RolloutCorrGRPOConfig,))
+    (from_cli,) = parser.parse_args_and_config([
+        "--output_dir", str(tmp_path), "--use_cpu", "--rollout_corr_preset", "decoupled_geo_rs_token_tis",
+        "--rollout_is_threshold", "3.5", "--rollout_rs_threshold", "0.99_1.01", "--rs_keep_rejected_in_baseline",
+        "--bypass_mode", "false",
+    ])
+    cfg = from_cli.rollout_correction()
+    assert cfg.rollout_is == "token" and cfg.is_bounds.upper == 3.5
+    assert (cfg.rs_specs[0].lower, cfg.rs_specs[0].upper) == (0.99, 1.01)
+    assert from_cli.rs_keep_rejected_in_baseline is True and cfg.bypass_mode is False
+
+    names = ["rollout_corr_preset", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
+             "rollout_rs_threshold", "bypass_mode", "bypass_loss_type", "rs_keep_rejected_in_baseline",
+             "vllm_importance_sampling_correction"]
+    # YAML written from the effective fields (to_dict) parses back to the same config
+    for source in (from_cli, make_args(tmp_path, rollout_corr_preset="direct_double_sided")):
+        d = source.to_dict()
+        path = tmp_path / "cfg.yaml"
+        path.write_text(yaml.safe_dump({"output_dir": str(tmp_path), "use_cpu": True, **{k: d[k] for k in names}}))
+        (from_yaml,) = parser.parse_args_and_config(["--config", str(path)])
+        assert {k: getattr(from_yaml, k) for k in names} == {k: getattr(source, k) for k in names}
+        assert from_yaml.rollout_correction() == source.rollout_correction()
+    # a hand-written YAML with a float threshold and a quoted IcePop band
+    path.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nrollout_is: token\nrollout_is_threshold: '0.5_5.0'\n"
+                    "rollout_rs: seq_mean_k3\nrollout_rs_threshold: 0.01\nbypass_mode: true\nbypass_loss_type: reinforce\n")
+    (hand,) = parser.parse_args_and_config(["--config", str(path)])
+    cfg = hand.rollout_correction()
+    assert cfg.is_bounds.lower == 0.5 and cfg.rs_specs[0].upper == 0.01 and cfg.bypass_loss_type == "reinforce"
+
+
+def test_checkpoint_save_and_resume(llama_dir, tmp_path):
+    common = dict(rollout_corr_preset="decoupled_k3_rs_token_tis", rollout_rs_threshold="0.3",
+                  rs_keep_rejected_in_baseline=True, save_strategy="steps", save_steps=2)
+    trainer = make_trainer(llama_dir, tmp_path, max_steps=2, **common)
+    trainer.train()
+    ckpt = tmp_path / "out" / "checkpoint-2"
+    saved = torch.load(ckpt / "training_args.bin", weights_only=False)
+    assert isinstance(saved, RolloutCorrGRPOConfig)
+    assert saved.rollout_correction() == trainer.rollout_correction
+    assert saved.rs_keep_rejected_in_baseline is True and saved.rollout_rs_threshold == "0.3"
+    resumed = make_trainer(llama_dir, tmp_path, max_steps=4, **common)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert resumed.state.global_step == 4
+    logs = step_logs(resumed)
+    assert [h["step"] for h in logs][-2:] == [3, 4]
+    assert all("rollout_corr/rollout_rs_masked_fraction" in h for h in logs[-2:])
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def test_missing_or_misaligned_behaviour_log_probs_are_errors(llama_dir, tmp_path, monkeypatch):
+    trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="decoupled_token_is")
+    real = GRPOTrainer._generate
+
+    def drop_logprobs(self, prompts):
+        out = list(real(self, prompts))
+        out[4] = None
+        return tuple(out)
+
+    def shorten_row_2(self, prompts):
+        out = list(real(self, prompts))
+        out[4] = [list(lp) for lp in out[4]]
+        out[4][2] = out[4][2] + [0.0]
+        return tuple(out)
+
+    monkeypatch.setattr(GRPOTrainer, "_generate", drop_logprobs)
+    with pytest.raises(ValueError, match="no behaviour log-probs"):
+        trainer.train()
+    monkeypatch.setattr(GRPOTrainer, "_generate", shorten_row_2)
+    with pytest.raises(ValueError, match="Row 2"):
+        trainer.train()
+
+
+def test_plain_grpo_config_is_refused(llama_dir, tmp_path):
+    with pytest.raises(TypeError, match="RolloutCorrGRPOConfig"):
+        RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8),
+                               args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+
+
+# ---------------------------------------------------------------------------------------------- TRL coupling pins
+def test_trl_coupling_version_and_signatures():
+    assert trl.__version__.startswith("1.16."), "trainer.py's coupling block is written against trl 1.16"
+    sig = {name: list(inspect.signature(getattr(GRPOTrainer, name)).parameters) for name in (
+        "_generate_single_turn", "_generate", "_calculate_rewards", "_get_per_token_logps_and_entropies",
+        "_generate_and_score_completions", "_compute_loss", "log")}
+    assert sig["_generate_single_turn"] == ["self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"]
+    assert sig["_calculate_rewards"] == ["self", "inputs", "prompts", "completions", "completion_ids_list"]
+    assert sig["_get_per_token_logps_and_entropies"][:5] == ["self", "model", "input_ids", "attention_mask", "logits_to_keep"]
+    assert sig["_compute_loss"] == ["self", "model", "inputs"]
+    src_gen = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    src_loss = inspect.getsource(GRPOTrainer._compute_loss)
+    src_single = inspect.getsource(GRPOTrainer._generate_single_turn)
+    # (a)/(b): behaviour log-probs arrive as _generate()'s 5th value and become sampling_per_token_logps
+    assert 'output["sampling_per_token_logps"] = sampling_per_token_logps' in src_gen
+    assert "unwrapped_model.generate(" in src_single
+    # (c): TRL's own pi_old rule, reproduced by _trl_computes_old_log_probs
+    assert "self.args.gradient_accumulation_steps % generate_every != 0" in src_gen
+    assert src_gen.index("old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies") < src_gen.index(
+        "ref_per_token_logps, _, _ = self._get_per_token_logps_and_entropies")
+    # (d): rewards gathered, NaN rows excluded from the baseline, local slice by process index
+    assert "self._calculate_rewards(inputs, prompts, completions, completion_ids_list)" in src_gen
+    assert "advantages = torch.nan_to_num(advantages, nan=0.0)" in src_gen
+    # (e): tool_mask enters only the loss mask; (B, T) advantages accepted; homogeneous clipped loss
+    assert 'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]' in src_loss
+    assert "if advantages.dim() == 1:" in src_loss
+    assert "per_token_loss = -torch.min(per_token_loss1, per_token_loss2)" in src_loss
+    assert src_loss.count("tool_mask") == 2  # both on that one line
+
+
+@pytest.mark.parametrize("setting", [
+    dict(scale_rewards="group"), dict(scale_rewards="batch"), dict(scale_rewards="none"),
+    dict(multi_objective_aggregation="normalize_then_sum"),
+])
+def test_trl_coupling_advantage_formula_matches_trl(setting, llama_dir, tmp_path):
+    """With nothing rejected, our RS-aware advantage formula reproduces TRL's advantages exactly."""
+    seen = []
+
+    class Spy(RolloutCorrGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            seen.append((out["advantages"].clone(), self._rc_rewards.clone()))
+            return out
+
+    def reward_digits(completions, **kwargs):
+        return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+    trainer = make_trainer(llama_dir, tmp_path, trainer_cls=Spy, reward_funcs=[reward_len, reward_digits],
+                           rollout_corr_preset="decoupled_token_is", max_steps=2, **setting)
+    trainer.train()
+    for advantages, rewards in seen:
+        ours = trainer._rc_group_advantages(rewards, torch.zeros(rewards.size(0), dtype=torch.bool), 4)
+        torch.testing.assert_close(ours, advantages, atol=0, rtol=0)
