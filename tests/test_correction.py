@@ -148,8 +148,9 @@ def test_batch_normalize_uses_the_global_mean_through_all_reduce():
     # Pretend rows 0-1 and row 2 live on two ranks: each rank's all_reduce adds the other's (sum, count).
     parts = [(slice(0, 2), slice(2, 3)), (slice(2, 3), slice(0, 2))]
     for mine, other in parts:
-        raw = compute_rollout_correction(OLD[other], ROLL[other], MASK[other], RolloutCorrectionConfig.decoupled_token_is())
-        other_sum = torch.stack([raw.stats.sums["is_w"], raw.stats.sums["n_tok"]])
+        m = compute_rollout_correction(OLD[other], ROLL[other], MASK[other], RolloutCorrectionConfig.decoupled_token_is()).metrics
+        n = m["rollout_corr/num_valid_tokens"]
+        other_sum = torch.tensor([m["rollout_corr/rollout_is_mean"] * n, n], dtype=torch.float64)
         out = compute_rollout_correction(OLD[mine], ROLL[mine], MASK[mine], cfg, all_reduce=lambda t: t + other_sum)
         torch.testing.assert_close(out.weights, full.weights[mine])
 

@@ -66,9 +66,11 @@ def test_reduce_across_fake_ranks_is_exact():
     whole = compute_rollout_correction(old, roll, mask, cfg).metrics
     ranks = [compute_rollout_correction(old[:1], roll[:1], mask[:1], cfg).stats,
              compute_rollout_correction(old[1:], roll[1:], mask[1:], cfg).stats]
-    vecs = lambda store: [torch.stack([getattr(r, store)[k] for k in getattr(r, store)]) for r in ranks]
-    sums, maxs, mins = vecs("sums"), vecs("maxs"), vecs("mins")
-    reduced = ranks[0].reduce(lambda t: sums[0] + sums[1], lambda t: torch.maximum(*maxs), lambda t: torch.minimum(*mins))
+    reduced = ranks[0].reduce(
+        lambda t: ranks[0].sums + ranks[1].sums,
+        lambda t: torch.maximum(ranks[0].maxs, ranks[1].maxs),
+        lambda t: torch.minimum(ranks[0].mins, ranks[1].mins),
+    )
     got = reduced.finalize()
     for k in whole:
         assert got[k] == pytest.approx(whole[k], abs=1e-6, rel=1e-6), k
@@ -77,11 +79,13 @@ def test_reduce_across_fake_ranks_is_exact():
 def test_finalize_is_one_transfer_and_stats_stay_on_device():
     old, roll, mask = _batch()
     out = compute_rollout_correction(old, roll, mask, CONFIGS[0])
-    for store in (out.stats.sums, out.stats.maxs, out.stats.mins):
-        assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in store.values())
-    vec = out.stats.to_vector()
-    assert vec.dim() == 1 and vec.dtype == torch.float64
-    assert len(vec) == len(out.stats.sums) + len(out.stats.maxs) + len(out.stats.mins)
+    st = out.stats
+    for names, vec in ((st.sum_names, st.sums), (st.max_names, st.maxs), (st.min_names, st.mins)):
+        assert vec.dim() == 1 and vec.dtype == torch.float64 and len(vec) == len(names) == len(set(names))
+    assert st.to_vector().shape == (len(st.sum_names) + len(st.max_names) + len(st.min_names),)
+    sums, _, _ = st.as_dicts()
+    expected = (mask.bool() & torch.isfinite(old) & torch.isfinite(roll)).sum().item()
+    assert sums["n_tok"].item() == expected < mask.sum().item()  # NaN / -inf tokens are not counted
 
 
 def test_merge_refuses_different_configs():

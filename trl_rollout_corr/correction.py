@@ -91,7 +91,10 @@ def _check_inputs(log_probs, rollout_log_probs, response_mask) -> None:
 # A note on speed: every per-token quantity below is built so that it is exactly 0 outside the valid
 # tokens (x = clamp(l) is 0 there, so are expm1(x), k1, k2, k3 and min(expm1(x), U - 1) for U >= 1).
 # Masked sums then need no mask pass, and weights/ratios are carried as "value - offset" with the
-# offset added back analytically (sum W = sum (W - c) + c N), which keeps float32 sums precise.
+# offset added back when finalising (sum W = sum (W - c) + c N), which keeps float32 sums precise.
+# Each (B, T) quantity is reduced to one (B,) row vector; all row vectors go into a ``_RowTable`` whose
+# reductions (sums, maxima, counts over valid rows) run as a handful of batched operations, so the cost
+# does not grow with the number of metrics.
 @dataclass
 class _Prepared:
     """Cleaned per-token quantities shared by IS, RS and the metrics (all (B, T) unless noted)."""
@@ -105,33 +108,17 @@ class _Prepared:
     n_row: torch.Tensor  # (B,) float32 valid tokens per row
     row_valid: torch.Tensor  # (B,) bool
     seq_l: torch.Tensor  # (B,) float32 sum of l over valid tokens (unclamped)
-    rollout_row_sum: torch.Tensor  # (B,) float32 sum of log mu over valid tokens
-    n_tok: torch.Tensor  # 0-d float64
-    n_masked: torch.Tensor  # 0-d float64, tokens with mask 1
-    _x_range: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     _scratch: Optional[torch.Tensor] = None
-    _e1_sq: Optional[torch.Tensor] = None
+    _has_x_range: bool = False
 
-    def sq_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """float64 0-d sum of t**2 (row sums first, for precision), through one reused scratch buffer."""
+    def sq_rowsum(self, t: torch.Tensor) -> torch.Tensor:
+        """(B,) row sums of t**2, through one reused scratch buffer."""
         if self._scratch is None:
             self._scratch = torch.empty_like(self.x)
-        return _d(torch.mul(t, t, out=self._scratch).sum(-1))
-
-    def e1_sq_sum(self) -> torch.Tensor:
-        """Sum of expm1(x)**2 over valid tokens (cached: used by IS and chi2)."""
-        if self._e1_sq is None:
-            self._e1_sq = self.sq_sum(self.e1)
-        return self._e1_sq
-
-    def x_range(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(max, min) of x over valid tokens as float64 0-d tensors (-inf/+inf when empty); cached."""
-        if self._x_range is None:
-            self._x_range = (_max(torch.where(self.valid, self.x, -math.inf)), _min(torch.where(self.valid, self.x, math.inf)))
-        return self._x_range
+        return torch.mul(t, t, out=self._scratch).sum(-1)
 
 
-def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor) -> _Prepared:
+def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor, rows: "_RowTable") -> _Prepared:
     lp = log_probs.detach().float()
     rlp = rollout_log_probs.detach().float()
     mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
@@ -141,68 +128,101 @@ def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_
     l = torch.where(valid, diff, 0.0)
     x = l.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     n_row = torch.count_nonzero(valid, dim=-1).float()
-    return _Prepared(
-        mask=mask,
-        fin=fin,
-        valid=valid,
-        l=l,
-        x=x,
-        e1=torch.expm1(x),
-        n_row=n_row,
-        row_valid=n_row > 0,
-        seq_l=l.sum(-1),
-        rollout_row_sum=torch.where(valid, rlp, 0.0).sum(-1),
-        n_tok=n_row.double().sum(),
-        n_masked=_count(mask),
-    )
+    rows.set_rows(n_row)
+    p = _Prepared(mask=mask, fin=fin, valid=valid, l=l, x=x, e1=torch.expm1(x), n_row=n_row, row_valid=n_row > 0, seq_l=l.sum(-1))
+    rows.add("n_tok", n_row, "sum")
+    rows.add("n_masked", torch.count_nonzero(mask, dim=-1), "sum_all")
+    rows.add("n_seq", p.row_valid, "sum")
+    rows.add("rollout_row_sum", torch.where(valid, rlp, 0.0).sum(-1, dtype=torch.float64))
+    return p
 
 
-def _d(t: torch.Tensor) -> torch.Tensor:
-    return t.double().sum()
+def _x_range(p: _Prepared, rows: "_RowTable") -> None:
+    """Adds the max/min of x over valid tokens (``x_max``, ``x_min``) once."""
+    if not p._has_x_range:
+        p._has_x_range = True
+        rows.add("x", torch.where(p.valid, p.x, -math.inf).amax(-1) if p.x.numel() else p.seq_l, "max")
+        rows.add("x", torch.where(p.valid, p.x, math.inf).amin(-1) if p.x.numel() else p.seq_l, "min")
 
 
-def _count(t: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """Number of True entries of a bool tensor (float64; per row with ``dim``)."""
-    return torch.count_nonzero(t, dim=dim).double()
+class _RowTable:
+    """Per-row (B,) values and the reductions each needs, evaluated together in a few batched ops.
 
+    Reductions over valid rows (rows with at least one valid token): ``sum``, ``sq`` (sum of squares, stored
+    as ``{name}2``), ``wsum``/``wsq`` (weighted by the row's valid-token count), ``max``/``min`` (stored as
+    ``{name}_max``/``{name}_min``); ``sum_all`` sums over every row. ``gt``/``lt`` count valid rows whose
+    value is above/below a threshold (a NaN value is never counted).
+    """
 
-def _max(t: torch.Tensor) -> torch.Tensor:
-    if t.numel() == 0:
-        return torch.tensor(-math.inf, dtype=torch.float64, device=t.device)
-    return t.amax().double()
+    _KINDS = ("sum", "sum_all", "sq", "wsum", "wsq", "max", "min")
 
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor] = []
+        self.index: dict[str, int] = {}
+        self.requests: dict[str, list[tuple[str, int]]] = {k: [] for k in self._KINDS}
+        self.gt: list[tuple[str, int, float]] = []
+        self.lt: list[tuple[str, int, float]] = []
+        self.n: Optional[torch.Tensor] = None
 
-def _min(t: torch.Tensor) -> torch.Tensor:
-    if t.numel() == 0:
-        return torch.tensor(math.inf, dtype=torch.float64, device=t.device)
-    return t.amin().double()
+    def set_rows(self, n_row: torch.Tensor) -> None:
+        self.n = n_row.double()
 
+    def add(self, name: str, values: torch.Tensor, *kinds: str, gt: Optional[tuple[str, float]] = None, lt: Optional[tuple[str, float]] = None) -> int:
+        idx = len(self.values)
+        self.values.append(values.double())
+        self.index.setdefault(name, idx)
+        for kind in kinds:
+            if kind in ("max", "min"):
+                self.requests[kind].append((f"{name}_{kind}", idx))
+            elif kind in ("sq", "wsq"):
+                self.requests[kind].append((name + "2", idx))
+            else:
+                self.requests[kind].append((name, idx))
+        if gt is not None:
+            self.gt.append((gt[0], idx, gt[1]))
+        if lt is not None:
+            self.lt.append((lt[0], idx, lt[1]))
+        return idx
 
-def _valid_where(cond: torch.Tensor, zero_satisfies: bool, p: _Prepared) -> torch.Tensor:
-    """Restrict a per-token condition to valid tokens; free when the condition is False at 0 (the value
-    every zero-off-valid quantity has outside the valid tokens)."""
-    return cond & p.valid if zero_satisfies else cond
+    def col(self, name: str) -> torch.Tensor:
+        return self.values[self.index[name]]
 
-
-def _compare_valid(t: torch.Tensor, op: str, threshold: float, p: _Prepared) -> torch.Tensor:
-    """(B, T) bool: ``t > threshold`` or ``t < threshold`` at valid tokens, for a zero-off-valid ``t``."""
-    if op == ">":
-        return _valid_where(t > threshold, 0.0 > threshold, p)
-    return _valid_where(t < threshold, 0.0 < threshold, p)
-
-
-def _seq_stats(store: CorrectionStats, prefix: str, values: torch.Tensor, row_valid: torch.Tensor) -> None:
-    """Sum, sum of squares, max and min of a per-row value over valid rows."""
-    v = values.double()
-    kept = torch.where(row_valid, v, 0.0)
-    store.sums[prefix] = kept.sum()
-    store.sums[prefix + "2"] = (kept * kept).sum()
-    store.maxs[prefix + "_max"] = _max(torch.where(row_valid, v, -math.inf))
-    store.mins[prefix + "_min"] = _min(torch.where(row_valid, v, math.inf))
-
-
-def _zero(device) -> torch.Tensor:
-    return torch.zeros((), dtype=torch.float64, device=device)
+    def reduce(self, layout: tuple) -> CorrectionStats:
+        X = torch.stack(self.values)  # (K, B) float64
+        K, B = X.shape
+        row_valid = self.n > 0
+        V = torch.where(row_valid, X, 0.0)
+        V2 = V * V
+        out = {
+            "sum": V.sum(-1), "sum_all": X.sum(-1), "sq": V2.sum(-1),
+            "wsum": V @ self.n, "wsq": V2 @ self.n,
+        }
+        if B:
+            out["max"] = torch.where(row_valid, X, -math.inf).amax(-1)
+            out["min"] = torch.where(row_valid, X, math.inf).amin(-1)
+        else:
+            out["max"] = torch.full((K,), -math.inf, dtype=X.dtype, device=X.device)
+            out["min"] = torch.full((K,), math.inf, dtype=X.dtype, device=X.device)
+        sum_names, sum_parts = [], []
+        for kind in ("sum", "sum_all", "sq", "wsum", "wsq"):
+            if self.requests[kind]:
+                names, idx = zip(*self.requests[kind])
+                sum_names += names
+                sum_parts.append(out[kind][list(idx)])
+        for store, sign in ((self.gt, 1.0), (self.lt, -1.0)):
+            if store:
+                names, idx, thr = zip(*store)
+                thr_t = torch.tensor(thr, dtype=X.dtype, device=X.device).unsqueeze(-1)
+                hit = (X[list(idx)] * sign > thr_t * sign) & row_valid
+                sum_names += names
+                sum_parts.append(torch.count_nonzero(hit, dim=-1).double())
+        extremes = []
+        for kind in ("max", "min"):
+            names, idx = zip(*self.requests[kind]) if self.requests[kind] else ((), ())
+            extremes.append((tuple(names), out[kind][list(idx)]))
+        return CorrectionStats(
+            tuple(sum_names), torch.cat(sum_parts), extremes[0][0], extremes[0][1], extremes[1][0], extremes[1][1], layout
+        )
 
 
 # ---------------------------------------------------------------------- IS weights
@@ -217,79 +237,66 @@ def _token_weights_shifted(p: _Prepared, upper: float, lower: Optional[float]) -
     return shifted, 1.0
 
 
-def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, stats: CorrectionStats, all_reduce: Optional[AllReduce]) -> torch.Tensor:
-    """(B, T) IS weights: 0 at padding, 1 at invalid tokens; fills the ``is_*`` statistics."""
+def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _RowTable, all_reduce: Optional[AllReduce]) -> torch.Tensor:
+    """(B, T) IS weights: 0 at padding, 1 at invalid tokens; adds the ``is_*`` statistics."""
     bounds = config.is_bounds
     upper, lower = bounds.upper, bounds.lower
     lower_m = lower if lower is not None else 1.0 / upper
-    s = stats.sums
-    n, nd = p.n_tok, p.n_row.double()
+    nd = rows.n
+    n1 = nd.clamp(min=1)
     if config.rollout_is == "token":
         w_shift, c = _token_weights_shifted(p, upper, lower)
-        row_ws = w_shift.sum(-1).double()
-        row_e1 = p.e1.sum(-1).double()
-        s["is_w"] = row_ws.sum() + c * n
-        s["is_w2"] = p.sq_sum(w_shift) + 2 * c * row_ws.sum() + c * c * n
-        s["is_r"] = row_e1.sum() + n
-        s["is_r2"] = p.e1_sq_sum() + 2 * row_e1.sum() + n
-        s["is_ratio_high"] = _count(_compare_valid(p.e1, ">", upper - 1.0, p))
-        s["is_ratio_low"] = _count(_compare_valid(p.e1, "<", lower_m - 1.0, p))
+        row_ws = rows.values[rows.add("is_ws", w_shift.sum(-1), "sum")]
+        rows.add("is_wq", p.sq_rowsum(w_shift), "sum")
+        rows.add("is_high", torch.count_nonzero(_compare_valid(p.e1, ">", upper - 1.0, p), dim=-1), "sum")
+        rows.add("is_low", torch.count_nonzero(_compare_valid(p.e1, "<", lower_m - 1.0, p), dim=-1), "sum")
         if bounds.is_icepop:
-            s["is_oob"] = s["is_ratio_high"] + s["is_ratio_low"]  # lower_m == lower for IcePop
-            stats.maxs["is_w_max"] = _max(w_shift)  # W >= 0 and 0 outside valid tokens
-            stats.mins["is_w_min"] = _min(torch.where(p.valid, w_shift, math.inf))
-        else:  # min(exp(x), U) is monotone in x: the extrema follow from those of x
-            x_max, x_min = p.x_range()
-            stats.maxs["is_w_max"] = x_max.exp().clamp(max=upper)  # empty: exp(-inf) = 0, reported as 0
-            stats.mins["is_w_min"] = torch.where(torch.isinf(x_min), x_min, x_min.exp().clamp(max=upper))
-        rows = p.n_row.clamp(min=1).double()
-        row_mean_w = (row_ws + c * nd) / rows
-        row_mean_r = (row_e1 + nd) / rows
+            rows.add("is_w", w_shift.amax(-1) if w_shift.numel() else p.seq_l, "max")  # W >= 0, 0 off-valid
+            rows.add("is_w", torch.where(p.valid, w_shift, math.inf).amin(-1) if w_shift.numel() else p.seq_l, "min")
+        else:
+            _x_range(p, rows)
+        row_mean_w = (row_ws + c * nd) / n1
+        row_mean_r = (rows.col("e1") + nd) / n1
+        batch_total = (row_ws.sum() + c * nd.sum(), nd.sum())
     else:
-        seq_ratio = torch.exp(p.seq_l.clamp(-SAFETY_BOUND, SAFETY_BOUND)).double()  # (B,)
+        seq_ratio = torch.exp(p.seq_l.double().clamp(-SAFETY_BOUND, SAFETY_BOUND))  # (B,)
         if bounds.is_icepop:
             seq_w = torch.where((seq_ratio >= lower) & (seq_ratio <= upper), seq_ratio, 0.0)
+            rows.add("is_oob", (seq_ratio < lower) | (seq_ratio > upper), "wsum")
         else:
             seq_w = seq_ratio.clamp(max=upper)
-        seq_w = torch.where(p.row_valid, seq_w, 0.0)
-        seq_ratio_v = torch.where(p.row_valid, seq_ratio, 0.0)
-        s["is_w"] = (nd * seq_w).sum()
-        s["is_w2"] = (nd * seq_w * seq_w).sum()
-        s["is_r"] = (nd * seq_ratio_v).sum()
-        s["is_r2"] = (nd * seq_ratio_v * seq_ratio_v).sum()
-        log_u, log_l = math.log(upper), math.log(lower_m)
-        s["is_ratio_high"] = _count(p.row_valid & (p.seq_l > log_u))
-        s["is_ratio_low"] = _count(p.row_valid & (p.seq_l < log_l))
-        stats.maxs["is_logw_max"] = _max(torch.where(p.row_valid, p.seq_l, -math.inf))
-        stats.mins["is_logw_min"] = _min(torch.where(p.row_valid, p.seq_l, math.inf))
-        if bounds.is_icepop:
-            s["is_oob"] = (nd * (p.row_valid & ((seq_ratio < lower) | (seq_ratio > upper))).double()).sum()
-        row_mean_w, row_mean_r = seq_w, seq_ratio_v
-    _seq_stats(stats, "is_seq", row_mean_w, p.row_valid)
-    s["is_seq_high"] = _count(p.row_valid & (row_mean_r > upper))
-    s["is_seq_low"] = _count(p.row_valid & (row_mean_r < lower_m))
+        rows.add("is_w", seq_w, "wsum", "wsq")
+        rows.add("is_r", seq_ratio, "wsum", "wsq")
+        rows.add("is_logw", p.seq_l, "max", "min", gt=("is_high", math.log(upper)), lt=("is_low", math.log(lower_m)))
+        row_mean_w, row_mean_r = seq_w, seq_ratio
+        valid_w = torch.where(p.row_valid, seq_w, 0.0)
+        batch_total = (valid_w.sum(), p.row_valid.sum().double())
+    rows.add("is_seq", row_mean_w, "sum", "sq", "max", "min")
+    rows.add("is_seq_r", row_mean_r, gt=("is_seq_high", upper), lt=("is_seq_low", lower_m))
 
-    factor = None
+    if config.rollout_is == "token":
+        values = w_shift.add_(c) if c else w_shift  # in place: w_shift is not used after this
+    else:
+        values = seq_w.float().unsqueeze(-1)
     if config.rollout_is_batch_normalize:
-        if config.rollout_is == "token":
-            total = torch.stack([s["is_w"], n])
-        else:
-            total = torch.stack([s["is_seq"], _count(p.row_valid)])
+        total = torch.stack(batch_total)
         if all_reduce is not None:
             total = all_reduce(total)
         mean = total[0] / total[1].clamp(min=1)
         factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean)).float()
+        values = values.div_(factor) if config.rollout_is == "token" else values / factor
     # 0 at padding; the neutral weight 1 at invalid tokens (mask 1, NaN/inf log-prob).
-    outside = (p.mask & ~p.fin).float()
-    if config.rollout_is == "token":
-        values = w_shift.add_(c) if c else w_shift  # in place: w_shift is not used after this
-        if factor is not None:
-            values = values.div_(factor)
-    else:
-        values = seq_w.float().unsqueeze(-1)
-        if factor is not None:
-            values = values / factor
-    return torch.where(p.valid, values, outside)
+    return torch.where(p.valid, values, (p.mask & ~p.fin).float())
+
+
+def _compare_valid(t: torch.Tensor, op: str, threshold: float, p: _Prepared) -> torch.Tensor:
+    """(B, T) bool: ``t > threshold`` or ``t < threshold`` at valid tokens, for a zero-off-valid ``t``
+    (restricting to valid tokens is free when the comparison is False at 0)."""
+    if op == ">":
+        hit = t > threshold
+        return hit & p.valid if 0.0 > threshold else hit
+    hit = t < threshold
+    return hit & p.valid if 0.0 < threshold else hit
 
 
 # ---------------------------------------------------------------------- RS masks
@@ -302,13 +309,11 @@ def _token_statistic(stat: str, p: _Prepared) -> torch.Tensor:
     return p.e1 - p.x  # k3 = exp(x) - 1 - x; expm1 keeps it accurate for small x
 
 
-def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], stats: CorrectionStats, token_stats: dict) -> torch.Tensor:
+def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, token_stats: dict) -> torch.Tensor:
     """Returns the (B, T) bool keep mask over valid tokens, combining every option (logical AND)."""
-    s = stats.sums
     keep = p.valid
-    keep_row = p.row_valid
-    rows = p.n_row.clamp(min=1)
-    nd = p.n_row.double()
+    keep_row: Optional[torch.Tensor] = None
+    n1 = p.n_row.clamp(min=1)
     for spec in specs:
         pre = f"rollout_rs_{spec.option}_"
         lo, hi = spec.stat_bounds
@@ -316,62 +321,53 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], stats: CorrectionStat
         t = token_stats[spec.stat]
         if spec.is_token_level:
             high = _compare_valid(t, ">", hi, p)
-            low = _compare_valid(t, "<", lo, p) if lo is not None else None
-            rejected = high | low if low is not None else high
+            rejected = high
+            high_rows = torch.count_nonzero(high, dim=-1)
+            rows.add(pre + "high", high_rows, "sum")
+            if lo is not None:
+                low = _compare_valid(t, "<", lo, p)
+                rejected = high | low
+                low_rows = torch.count_nonzero(low, dim=-1)
+                rows.add(pre + "low", low_rows, "sum")
+                high_rows = high_rows + low_rows
+            rows.add(pre + "rejected_rows", high_rows, gt=(pre + "rejected_seqs", 0.0))
             keep = keep & ~rejected
             clamped = t.clamp(clamp_lo, hi)
             if not clamp_lo <= 0.0 <= hi:
                 clamped = torch.where(p.valid, clamped, 0.0)
             row_sum = t.sum(-1)
-            s[pre + "sum"] = _d(row_sum)
-            s[pre + "csum"] = _d(clamped.sum(-1))
-            s[pre + "csum2"] = p.sq_sum(clamped)
+            rows.add(pre + "sum", row_sum, "sum")
+            rows.add(pre + "csum", clamped.sum(-1), "sum")
+            rows.add(pre + "csum2", p.sq_rowsum(clamped), "sum")
             if spec.stat == "k1":  # k1 = -x: extrema from those of x
-                x_max, x_min = p.x_range()
-                stats.maxs[pre + "max"] = -x_min
-                stats.mins[pre + "min"] = -x_max
-            else:
-                stats.maxs[pre + "max"] = _max(t)  # k2, k3 >= 0 and 0 outside valid tokens
-                stats.mins[pre + "min"] = _min(torch.where(p.valid, t, math.inf))
-            s[pre + "high"] = _count(high)
-            s[pre + "low"] = _count(low) if low is not None else _zero(t.device)
-            s[pre + "rejected"] = s[pre + "high"] + s[pre + "low"]
-            s[pre + "rejected_seqs"] = _count(rejected.any(-1))
-            row_values = row_sum / rows
+                _x_range(p, rows)
+            else:  # k2, k3 >= 0 and 0 outside valid tokens
+                rows.add(pre[:-1], t.amax(-1) if t.numel() else row_sum, "max")  # -> {pre}max
+                rows.add(pre[:-1], torch.where(p.valid, t, math.inf).amin(-1) if t.numel() else row_sum, "min")
+            row_values = row_sum / n1
         else:
             if spec.level == "seq_sum":
                 row_values = t.sum(-1)
             elif spec.level == "seq_mean":
-                row_values = t.sum(-1) / rows
+                row_values = t.sum(-1) / n1
             else:  # seq_max (k2/k3 only, >= 0, so padding zeros never win over a valid token)
                 row_values = t.amax(-1) if t.numel() else t.sum(-1)
-            row_values = torch.where(p.row_valid, row_values, 0.0)
-            rv = row_values.double()
-            high = p.row_valid & (row_values > hi)
-            low = (p.row_valid & (row_values < lo)) if lo is not None else None
             in_band = row_values <= hi
             if lo is not None:
                 in_band = in_band & (row_values >= lo)
             bad = p.row_valid & ~in_band  # a NaN statistic is never in band: rejected
-            keep_row = keep_row & ~bad
-            s[pre + "sum"] = (nd * rv).sum()
-            c = rv.clamp(clamp_lo, hi)
-            s[pre + "csum"] = (nd * c).sum()
-            s[pre + "csum2"] = (nd * c * c).sum()
-            stats.maxs[pre + "max"] = _max(torch.where(p.row_valid, rv, -math.inf))
-            stats.mins[pre + "min"] = _min(torch.where(p.row_valid, rv, math.inf))
-            s[pre + "high"] = _count(high)
-            s[pre + "low"] = _count(low) if low is not None else _zero(rv.device)
-            s[pre + "rejected"] = (nd * bad.double()).sum()
-            s[pre + "rejected_seqs"] = _count(bad)
-        _seq_stats(stats, pre + "seq", row_values, p.row_valid)
-        s[pre + "seq_high"] = _count(p.row_valid & (row_values > hi))
-        s[pre + "seq_low"] = _count(p.row_valid & (row_values < lo)) if lo is not None else _zero(row_values.device)
-    if any(not spec.is_token_level for spec in specs):
+            keep_row = ~bad if keep_row is None else keep_row & ~bad
+            rows.add(pre + "sum", row_values, "wsum")
+            clamped = row_values.clamp(clamp_lo, hi)
+            rows.add(pre + "csum", clamped, "wsum", "wsq")  # -> {pre}csum, {pre}csum2
+            rows.add(pre + "rejected", bad, "wsum")
+            rows.add(pre + "rejected_seqs", bad, "sum")
+        rows.add(pre + "seq", row_values, "sum", "sq", "max", "min", gt=(pre + "seq_high", hi), lt=((pre + "seq_low", lo) if lo is not None else None))
+    if keep_row is not None:
         keep = keep & keep_row.unsqueeze(-1)
-    kept_per_row = _count(keep, dim=-1)
-    s["rs_rejected"] = p.n_tok - kept_per_row.sum()
-    s["rs_rejected_seqs"] = _count(p.row_valid & (kept_per_row < p.n_row.double()))
+    kept_rows = torch.count_nonzero(keep, dim=-1)
+    rows.add("rs_kept", kept_rows, "sum")
+    rows.add("rs_kept_minus_n", kept_rows - p.n_row, lt=("rs_rejected_seqs", 0.0))
     return keep
 
 
@@ -410,50 +406,36 @@ def compute_rollout_correction(
     ``rollout_corr/invalid_token_fraction``. NaN/inf at padding is ignored.
     """
     _check_inputs(log_probs, rollout_log_probs, response_mask)
-    p = _prepare(log_probs, rollout_log_probs, response_mask)
-    stats = CorrectionStats()
-    s = stats.sums
-    s["n_tok"] = p.n_tok
-    s["n_seq"] = _count(p.row_valid)
-    s["n_masked"] = p.n_masked
-    s["n_invalid"] = p.n_masked - p.n_tok
+    rows = _RowTable()
+    p = _prepare(log_probs, rollout_log_probs, response_mask, rows)
+    rows.add("e1", p.e1.sum(-1), "sum")
+    rows.add("e1sq", p.sq_rowsum(p.e1), "sum")
 
-    weights = _importance_weights(p, config, stats, all_reduce) if config.is_enabled else None
+    weights = _importance_weights(p, config, rows, all_reduce) if config.is_enabled else None
 
     token_stats = {stat: _token_statistic(stat, p) for stat in {spec.stat for spec in config.rs_specs} | {"k3"}}
-    keep = _rejection_keep(p, config.rs_specs, stats, token_stats) if config.rs_enabled else p.valid
+    keep = _rejection_keep(p, config.rs_specs, rows, token_stats) if config.rs_enabled else p.valid
 
-    _offpolicy_stats(p, stats, token_stats["k3"])
-    stats.layout = _layout(config)
-    return RolloutCorrectionOutput(weights=weights, response_mask=keep.to(response_mask.dtype), stats=stats)
+    _offpolicy_stats(p, rows, token_stats["k3"])
+    return RolloutCorrectionOutput(weights=weights, response_mask=keep.to(response_mask.dtype), stats=rows.reduce(_layout(config)))
 
 
-def _offpolicy_stats(p: _Prepared, stats: CorrectionStats, k3: torch.Tensor) -> None:
-    s = stats.sums
-    s["l"] = _d(p.seq_l)
-    s["k3"] = _d(k3.sum(-1))  # k3 is 0 outside valid tokens
-    s["r2"] = p.e1_sq_sum() + 2 * _d(p.e1.sum(-1)) + p.n_tok  # sum of R^2 = (1 + e1)^2
-    n = p.n_row.double().clamp(min=1)
-    rv_mask = p.row_valid
-    mean_roll = p.rollout_row_sum.double() / n  # mean log mu per row
-    mean_l = p.seq_l.double() / n
+def _offpolicy_stats(p: _Prepared, rows: _RowTable, k3: torch.Tensor) -> None:
+    rows.add("l", p.seq_l, "sum")
+    rows.add("k3", k3.sum(-1), "sum")  # k3 is 0 outside valid tokens
+    n1 = rows.n.clamp(min=1)
+    mean_roll = rows.col("rollout_row_sum") / n1  # mean log mu per row
+    mean_l = p.seq_l.double() / n1
     mean_train = mean_roll + mean_l  # mean log pi_train per row
     d = -mean_l  # mean(log mu - log pi_train) per row
-    zero = torch.zeros_like(d)
-
-    def over_rows(v: torch.Tensor) -> torch.Tensor:
-        return torch.where(rv_mask, v, zero).sum()
-
-    s["train_log_ppl"] = over_rows(-mean_train)
-    s["train_ppl"] = over_rows(torch.exp((-mean_train).clamp(max=700.0)))
-    s["roll_log_ppl"] = over_rows(-mean_roll)
-    s["roll_ppl"] = over_rows(torch.exp((-mean_roll).clamp(max=700.0)))
-    s["d"] = over_rows(d)
-    s["abs_d"] = over_rows(d.abs())
-    s["exp_d"] = over_rows(torch.exp(d.clamp(max=700.0)))
-    s["seq_r2"] = over_rows(torch.exp(2.0 * p.seq_l.double().clamp(-SAFETY_BOUND, SAFETY_BOUND)))
-    stats.maxs["d_max"] = _max(torch.where(rv_mask, d, -math.inf))
-    stats.mins["d_min"] = _min(torch.where(rv_mask, d, math.inf))
+    rows.add("train_log_ppl", -mean_train, "sum")
+    rows.add("train_ppl", torch.exp((-mean_train).clamp(max=700.0)), "sum")
+    rows.add("roll_log_ppl", -mean_roll, "sum")
+    rows.add("roll_ppl", torch.exp((-mean_roll).clamp(max=700.0)), "sum")
+    rows.add("d", d, "sum", "max", "min")
+    rows.add("abs_d", d.abs(), "sum")
+    rows.add("exp_d", torch.exp(d.clamp(max=700.0)), "sum")
+    rows.add("seq_r2", torch.exp(2.0 * p.seq_l.double().clamp(-SAFETY_BOUND, SAFETY_BOUND)), "sum")
 
 
 def _layout(config: RolloutCorrectionConfig) -> tuple:

@@ -44,24 +44,38 @@ _EXP_CAP = 700.0  # exp() argument cap for per-row perplexities, keeps float64 f
 
 @dataclass
 class CorrectionStats:
-    """Reducible statistics of one or more correction calls.
+    """Reducible statistics of one or more correction calls, as three 1-D float64 tensors.
 
     Attributes:
-        sums: name -> 0-d float64 tensor, merged by addition (sums and counts).
-        maxs: name -> 0-d float64 tensor, merged by maximum (``-inf`` when empty).
-        mins: name -> 0-d float64 tensor, merged by minimum (``+inf`` when empty).
+        sum_names, sums: statistics merged by addition (sums and counts).
+        max_names, maxs: statistics merged by maximum (``-inf`` when empty).
+        min_names, mins: statistics merged by minimum (``+inf`` when empty).
         layout: static description of the metric set (IS level, bounds, RS options), identical for all
             parts that are merged. Parts from different configurations cannot be merged.
+
+    Merging and reducing cost three tensor operations whatever the number of metrics.
     """
 
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)
-    maxs: dict[str, torch.Tensor] = field(default_factory=dict)
-    mins: dict[str, torch.Tensor] = field(default_factory=dict)
+    sum_names: tuple[str, ...] = ()
+    sums: Optional[torch.Tensor] = None
+    max_names: tuple[str, ...] = ()
+    maxs: Optional[torch.Tensor] = None
+    min_names: tuple[str, ...] = ()
+    mins: Optional[torch.Tensor] = None
     layout: tuple = ()
+
+    def as_dicts(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(sums, maxs, mins) as name -> 0-d tensor dicts (views; for inspection and tests)."""
+        return tuple(
+            dict(zip(names, vec.unbind(0))) if vec is not None else {}
+            for names, vec in ((self.sum_names, self.sums), (self.max_names, self.maxs), (self.min_names, self.mins))
+        )
 
     # ------------------------------------------------------------------ merging
     def _check_compatible(self, other: "CorrectionStats") -> None:
-        if self.layout != other.layout or self.sums.keys() != other.sums.keys():
+        if self.layout != other.layout or (self.sum_names, self.max_names, self.min_names) != (
+            other.sum_names, other.max_names, other.min_names
+        ):
             raise ValueError(
                 "Cannot merge CorrectionStats from different correction configurations "
                 f"({self.layout} vs {other.layout}); merge only parts computed with the same config."
@@ -71,10 +85,10 @@ class CorrectionStats:
         """Combine two parts (sums added, maxima/minima taken). Returns a new object."""
         self._check_compatible(other)
         return CorrectionStats(
-            sums={k: v + other.sums[k] for k, v in self.sums.items()},
-            maxs={k: torch.maximum(v, other.maxs[k]) for k, v in self.maxs.items()},
-            mins={k: torch.minimum(v, other.mins[k]) for k, v in self.mins.items()},
-            layout=self.layout,
+            self.sum_names, self.sums + other.sums,
+            self.max_names, torch.maximum(self.maxs, other.maxs),
+            self.min_names, torch.minimum(self.mins, other.mins),
+            self.layout,
         )
 
     @staticmethod
@@ -100,19 +114,16 @@ class CorrectionStats:
                 over all ranks (for example ``accelerator.reduce(t, "sum")`` and ``torch.distributed``
                 all_reduce with ``ReduceOp.MAX`` / ``MIN``). Every rank must call this with the same layout.
         """
-        out = CorrectionStats(layout=self.layout)
-        for store, fn, target in ((self.sums, sum_fn, out.sums), (self.maxs, max_fn, out.maxs), (self.mins, min_fn, out.mins)):
-            if not store:
-                continue
-            keys = list(store)
-            reduced = fn(torch.stack([store[k] for k in keys]))
-            target.update(zip(keys, reduced.unbind(0)))
-        return out
+        return CorrectionStats(
+            self.sum_names, sum_fn(self.sums),
+            self.max_names, max_fn(self.maxs),
+            self.min_names, min_fn(self.mins),
+            self.layout,
+        )
 
     def to_vector(self) -> torch.Tensor:
-        """All statistics as one 1-D float64 tensor (sums, then maxs, then mins, in key order)."""
-        parts = [store[k].reshape(1) for store in (self.sums, self.maxs, self.mins) for k in store]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        """All statistics as one 1-D float64 tensor (sums, then maxs, then mins)."""
+        return torch.cat([self.sums, self.maxs, self.mins])
 
     # ------------------------------------------------------------------ finalising
     def finalize(self, prefix: str = PREFIX) -> dict[str, float]:
@@ -122,11 +133,10 @@ class CorrectionStats:
             dict ``prefix + name -> float``.
         """
         values = self.to_vector().cpu().tolist()
-        keys = [("s", k) for k in self.sums] + [("x", k) for k in self.maxs] + [("n", k) for k in self.mins]
-        host = dict(zip(keys, values))
-        s = {k: host[("s", k)] for k in self.sums}
-        mx = {k: host[("x", k)] for k in self.maxs}
-        mn = {k: host[("n", k)] for k in self.mins}
+        a, b = len(self.sum_names), len(self.sum_names) + len(self.max_names)
+        s = dict(zip(self.sum_names, values[:a]))
+        mx = dict(zip(self.max_names, values[a:b]))
+        mn = dict(zip(self.min_names, values[b:]))
         metrics = _finalize(s, mx, mn, dict(self.layout))
         return {prefix + k: _finite(v) for k, v in metrics.items()}
 
@@ -168,27 +178,44 @@ def _ess(sum_w: float, sum_w2: float, n: float) -> float:
     return min(sum_w * sum_w / (n * sum_w2), 1.0)
 
 
+def _exp_or_zero(v: float, cap: float = _EXP_CAP) -> float:
+    return 0.0 if math.isinf(v) and v < 0 else math.exp(min(v, cap))
+
+
 def _finalize(s: dict, mx: dict, mn: dict, layout: dict) -> dict[str, float]:
+    """Metric formulas from merged statistics (host side, float64). Names: see ``correction.py``."""
     n_tok, n_seq = s["n_tok"], s["n_seq"]
+    r2 = s["e1sq"] + 2.0 * s["e1"] + n_tok  # sum of R^2 over valid tokens, R = 1 + expm1(x)
     m: dict[str, float] = {}
 
     # IS metrics first (verl's insertion order: IS, RS, off-policy).
     is_layout = layout.get("is")
     if is_layout is not None:
         level, upper, lower_m, icepop, batch_norm = is_layout
-        m["rollout_is_mean"] = _div(s["is_w"], n_tok)
         if level == "token":
-            m["rollout_is_max"] = _ext(mx["is_w_max"])
-            m["rollout_is_min"] = _ext(mn["is_w_min"])
+            c = 0.0 if icepop else 1.0  # weights are stored as W - c (exact zeros outside valid tokens)
+            sum_w = s["is_ws"] + c * n_tok
+            sum_w2 = s["is_wq"] + 2.0 * c * s["is_ws"] + c * c * n_tok
+            sum_r, sum_r2 = s["e1"] + n_tok, r2
+            if icepop:
+                w_max, w_min = _ext(mx["is_w_max"]), _ext(mn["is_w_min"])
+            else:  # min(exp(x), U) is monotone in x
+                w_max = min(_exp_or_zero(mx["x_max"]), upper) if n_tok > 0 else 0.0
+                w_min = min(_exp_or_zero(mn["x_min"]), upper) if n_tok > 0 else 0.0
+            den = n_tok
         else:
-            m["rollout_is_max"] = 0.0 if math.isinf(mx["is_logw_max"]) else math.exp(min(mx["is_logw_max"], 20.0))
-            m["rollout_is_min"] = 0.0 if math.isinf(mn["is_logw_min"]) else math.exp(min(mn["is_logw_min"], _EXP_CAP))
-        den = n_tok if level == "token" else n_seq
-        m["rollout_is_ratio_fraction_high"] = _div(s["is_ratio_high"], den)
-        m["rollout_is_ratio_fraction_low"] = _div(s["is_ratio_low"], den)
-        m["rollout_is_std"] = _pop_std(s["is_w"], s["is_w2"], n_tok)
-        m["rollout_is_eff_sample_size"] = _ess(s["is_w"], s["is_w2"], n_tok)
-        m["rollout_is_eff_sample_size_raw"] = _ess(s["is_r"], s["is_r2"], n_tok)
+            sum_w, sum_w2, sum_r, sum_r2 = s["is_w"], s["is_w2"], s["is_r"], s["is_r2"]
+            w_max = min(_exp_or_zero(mx["is_logw_max"]), math.exp(20.0)) if n_seq > 0 else 0.0
+            w_min = _exp_or_zero(mn["is_logw_min"]) if n_seq > 0 else 0.0
+            den = n_seq
+        m["rollout_is_mean"] = _div(sum_w, n_tok)
+        m["rollout_is_max"] = w_max
+        m["rollout_is_min"] = w_min
+        m["rollout_is_ratio_fraction_high"] = _div(s["is_high"], den)
+        m["rollout_is_ratio_fraction_low"] = _div(s["is_low"], den)
+        m["rollout_is_std"] = _pop_std(sum_w, sum_w2, n_tok)
+        m["rollout_is_eff_sample_size"] = _ess(sum_w, sum_w2, n_tok)
+        m["rollout_is_eff_sample_size_raw"] = _ess(sum_r, sum_r2, n_tok)
         m["rollout_is_seq_mean"] = _div(s["is_seq"], n_seq)
         m["rollout_is_seq_std"] = _unbiased_std(s["is_seq"], s["is_seq2"], n_seq)
         seq_max, seq_min = _ext(mx["is_seq_max"]), _ext(mn["is_seq_min"])
@@ -198,33 +225,43 @@ def _finalize(s: dict, mx: dict, mn: dict, layout: dict) -> dict[str, float]:
         m["rollout_is_seq_fraction_high"] = _div(s["is_seq_high"], n_seq)
         m["rollout_is_seq_fraction_low"] = _div(s["is_seq_low"], n_seq)
         if batch_norm:
-            mean = _div(s["is_w"], n_tok) if level == "token" else _div(s["is_seq"], n_seq)
+            mean = _div(sum_w, n_tok) if level == "token" else _div(s["is_seq"], n_seq)
             m["rollout_is_batch_norm_factor"] = mean if mean > 1e-8 else 1.0
         if icepop:
-            m["rollout_is_oob_ratio"] = _div(s["is_oob"], n_tok)
+            oob = s["is_high"] + s["is_low"] if level == "token" else s["is_oob"]
+            m["rollout_is_oob_ratio"] = _div(oob, n_tok)
 
     for option, stat, is_token, lo, hi in layout.get("rs", ()):
         p = f"rollout_rs_{option}_"
-        seq_den = n_seq
         m[p + "mean"] = _div(s[p + "sum"], n_tok)
-        m[p + "max"] = _ext(mx[p + "max"])
-        m[p + "min"] = _ext(mn[p + "min"])
-        m[p + "fraction_high"] = _div(s[p + "high"], n_tok if is_token else seq_den)
-        m[p + "fraction_low"] = _div(s[p + "low"], n_tok if is_token else seq_den) if stat == "k1" else 0.0
+        if is_token and stat == "k1":  # k1 = -x: extrema from those of x
+            m[p + "max"] = -_ext(mn["x_min"])
+            m[p + "min"] = -_ext(mx["x_max"])
+        elif is_token:
+            m[p + "max"] = _ext(mx[p + "max"])
+            m[p + "min"] = _ext(mn[p + "min"])
+        else:
+            m[p + "max"] = _ext(mx[p + "seq_max"])
+            m[p + "min"] = _ext(mn[p + "seq_min"])
+        high = s[p + "high"] if is_token else s[p + "seq_high"]
+        low = (s[p + "low"] if is_token else s[p + "seq_low"]) if stat == "k1" else 0.0
+        m[p + "fraction_high"] = _div(high, n_tok if is_token else n_seq)
+        m[p + "fraction_low"] = _div(low, n_tok if is_token else n_seq)
         m[p + "std"] = _pop_std(s[p + "csum"], s[p + "csum2"], n_tok)
-        m[p + "seq_mean"] = _div(s[p + "seq"], seq_den)
-        m[p + "seq_std"] = _unbiased_std(s[p + "seq"], s[p + "seq2"], seq_den)
+        m[p + "seq_mean"] = _div(s[p + "seq"], n_seq)
+        m[p + "seq_std"] = _unbiased_std(s[p + "seq"], s[p + "seq2"], n_seq)
         smax, smin = _ext(mx[p + "seq_max"]), _ext(mn[p + "seq_min"])
         m[p + "seq_max"] = smax
         m[p + "seq_min"] = smin
-        m[p + "seq_max_deviation"] = max(abs(smax), abs(smin)) if seq_den > 0 else 0.0
-        m[p + "seq_fraction_high"] = _div(s[p + "seq_high"], seq_den)
+        m[p + "seq_max_deviation"] = max(abs(smax), abs(smin)) if n_seq > 0 else 0.0
+        m[p + "seq_fraction_high"] = _div(s[p + "seq_high"], n_seq)
         if stat == "k1":
-            m[p + "seq_fraction_low"] = _div(s[p + "seq_low"], seq_den)
-        m[p + "masked_fraction"] = _div(s[p + "rejected"], n_tok)
-        m[p + "seq_masked_fraction"] = _div(s[p + "rejected_seqs"], seq_den)
+            m[p + "seq_fraction_low"] = _div(s[p + "seq_low"], n_seq)
+        rejected = high + low if is_token else s[p + "rejected"]
+        m[p + "masked_fraction"] = _div(rejected, n_tok)
+        m[p + "seq_masked_fraction"] = _div(s[p + "rejected_seqs"], n_seq)
     if layout.get("rs"):
-        m["rollout_rs_masked_fraction"] = _div(s["rs_rejected"], n_tok)
+        m["rollout_rs_masked_fraction"] = _div(n_tok - s["rs_kept"], n_tok)
         m["rollout_rs_seq_masked_fraction"] = _div(s["rs_rejected_seqs"], n_seq)
 
     # Off-policy diagnostics (always).
@@ -239,10 +276,10 @@ def _finalize(s: dict, mx: dict, mn: dict, layout: dict) -> dict[str, float]:
     m["log_ppl_diff_max"] = _ext(mx["d_max"])
     m["log_ppl_diff_min"] = _ext(mn["d_min"])
     m["ppl_ratio"] = _div(s["exp_d"], n_seq)
-    m["chi2_token"] = _div(s["r2"], n_tok) - 1.0 if n_tok > 0 else 0.0
+    m["chi2_token"] = _div(r2, n_tok) - 1.0 if n_tok > 0 else 0.0
     m["chi2_seq"] = _div(s["seq_r2"], n_seq) - 1.0 if n_seq > 0 else 0.0
 
     m["num_valid_tokens"] = n_tok
     m["num_valid_seqs"] = n_seq
-    m["invalid_token_fraction"] = _div(s["n_invalid"], s["n_masked"])
+    m["invalid_token_fraction"] = _div(s["n_masked"] - n_tok, s["n_masked"])
     return m
