@@ -527,3 +527,45 @@ def test_trl_coupling_advantage_formula_matches_trl(setting, llama_dir, tmp_path
     for advantages, rewards in seen:
         ours = trainer._rc_group_advantages(rewards, torch.zeros(rewards.size(0), dtype=torch.bool), 4)
         torch.testing.assert_close(ours, advantages, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- two ranks on CPU
+def _launch(nproc: int, out_json, model_dir, port: int):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
+           os.path.join(os.path.dirname(__file__), "dist_worker.py"), str(out_json), str(model_dir)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.load(open(f"{out_json}.rank{r}")) for r in range(nproc)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_match_one_rank(llama_dir, tmp_path):
+    """torchrun --nproc_per_node 2 with use_cpu=True (real DDP over gloo) vs 1 rank, same global batch."""
+    two = _launch(2, tmp_path / "two.json", llama_dir, _free_port())
+    one = _launch(1, tmp_path / "one.json", llama_dir, _free_port())
+    assert [r["world"] for r in two] == [2, 2] and one[0]["world"] == 1
+    assert two[0]["distributed_type"] == "DistributedType.MULTI_CPU"
+    for case, ref in one[0]["exact"].items():
+        got = two[0]["exact"][case]
+        assert got == two[1]["exact"][case]  # every rank logs the same values
+        assert set(got) == set(ref) and len(ref) > 20
+        for key, value in ref.items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), (case, key)
+        # uneven shards: 10 + 1000 valid tokens, one of them NaN -> invalid
+        assert ref["rollout_corr/num_valid_tokens"] == 1009
+        assert ref["rollout_corr/invalid_token_fraction"] == pytest.approx(1 / 1010)
+    # real 2-rank training: the logged token count is the global one (sum over ranks, not a mean of ranks)
+    for preset, logs in two[0]["train"].items():
+        assert len(logs) == 2
+        for log in logs:
+            assert math.isfinite(log["loss"])
+            assert log["num_valid_tokens"] == pytest.approx(log["mean_length"] * log["global_rows"])
+            assert log["global_rows"] == 8

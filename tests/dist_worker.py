@@ -1,0 +1,112 @@
+"""Multi-rank worker for ``tests/test_trainer.py::test_two_ranks_match_one_rank`` (not collected by pytest).
+
+Recipe (CPU, real DDP over gloo; ``accelerate launch --cpu`` and torchrun without ``use_cpu=True`` give independent
+single-process runs instead)::
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/dist_worker.py OUT.json MODEL_DIR
+
+with ``use_cpu=True`` in the ``RolloutCorrGRPOConfig``. Each rank writes ``OUT.json.rank<k>``.
+
+Part 1 (exact aggregation): a fixed global batch is split unevenly over the ranks (rank 0 holds 10 valid tokens,
+rank 1 holds 1000; with one rank, it holds all), every rank runs the correction on its shard (in one call, or in
+micro-batches), feeds the trainer's statistics, and calls ``trainer.log``: the logged ``rollout_corr/*`` values must
+not depend on the number of ranks.
+Part 2 (real training): 2 GRPO steps per mode on the tiny model; the logged ``rollout_corr/num_valid_tokens`` must
+equal the global completion-token count TRL logs (``completions/mean_length`` times the global batch rows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_model import prompt_dataset, reward_len  # noqa: E402
+
+from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction  # noqa: E402
+from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # noqa: E402
+
+CASES = {
+    "token_is_bn_rs": dict(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True,
+                           rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="0.8_1.25,0.0055"),
+    "seq_is_bn_seqmax": dict(rollout_is="sequence", rollout_is_threshold=3.0, rollout_is_batch_normalize=True,
+                             rollout_rs="seq_max_k2", rollout_rs_threshold=0.03),
+    "icepop_microbatches": dict(rollout_is="token", rollout_is_threshold="0.9_1.1", rollout_rs="seq_sum_k1",
+                                rollout_rs_threshold="0.5_2.0"),
+}
+
+
+def global_batch():
+    """6 rows: rows 0-1 have 5 valid tokens each (10 in all), rows 2-5 have 250 each (1000 in all)."""
+    g = torch.Generator().manual_seed(0)
+    width = 250
+    lengths = [5, 5, 250, 250, 250, 250]
+    log_probs = -2.0 * torch.rand(len(lengths), width, generator=g)
+    rollout = log_probs + 0.1 * torch.randn(len(lengths), width, generator=g)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    rollout[3, 7] = float("nan")  # one invalid token on the big shard
+    rollout[0, 100] = float("nan")  # NaN at padding: ignored
+    return log_probs, rollout, mask
+
+
+def shard(world: int, rank: int) -> slice:
+    if world == 1:
+        return slice(0, 6)
+    return slice(0, 2) if rank == 0 else slice(2, 6)
+
+
+def make_args(out_dir: str, **kwargs) -> RolloutCorrGRPOConfig:
+    return RolloutCorrGRPOConfig(
+        output_dir=out_dir, use_cpu=True, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+        max_steps=2, logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-3, beta=0.0, seed=0,
+        disable_tqdm=True, **kwargs,
+    )
+
+
+def main() -> None:
+    out_path, model_dir = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    work = os.path.dirname(out_path)
+    trainer = RolloutCorrGRPOTrainer(model=model_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8),
+                                     args=make_args(os.path.join(work, "exact")))
+    world, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
+    result = {"world": world, "distributed_type": str(trainer.accelerator.distributed_type), "exact": {}, "train": {}}
+
+    trainer.model.train()  # log() reads the mode from the model, as during training
+    log_probs, rollout, mask = global_batch()
+    rows = shard(world, rank)
+    for name, fields in CASES.items():
+        cfg = RolloutCorrectionConfig(**fields)
+        trainer.rollout_correction = cfg
+        trainer._rc_stats = {"train": None, "eval": None}
+        lp, mu, m = log_probs[rows], rollout[rows], mask[rows]
+        pieces = [slice(None)] if "microbatches" not in name else [slice(i, i + 1) for i in range(lp.size(0))]
+        for piece in pieces:
+            out = compute_rollout_correction(lp[piece], mu[piece], m[piece], cfg, all_reduce=trainer._rc_all_reduce_sum())
+            trainer._rc_add_stats("train", out.stats)
+        trainer.log({})
+        logged = trainer.state.log_history[-1]
+        result["exact"][name] = {k: v for k, v in logged.items() if k.startswith("rollout_corr/")}
+
+    for preset in ("decoupled_k3_rs_token_tis", "bypass_pg_is"):
+        run = RolloutCorrGRPOTrainer(model=model_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8),
+                                     args=make_args(os.path.join(work, preset), rollout_corr_preset=preset, top_p=0.9))
+        run.train()
+        logs = [h for h in run.state.log_history if "loss" in h]
+        result["train"][preset] = [
+            {"loss": h["loss"], "num_valid_tokens": h["rollout_corr/num_valid_tokens"],
+             "mean_length": h["completions/mean_length"], "kl": h["rollout_corr/kl"],
+             "global_rows": 4 * world}
+            for h in logs
+        ]
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
