@@ -34,6 +34,8 @@ def test_metric_key_set_matches_verl_plus_ours():
     case = VECTORS["cases"]["token_TIS+token_k1,seq_mean_k2"]
     out = compute_rollout_correction(OLD, ROLL, MASK, RolloutCorrectionConfig(**case["config"]))
     ours = {"rollout_is_eff_sample_size_raw", "num_valid_tokens", "num_valid_seqs", "invalid_token_fraction"}
+    for bucket in ("len_0_64", "len_64_256", "len_256_1024", "len_1024_inf"):
+        ours |= {f"{bucket}/{k}" for k in ("num_seqs", "kl", "k3_kl", "rs_masked_fraction", "is_eff_sample_size")}
     assert {k[len(P):] for k in out.metrics} == set(case["metrics"]) | ours
 
 
@@ -185,3 +187,22 @@ def test_invalid_token_keeps_neutral_weight_under_batch_normalisation(level):
         assert out.weights[valid].mean().item() == pytest.approx(1.0, abs=1e-6)
     else:
         assert torch.stack([out.weights[i][valid[i]][0] for i in range(3)]).mean().item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_length_slices_hand_values():
+    # Rows of 4, 3 and 2 valid tokens with edges (3,): row 0 and row 1 in [3, inf), row 2 in [0, 3).
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
+    m = compute_rollout_correction(OLD, ROLL, MASK, cfg, length_buckets=(3,)).metrics
+    assert m[P + "len_0_3/num_seqs"] == 1 and m[P + "len_3_inf/num_seqs"] == 2
+    assert m[P + "len_0_3/kl"] == pytest.approx(-(-1.5 + 0.1) / 2)
+    assert m[P + "len_3_inf/kl"] == pytest.approx(-(1.0 + 0.6) / 7)
+    # token_k1 [0.5, 2] rejects row 0's ratio e^1 and row 2's e^-1.5
+    assert m[P + "len_0_3/rs_masked_fraction"] == pytest.approx(1 / 2)
+    assert m[P + "len_3_inf/rs_masked_fraction"] == pytest.approx(1 / 7)
+    w = [1.0, math.exp(0.5), math.exp(-0.5), 2.0] + [math.exp(0.2)] * 3
+    assert m[P + "len_3_inf/is_eff_sample_size"] == pytest.approx(sum(w) ** 2 / (7 * sum(v * v for v in w)))
+    k3 = [math.exp(-1.5) + 0.5, math.exp(0.1) - 1.1]
+    assert m[P + "len_0_3/k3_kl"] == pytest.approx(sum(k3) / 2)
+    assert not any("len_" in k for k in compute_rollout_correction(OLD, ROLL, MASK, cfg, length_buckets=()).metrics)
+    with pytest.raises(ValueError, match="increasing positive"):
+        compute_rollout_correction(OLD, ROLL, MASK, cfg, length_buckets=(5, 3))

@@ -137,7 +137,8 @@ def test_padding_rows_and_columns_change_no_metric(batch, cfg, extra_rows, extra
     padded = compute_rollout_correction(old2, roll2, mask2, cfg).metrics
     assert padded.keys() == base.keys()
     for k in base:
-        assert math.isclose(padded[k], base[k], rel_tol=1e-6, abs_tol=1e-6), k
+        # float32 row sums may round differently when the row is wider (summation order): allow 1e-5.
+        assert math.isclose(padded[k], base[k], rel_tol=1e-5, abs_tol=1e-5), k
 
 
 @SETTINGS

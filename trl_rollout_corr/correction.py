@@ -28,6 +28,7 @@ from .config import RolloutCorrectionConfig, RSSpec
 from .metrics import CorrectionStats
 
 SAFETY_BOUND = 20.0  # |log ratio| clamp before exponentiation, in nats (as verl)
+DEFAULT_LENGTH_BUCKETS = (64, 256, 1024)  # response-length slice edges, in valid tokens per row
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -130,9 +131,9 @@ def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_
     n_row = torch.count_nonzero(valid, dim=-1).float()
     rows.set_rows(n_row)
     p = _Prepared(mask=mask, fin=fin, valid=valid, l=l, x=x, e1=torch.expm1(x), n_row=n_row, row_valid=n_row > 0, seq_l=l.sum(-1))
-    rows.add("n_tok", n_row, "sum")
+    rows.add("n_tok", n_row, "sum", bucket=True)
     rows.add("n_masked", torch.count_nonzero(mask, dim=-1), "sum_all")
-    rows.add("n_seq", p.row_valid, "sum")
+    rows.add("n_seq", p.row_valid, "sum", bucket=True)
     rows.add("rollout_row_sum", torch.where(valid, rlp, 0.0).sum(-1, dtype=torch.float64))
     return p
 
@@ -163,11 +164,13 @@ class _RowTable:
         self.gt: list[tuple[str, int, float]] = []
         self.lt: list[tuple[str, int, float]] = []
         self.n: Optional[torch.Tensor] = None
+        self.bucketed: list[tuple[str, int]] = []
+        self.bucket_edges: tuple[int, ...] = ()
 
     def set_rows(self, n_row: torch.Tensor) -> None:
         self.n = n_row.double()
 
-    def add(self, name: str, values: torch.Tensor, *kinds: str, gt: Optional[tuple[str, float]] = None, lt: Optional[tuple[str, float]] = None) -> int:
+    def add(self, name: str, values: torch.Tensor, *kinds: str, gt: Optional[tuple[str, float]] = None, lt: Optional[tuple[str, float]] = None, bucket: bool = False) -> int:
         idx = len(self.values)
         self.values.append(values.double())
         self.index.setdefault(name, idx)
@@ -178,6 +181,8 @@ class _RowTable:
                 self.requests[kind].append((name + "2", idx))
             else:
                 self.requests[kind].append((name, idx))
+        if bucket:
+            self.bucketed.append((name, idx))
         if gt is not None:
             self.gt.append((gt[0], idx, gt[1]))
         if lt is not None:
@@ -209,6 +214,15 @@ class _RowTable:
                 names, idx = zip(*self.requests[kind])
                 sum_names += names
                 sum_parts.append(out[kind][list(idx)])
+        if self.bucketed and self.bucket_edges:
+            # Sums per response-length bucket: (k, B) @ (B, n_buckets) one-hot of each valid row's bucket.
+            edges = torch.tensor(self.bucket_edges, dtype=X.dtype, device=X.device)
+            bucket = torch.bucketize(self.n, edges, right=True)
+            one_hot = (bucket.unsqueeze(-1) == torch.arange(len(self.bucket_edges) + 1, device=X.device)) & row_valid.unsqueeze(-1)
+            names, idx = zip(*self.bucketed)
+            per_bucket = X[list(idx)] @ one_hot.to(X.dtype)  # (k, n_buckets)
+            sum_names += [f"{name}@{j}" for name in names for j in range(per_bucket.shape[1])]
+            sum_parts.append(per_bucket.reshape(-1))
         for store, sign in ((self.gt, 1.0), (self.lt, -1.0)):
             if store:
                 names, idx, thr = zip(*store)
@@ -255,7 +269,10 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
             rows.add("is_w", torch.where(p.valid, w_shift, math.inf).amin(-1) if w_shift.numel() else p.seq_l, "min")
         else:
             _x_range(p, rows)
-        row_mean_w = (row_ws + c * nd) / n1
+        row_w = row_ws + c * nd
+        rows.add("is_wrow", row_w, bucket=True)  # per-row sum of W and of W^2, for the length slices
+        rows.add("is_wrow2", rows.col("is_wq") + 2.0 * c * row_ws + c * c * nd, bucket=True)
+        row_mean_w = row_w / n1
         row_mean_r = (rows.col("e1") + nd) / n1
         batch_total = (row_ws.sum() + c * nd.sum(), nd.sum())
     else:
@@ -266,6 +283,8 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
         else:
             seq_w = seq_ratio.clamp(max=upper)
         rows.add("is_w", seq_w, "wsum", "wsq")
+        rows.add("is_wrow", nd * seq_w, bucket=True)
+        rows.add("is_wrow2", nd * seq_w * seq_w, bucket=True)
         rows.add("is_r", seq_ratio, "wsum", "wsq")
         rows.add("is_logw", p.seq_l, "max", "min", gt=("is_high", math.log(upper)), lt=("is_low", math.log(lower_m)))
         row_mean_w, row_mean_r = seq_w, seq_ratio
@@ -366,7 +385,7 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, toke
     if keep_row is not None:
         keep = keep & keep_row.unsqueeze(-1)
     kept_rows = torch.count_nonzero(keep, dim=-1)
-    rows.add("rs_kept", kept_rows, "sum")
+    rows.add("rs_kept", kept_rows, "sum", bucket=True)
     rows.add("rs_kept_minus_n", kept_rows - p.n_row, lt=("rs_rejected_seqs", 0.0))
     return keep
 
@@ -379,6 +398,7 @@ def compute_rollout_correction(
     config: RolloutCorrectionConfig,
     *,
     all_reduce: Optional[AllReduce] = None,
+    length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
 ) -> RolloutCorrectionOutput:
     """IS weights, RS mask and reducible ``rollout_corr/*`` statistics for one batch.
 
@@ -391,6 +411,9 @@ def compute_rollout_correction(
         config: a validated ``RolloutCorrectionConfig``.
         all_reduce: optional callable summing a small 1-D tensor across ranks, used only for batch
             normalisation so that it divides by the global-batch mean. None: this batch is the global batch.
+        length_buckets: increasing response-length edges (valid tokens per row) for the length slices
+            ``rollout_corr/len_{lo}_{hi}/*`` (kl, k3_kl, rs_masked_fraction, is_eff_sample_size, num_seqs);
+            ``()`` turns them off. Rows with ``lo <= length < hi`` fall in a slice; the last one is open.
 
     Returns:
         ``RolloutCorrectionOutput`` with ``weights`` ((B, T) float32 or None), ``response_mask`` (RS and
@@ -406,7 +429,11 @@ def compute_rollout_correction(
     ``rollout_corr/invalid_token_fraction``. NaN/inf at padding is ignored.
     """
     _check_inputs(log_probs, rollout_log_probs, response_mask)
+    edges = tuple(int(e) for e in length_buckets)
+    if any(b <= a for a, b in zip(edges, edges[1:])) or any(e <= 0 for e in edges):
+        raise ValueError(f"length_buckets must be increasing positive token counts, got {tuple(length_buckets)}.")
     rows = _RowTable()
+    rows.bucket_edges = edges
     p = _prepare(log_probs, rollout_log_probs, response_mask, rows)
     rows.add("e1", p.e1.sum(-1), "sum")
     rows.add("e1sq", p.sq_rowsum(p.e1), "sum")
@@ -417,12 +444,13 @@ def compute_rollout_correction(
     keep = _rejection_keep(p, config.rs_specs, rows, token_stats) if config.rs_enabled else p.valid
 
     _offpolicy_stats(p, rows, token_stats["k3"])
-    return RolloutCorrectionOutput(weights=weights, response_mask=keep.to(response_mask.dtype), stats=rows.reduce(_layout(config)))
+    layout = _layout(config) + ((("buckets", edges),) if edges else ())
+    return RolloutCorrectionOutput(weights=weights, response_mask=keep.to(response_mask.dtype), stats=rows.reduce(layout))
 
 
 def _offpolicy_stats(p: _Prepared, rows: _RowTable, k3: torch.Tensor) -> None:
-    rows.add("l", p.seq_l, "sum")
-    rows.add("k3", k3.sum(-1), "sum")  # k3 is 0 outside valid tokens
+    rows.add("l", p.seq_l, "sum", bucket=True)
+    rows.add("k3", k3.sum(-1), "sum", bucket=True)  # k3 is 0 outside valid tokens
     n1 = rows.n.clamp(min=1)
     mean_roll = rows.col("rollout_row_sum") / n1  # mean log mu per row
     mean_l = p.seq_l.double() / n1

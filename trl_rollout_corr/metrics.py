@@ -23,6 +23,8 @@ its mask is 1 and both log-probs are finite; ``l`` = log pi_train - log mu in na
   (for sequence IS each row counts with its token count, as in verl), 0 when every weight is 0.
 * RS per option ``o``: ``rollout_rs_{o}_*`` as in verl; the global ``rollout_rs_masked_fraction`` and
   ``rollout_rs_seq_masked_fraction`` (over V).
+* length slices ``len_{lo}_{hi}/``: ``kl``, ``k3_kl``, ``rs_masked_fraction``, ``is_eff_sample_size`` and
+  ``num_seqs`` over the rows whose valid-token count is in ``[lo, hi)``.
 * counts: ``num_valid_tokens``, ``num_valid_seqs``, ``invalid_token_fraction`` (NaN/inf log-probs at
   masked tokens, over masked tokens).
 
@@ -278,6 +280,19 @@ def _finalize(s: dict, mx: dict, mn: dict, layout: dict) -> dict[str, float]:
     m["ppl_ratio"] = _div(s["exp_d"], n_seq)
     m["chi2_token"] = _div(r2, n_tok) - 1.0 if n_tok > 0 else 0.0
     m["chi2_seq"] = _div(s["seq_r2"], n_seq) - 1.0 if n_seq > 0 else 0.0
+
+    edges = layout.get("buckets", ())
+    for j in range(len(edges) + 1 if edges else 0):
+        lo = 0 if j == 0 else edges[j - 1]
+        hi = edges[j] if j < len(edges) else "inf"
+        p, n_j = f"len_{lo}_{hi}/", s[f"n_tok@{j}"]
+        m[p + "num_seqs"] = s[f"n_seq@{j}"]
+        m[p + "kl"] = -_div(s[f"l@{j}"], n_j)
+        m[p + "k3_kl"] = _div(s[f"k3@{j}"], n_j)
+        if layout.get("rs"):
+            m[p + "rs_masked_fraction"] = _div(n_j - s[f"rs_kept@{j}"], n_j)
+        if is_layout is not None:
+            m[p + "is_eff_sample_size"] = _ess(s[f"is_wrow@{j}"], s[f"is_wrow2@{j}"], n_j)
 
     m["num_valid_tokens"] = n_tok
     m["num_valid_seqs"] = n_seq
