@@ -109,6 +109,10 @@ def test_every_mode_trains_and_logs(mode, request, tmp_path):
         assert all(f"rollout_corr/{k}" in log for k in IS_KEYS) == has_is
         assert ("rollout_corr/rollout_rs_masked_fraction" in log) == has_rs
         assert log["rollout_corr/num_valid_tokens"] > 0
+    # policy lag in optimizer steps: data generated for step k and reused at step k+1 (num_iterations=2, or
+    # steps_per_generation=2 with no accumulation) has lag 1
+    reused = overrides.get("num_iterations", 1) > 1 or overrides.get("steps_per_generation", 1) > 1
+    assert [log["rollout_corr/policy_lag_mean"] for log in logs] == ([0.0, 1.0, 0.0, 1.0] if reused else [0.0] * 4)
     # the flat fields and the effective correction agree with the preset
     cfg = trainer.rollout_correction
     assert cfg.bypass_mode == mode.startswith(("bypass", "direct"))

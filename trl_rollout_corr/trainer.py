@@ -262,6 +262,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction()
         self._rc_stats: dict[str, Optional[CorrectionStats]] = {"train": None, "eval": None}
+        self._rc_lag: dict[str, list] = {"train": [0, 0, 0], "eval": [0, 0, 0]}  # sum, micro-batches, max
         self._rc_rewards: Optional[torch.Tensor] = None
         self._rc_skip_trl_old_forward = False
         self.rollout_corr_forward_counts = {"old_log_probs": 0}
@@ -362,6 +363,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 "transformers.generate path."
             )
         output["rollout_log_probs"] = rollout_log_probs
+        # 0-d tensor: TRL's shuffle/split pass it to every micro-batch unchanged
+        output["rollout_generation_step"] = torch.tensor(self.state.global_step)
         mask = output["completion_mask"]
         if "tool_mask" in output:
             mask = mask * output["tool_mask"]
@@ -483,6 +486,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         """Decoupled: TRL's loss with the RS mask as loss mask/normaliser and IS weights after the clip.
         Bypass: ``_rc_bypass_loss``."""
+        self._rc_record_policy_lag(inputs)
         if self.rollout_correction.bypass_mode:
             return self._rc_bypass_loss(model, inputs)
         inputs = dict(inputs)
@@ -580,11 +584,33 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             if mode == "eval":
                 metrics = {f"eval_{k}": v for k, v in metrics.items()}
             logs = {**logs, **metrics}
+        lag_sum, lag_n, lag_max = self._rc_lag[mode]
+        if lag_n:
+            prefix = "eval_" if mode == "eval" else ""
+            logs[f"{prefix}rollout_corr/policy_lag_mean"] = lag_sum / lag_n
+            logs[f"{prefix}rollout_corr/policy_lag_max"] = float(lag_max)
+            self._rc_lag[mode] = [0, 0, 0]
         super().log(logs, start_time)
 
     # ================================================================== TRL 1.16 coupling (end)
 
     # ------------------------------------------------------------------ metric plumbing
+    def _rc_record_policy_lag(self, inputs: dict) -> None:
+        """Policy lag of a micro-batch: optimizer steps between its generation and this update (0 = on-policy).
+
+        Every micro-batch has the same number of rows on every rank, so the mean over micro-batches is the mean
+        over rows of the global batch (no cross-rank reduction needed: all ranks hold the same steps).
+        """
+        step = inputs.get("rollout_generation_step")
+        if step is None:
+            return
+        mode = "train" if self.model.training else "eval"
+        lag = self.state.global_step - int(step)
+        record = self._rc_lag[mode]
+        record[0] += lag
+        record[1] += 1
+        record[2] = max(record[2], lag)
+
     def _rc_add_stats(self, mode: str, stats: CorrectionStats) -> None:
         current = self._rc_stats.get(mode)
         self._rc_stats[mode] = stats if current is None else current.merge(stats)
