@@ -64,7 +64,7 @@ def make_args(out_dir: str, **kwargs) -> RolloutCorrGRPOConfig:
     return RolloutCorrGRPOConfig(
         output_dir=out_dir, use_cpu=True, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
         max_steps=2, logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-3, beta=0.0, seed=0,
-        disable_tqdm=True, **kwargs,
+        disable_tqdm=True, bf16=False, **kwargs,
     )
 
 

@@ -53,6 +53,7 @@ def make_args(tmp_path, **overrides) -> RolloutCorrGRPOConfig:
         beta=0.0,
         seed=0,
         disable_tqdm=True,
+        bf16=False,  # TRL defaults to bf16 autocast (also on CPU); the tests train in float32 unless they say otherwise
     )
     kwargs.update(overrides)
     return RolloutCorrGRPOConfig(**kwargs)
