@@ -128,11 +128,11 @@ def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_
     valid = mask & fin
     l = torch.where(valid, diff, 0.0)
     x = l.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    n_row = torch.count_nonzero(valid, dim=-1).float()
+    n_row = valid.sum(-1).float()
     rows.set_rows(n_row)
     p = _Prepared(mask=mask, fin=fin, valid=valid, l=l, x=x, e1=torch.expm1(x), n_row=n_row, row_valid=n_row > 0, seq_l=l.sum(-1))
     rows.add("n_tok", n_row, "sum", bucket=True)
-    rows.add("n_masked", torch.count_nonzero(mask, dim=-1), "sum_all")
+    rows.add("n_masked", mask.sum(-1), "sum_all")
     rows.add("n_seq", p.row_valid, "sum", bucket=True)
     rows.add("rollout_row_sum", torch.where(valid, rlp, 0.0).sum(-1, dtype=torch.float64))
     return p
@@ -229,7 +229,7 @@ class _RowTable:
                 thr_t = torch.tensor(thr, dtype=X.dtype, device=X.device).unsqueeze(-1)
                 hit = (X[list(idx)] * sign > thr_t * sign) & row_valid
                 sum_names += names
-                sum_parts.append(torch.count_nonzero(hit, dim=-1).double())
+                sum_parts.append(hit.sum(-1).double())
         extremes = []
         for kind in ("max", "min"):
             names, idx = zip(*self.requests[kind]) if self.requests[kind] else ((), ())
@@ -262,8 +262,8 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
         w_shift, c = _token_weights_shifted(p, upper, lower)
         row_ws = rows.values[rows.add("is_ws", w_shift.sum(-1), "sum")]
         rows.add("is_wq", p.sq_rowsum(w_shift), "sum")
-        rows.add("is_high", torch.count_nonzero(_compare_valid(p.e1, ">", upper - 1.0, p), dim=-1), "sum")
-        rows.add("is_low", torch.count_nonzero(_compare_valid(p.e1, "<", lower_m - 1.0, p), dim=-1), "sum")
+        rows.add("is_high", _compare_valid(p.e1, ">", upper - 1.0, p).sum(-1), "sum")
+        rows.add("is_low", _compare_valid(p.e1, "<", lower_m - 1.0, p).sum(-1), "sum")
         if bounds.is_icepop:
             rows.add("is_w", w_shift.amax(-1) if w_shift.numel() else p.seq_l, "max")  # W >= 0, 0 off-valid
             rows.add("is_w", torch.where(p.valid, w_shift, math.inf).amin(-1) if w_shift.numel() else p.seq_l, "min")
@@ -341,12 +341,12 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, toke
         if spec.is_token_level:
             high = _compare_valid(t, ">", hi, p)
             rejected = high
-            high_rows = torch.count_nonzero(high, dim=-1)
+            high_rows = high.sum(-1)
             rows.add(pre + "high", high_rows, "sum")
             if lo is not None:
                 low = _compare_valid(t, "<", lo, p)
                 rejected = high | low
-                low_rows = torch.count_nonzero(low, dim=-1)
+                low_rows = low.sum(-1)
                 rows.add(pre + "low", low_rows, "sum")
                 high_rows = high_rows + low_rows
             rows.add(pre + "rejected_rows", high_rows, gt=(pre + "rejected_seqs", 0.0))
@@ -384,7 +384,7 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, toke
         rows.add(pre + "seq", row_values, "sum", "sq", "max", "min", gt=(pre + "seq_high", hi), lt=((pre + "seq_low", lo) if lo is not None else None))
     if keep_row is not None:
         keep = keep & keep_row.unsqueeze(-1)
-    kept_rows = torch.count_nonzero(keep, dim=-1)
+    kept_rows = keep.sum(-1)
     rows.add("rs_kept", kept_rows, "sum", bucket=True)
     rows.add("rs_kept_minus_n", kept_rows - p.n_row, lt=("rs_rejected_seqs", 0.0))
     return keep
