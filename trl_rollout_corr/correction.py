@@ -111,6 +111,15 @@ class _Prepared:
     seq_l: torch.Tensor  # (B,) float32 sum of l over valid tokens (unclamped)
     _scratch: Optional[torch.Tensor] = None
     _has_x_range: bool = False
+    _stat_rowsums: Optional[dict] = None
+
+    def stat_rowsum(self, stat: str, t: torch.Tensor) -> torch.Tensor:
+        """(B,) row sums of the token statistic ``stat`` (``t``), computed once."""
+        if self._stat_rowsums is None:
+            self._stat_rowsums = {}
+        if stat not in self._stat_rowsums:
+            self._stat_rowsums[stat] = t.sum(-1)
+        return self._stat_rowsums[stat]
 
     def sq_rowsum(self, t: torch.Tensor) -> torch.Tensor:
         """(B,) row sums of t**2, through one reused scratch buffer."""
@@ -134,7 +143,7 @@ def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_
     rows.add("n_tok", n_row, "sum", bucket=True)
     rows.add("n_masked", mask.sum(-1), "sum_all")
     rows.add("n_seq", p.row_valid, "sum", bucket=True)
-    rows.add("rollout_row_sum", torch.where(valid, rlp, 0.0).sum(-1, dtype=torch.float64))
+    rows.add("rollout_row_sum", torch.where(valid, rlp, 0.0).sum(-1))
     return p
 
 
@@ -172,7 +181,7 @@ class _RowTable:
 
     def add(self, name: str, values: torch.Tensor, *kinds: str, gt: Optional[tuple[str, float]] = None, lt: Optional[tuple[str, float]] = None, bucket: bool = False) -> int:
         idx = len(self.values)
-        self.values.append(values.double())
+        self.values.append(values)  # converted to float64 once, in reduce()
         self.index.setdefault(name, idx)
         for kind in kinds:
             if kind in ("max", "min"):
@@ -190,10 +199,11 @@ class _RowTable:
         return idx
 
     def col(self, name: str) -> torch.Tensor:
-        return self.values[self.index[name]]
+        """The named row vector as float64 (B,)."""
+        return self.values[self.index[name]].double()
 
     def reduce(self, layout: tuple) -> CorrectionStats:
-        X = torch.stack(self.values)  # (K, B) float64
+        X = torch.stack(self.values).double()  # (K, B); stack promotes mixed dtypes
         K, B = X.shape
         row_valid = self.n > 0
         V = torch.where(row_valid, X, 0.0)
@@ -260,7 +270,8 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
     n1 = nd.clamp(min=1)
     if config.rollout_is == "token":
         w_shift, c = _token_weights_shifted(p, upper, lower)
-        row_ws = rows.values[rows.add("is_ws", w_shift.sum(-1), "sum")]
+        rows.add("is_ws", w_shift.sum(-1), "sum")
+        row_ws = rows.col("is_ws")
         rows.add("is_wq", p.sq_rowsum(w_shift), "sum")
         rows.add("is_high", _compare_valid(p.e1, ">", upper - 1.0, p).sum(-1), "sum")
         rows.add("is_low", _compare_valid(p.e1, "<", lower_m - 1.0, p).sum(-1), "sum")
@@ -354,7 +365,7 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, toke
             clamped = t.clamp(clamp_lo, hi)
             if not clamp_lo <= 0.0 <= hi:
                 clamped = torch.where(p.valid, clamped, 0.0)
-            row_sum = t.sum(-1)
+            row_sum = p.stat_rowsum(spec.stat, t)
             rows.add(pre + "sum", row_sum, "sum")
             rows.add(pre + "csum", clamped.sum(-1), "sum")
             rows.add(pre + "csum2", p.sq_rowsum(clamped), "sum")
@@ -366,9 +377,9 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, toke
             row_values = row_sum / n1
         else:
             if spec.level == "seq_sum":
-                row_values = t.sum(-1)
+                row_values = p.stat_rowsum(spec.stat, t)
             elif spec.level == "seq_mean":
-                row_values = t.sum(-1) / n1
+                row_values = p.stat_rowsum(spec.stat, t) / n1
             else:  # seq_max (k2/k3 only, >= 0, so padding zeros never win over a valid token)
                 row_values = t.amax(-1) if t.numel() else t.sum(-1)
             in_band = row_values <= hi
@@ -450,7 +461,7 @@ def compute_rollout_correction(
 
 def _offpolicy_stats(p: _Prepared, rows: _RowTable, k3: torch.Tensor) -> None:
     rows.add("l", p.seq_l, "sum", bucket=True)
-    rows.add("k3", k3.sum(-1), "sum", bucket=True)  # k3 is 0 outside valid tokens
+    rows.add("k3", p.stat_rowsum("k3", k3), "sum", bucket=True)  # k3 is 0 outside valid tokens
     n1 = rows.n.clamp(min=1)
     mean_roll = rows.col("rollout_row_sum") / n1  # mean log mu per row
     mean_l = p.seq_l.double() / n1
