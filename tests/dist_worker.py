@@ -3,9 +3,10 @@
 Recipe (CPU, real DDP over gloo; ``accelerate launch --cpu`` and torchrun without ``use_cpu=True`` give independent
 single-process runs instead)::
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/dist_worker.py OUT.json MODEL_DIR
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/dist_worker.py OUT.json MODEL_DIR [deepspeed]
 
-with ``use_cpu=True`` in the ``RolloutCorrGRPOConfig``. Each rank writes ``OUT.json.rank<k>``.
+with ``use_cpu=True`` in the ``RolloutCorrGRPOConfig``. Each rank writes ``OUT.json.rank<k>``. With ``deepspeed`` the
+trainers get a ZeRO-2 ``deepspeed=`` config (a real ``DeepSpeedEngine`` on 2 CPU ranks; ``pip install deepspeed``).
 
 Part 1 (exact aggregation): a fixed global batch is split unevenly over the ranks (rank 0 holds 10 valid tokens,
 rank 1 holds 1000; with one rank, it holds all), every rank runs the correction on its shard (in one call, or in
@@ -60,7 +61,21 @@ def shard(world: int, rank: int) -> slice:
     return slice(0, 2) if rank == 0 else slice(2, 6)
 
 
+DEEPSPEED_ZERO2 = {
+    "zero_optimization": {"stage": 2},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto"},
+}
+USE_DEEPSPEED = len(sys.argv) > 3 and sys.argv[3] == "deepspeed"
+
+
 def make_args(out_dir: str, **kwargs) -> RolloutCorrGRPOConfig:
+    if USE_DEEPSPEED:
+        kwargs["deepspeed"] = DEEPSPEED_ZERO2
     return RolloutCorrGRPOConfig(
         output_dir=out_dir, use_cpu=True, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
         max_steps=2, logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-3, beta=0.0, seed=0,
@@ -75,7 +90,8 @@ def main() -> None:
     trainer = RolloutCorrGRPOTrainer(model=model_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8),
                                      args=make_args(os.path.join(work, "exact")))
     world, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
-    result = {"world": world, "distributed_type": str(trainer.accelerator.distributed_type), "exact": {}, "train": {}}
+    result = {"world": world, "distributed_type": str(trainer.accelerator.distributed_type), "exact": {}, "train": {},
+              "engine": {}}
 
     trainer.model.train()  # log() reads the mode from the model, as during training
     log_probs, rollout, mask = global_batch()
@@ -97,6 +113,7 @@ def main() -> None:
         run = RolloutCorrGRPOTrainer(model=model_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8),
                                      args=make_args(os.path.join(work, preset), rollout_corr_preset=preset, top_p=0.9))
         run.train()
+        result["engine"][preset] = type(run.model_wrapped).__name__
         logs = [h for h in run.state.log_history if "loss" in h]
         result["train"][preset] = [
             {"loss": h["loss"], "num_valid_tokens": h["rollout_corr/num_valid_tokens"],

@@ -535,10 +535,10 @@ def test_trl_coupling_advantage_formula_matches_trl(setting, llama_dir, tmp_path
 
 
 # ---------------------------------------------------------------------------------------------- two ranks on CPU
-def _launch(nproc: int, out_json, model_dir, port: int):
+def _launch(nproc: int, out_json, model_dir, port: int, *extra: str):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
-           os.path.join(os.path.dirname(__file__), "dist_worker.py"), str(out_json), str(model_dir)]
+           os.path.join(os.path.dirname(__file__), "dist_worker.py"), str(out_json), str(model_dir), *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.load(open(f"{out_json}.rank{r}")) for r in range(nproc)]
@@ -574,3 +574,22 @@ def test_two_ranks_match_one_rank(llama_dir, tmp_path):
             assert math.isfinite(log["loss"])
             assert log["num_valid_tokens"] == pytest.approx(log["mean_length"] * log["global_rows"])
             assert log["global_rows"] == 8
+
+
+def test_deepspeed_zero2_two_ranks_trains_logs_exactly_and_exits_cleanly(llama_dir, tmp_path):
+    """ZeRO-2 DeepSpeedEngine on 2 CPU ranks (torchrun + deepspeed= config): exit code 0 on every rank, and the
+    rollout_corr/* values equal the 1-rank values on the same global batch."""
+    pytest.importorskip("deepspeed")
+    two = _launch(2, tmp_path / "ds.json", llama_dir, _free_port(), "deepspeed")  # asserts returncode == 0
+    one = _launch(1, tmp_path / "one.json", llama_dir, _free_port())
+    assert two[0]["distributed_type"] == "DistributedType.DEEPSPEED"
+    assert set(two[0]["engine"].values()) == {"DeepSpeedEngine"}
+    for case, ref in one[0]["exact"].items():
+        got = two[0]["exact"][case]
+        assert got == two[1]["exact"][case] and set(got) == set(ref)
+        for key, value in ref.items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), (case, key)
+    for preset, logs in two[0]["train"].items():
+        for log in logs:
+            assert math.isfinite(log["loss"])
+            assert log["num_valid_tokens"] == pytest.approx(log["mean_length"] * 8)
