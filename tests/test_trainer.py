@@ -78,7 +78,8 @@ OFFPOLICY_KEYS = (
 # ---------------------------------------------------------------------------------------------- every mode trains
 MODES = {
     # name: (model fixture, config overrides, expects IS keys, expects RS keys)
-    "decoupled_tis": ("llama_dir", dict(rollout_corr_preset="decoupled_token_is", loss_type="grpo"), True, False),
+    "decoupled_tis": ("llama_dir", dict(rollout_corr_preset="decoupled_token_is", loss_type="grpo",
+                                        gradient_accumulation_steps=2), True, False),
     "decoupled_icepop_rs": (
         "qwen_dir",
         dict(rollout_corr_preset="decoupled_token_icepop", rollout_rs="seq_mean_k3", rollout_rs_threshold="0.5",
@@ -118,6 +119,29 @@ def test_every_mode_trains_and_logs(mode, request, tmp_path):
     cfg = trainer.rollout_correction
     assert cfg.bypass_mode == mode.startswith(("bypass", "direct"))
     assert trainer.args.vllm_importance_sampling_correction is False
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "dr_grpo"])
+def test_decoupled_other_loss_types_train(loss_type, llama_dir, tmp_path):
+    trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="decoupled_geo_rs_token_tis", loss_type=loss_type,
+                           rollout_rs_threshold="0.9_1.1", top_p=0.95, max_steps=2, beta=0.04)
+    trainer.train()
+    for log in step_logs(trainer):
+        assert math.isfinite(log["loss"]) and math.isfinite(log["kl"])
+        assert 0.0 <= log["rollout_corr/rollout_rs_masked_fraction"] <= 1.0
+
+
+def test_eval_logs_prefixed_rollout_corr_metrics(llama_dir, tmp_path):
+    args = make_args(tmp_path, rollout_corr_preset="decoupled_token_is", max_steps=2, eval_strategy="steps",
+                     eval_steps=2, per_device_eval_batch_size=4)
+    trainer = RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, args=args,
+                                     train_dataset=prompt_dataset(8), eval_dataset=prompt_dataset(4))
+    trainer.train()
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert len(evals) == 1
+    assert evals[0]["eval_rollout_corr/num_valid_tokens"] > 0
+    assert abs(evals[0]["eval_rollout_corr/kl"]) < 1e-6  # float32 both sides, no truncation
+    assert not any(k.startswith("rollout_corr/") for k in evals[0])
 
 
 # ---------------------------------------------------------------------------------------------- numerics
