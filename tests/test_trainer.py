@@ -147,8 +147,10 @@ def test_eval_logs_prefixed_rollout_corr_metrics(llama_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------- numerics
 def test_identical_numerics_give_unit_weights(llama_dir, tmp_path):
     """float32 generate, temperature 1, no top-p/top-k: mu == pi_old up to float noise."""
-    for preset in ("decoupled_k3_rs_token_tis", "bypass_pg_is"):
-        trainer = make_trainer(llama_dir, tmp_path / preset, rollout_corr_preset=preset, max_steps=2)
+    for preset, temperature in (("decoupled_k3_rs_token_tis", 1.0), ("bypass_pg_is", 1.0), ("decoupled_token_is", 0.7)):
+        # temperature is applied on both sides (processed scores / TRL's temperature-scaled log-probs)
+        trainer = make_trainer(llama_dir, tmp_path / f"{preset}{temperature}", rollout_corr_preset=preset,
+                               max_steps=2, temperature=temperature)
         trainer.train()
         for log in step_logs(trainer):
             assert abs(log["rollout_corr/kl"]) < 1e-6
@@ -156,7 +158,7 @@ def test_identical_numerics_give_unit_weights(llama_dir, tmp_path):
             assert log["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-5)
             assert log["rollout_corr/rollout_is_max"] == pytest.approx(1.0, abs=1e-5)
             assert log["rollout_corr/rollout_is_min"] == pytest.approx(1.0, abs=1e-5)
-            if preset.startswith("decoupled"):
+            if "rs" in preset:
                 assert log["rollout_corr/rollout_rs_masked_fraction"] == 0.0
             assert log["rollout_corr/invalid_token_fraction"] == 0.0
 
@@ -175,10 +177,14 @@ class BF16GenerateTrainer(RolloutCorrGRPOTrainer):
             model.load_state_dict(backup)
 
 
-@pytest.mark.parametrize("how", ["top_p", "bf16"])
+@pytest.mark.parametrize("how", ["top_p", "bf16", "repetition_penalty"])
 def test_real_mismatch_shows_in_metrics(how, llama_dir, tmp_path):
     if how == "top_p":
         trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="decoupled_token_is", top_p=0.8, max_steps=2)
+    elif how == "repetition_penalty":
+        # the sampler penalises repeats, the trainer's pi_old does not
+        trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="decoupled_token_is", repetition_penalty=2.0,
+                               max_steps=2)
     else:
         trainer = make_trainer(llama_dir, tmp_path, trainer_cls=BF16GenerateTrainer,
                                rollout_corr_preset="decoupled_token_is", max_steps=2)
@@ -188,6 +194,11 @@ def test_real_mismatch_shows_in_metrics(how, llama_dir, tmp_path):
             # truncating the tail raises log mu above log pi_old for every sampled token: kl = mean(log mu - log pi) > 0
             assert log["rollout_corr/kl"] > 1e-2
             assert log["rollout_corr/rollout_is_max"] < 1.0  # pi_old / mu < 1 for every kept token
+        elif how == "repetition_penalty":
+            # measured on this model: kl 0.36 / 0.65, k3_kl 0.17 / 0.39, min IS ratio 0.08 / 0.02
+            assert log["rollout_corr/kl"] > 0.05
+            assert log["rollout_corr/k3_kl"] > 1e-2
+            assert log["rollout_corr/rollout_is_min"] < 0.5
         else:
             assert log["rollout_corr/log_ppl_abs_diff"] > 1e-4
             # bf16 rounding of the logits: about 1e-2 relative spread of the token IS ratios on this model
