@@ -44,6 +44,28 @@ def test_rollout_dtype_is_explicit():
         resolve_rollout_dtype(torch.float16)
 
 
+def test_converted_smollm2_checksums_and_tokenizer():
+    """The converted checkpoint matches its checksums and keeps SmolLM2's one-token-per-digit pre-tokenizer."""
+    if not (MODEL_DIR / "model.safetensors").is_file():
+        pytest.skip(f"converted SmolLM2 not found at {MODEL_DIR}")
+    pytest.importorskip("transformers")
+    import json
+
+    from transformers import AutoTokenizer
+
+    from trl_rollout_corr.models import CHECKSUM_FILE, WEIGHTS_FILE, verify_checksums
+
+    assert verify_checksums(MODEL_DIR)
+    record = json.loads((MODEL_DIR / CHECKSUM_FILE).read_text())
+    assert record["files"][WEIGHTS_FILE] == "a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd"
+    config = json.loads((MODEL_DIR / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "float32"
+    tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    assert "Digits(individual_digits=True)" in repr(tok.backend_tokenizer.pre_tokenizer)
+    assert len(tok("12345").input_ids) == 5
+    assert tok.tokenize(" 2024") == ["Ġ", "2", "0", "2", "4"]
+
+
 @pytest.fixture(scope="module")
 def engine_and_trainer():
     if importlib.util.find_spec("vllm") is None:
