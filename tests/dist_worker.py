@@ -105,6 +105,8 @@ def main() -> None:
         for piece in pieces:
             out = compute_rollout_correction(lp[piece], mu[piece], m[piece], cfg, all_reduce=trainer._rc_all_reduce_sum())
             trainer._rc_add_stats("train", out.stats)
+            valid = m[piece] != 0
+            trainer._rc_record_ratios({"engine": (lp[piece] - mu[piece])[valid & torch.isfinite(mu[piece])]})
         trainer.log({})
         logged = trainer.state.log_history[-1]
         result["exact"][name] = {k: v for k, v in logged.items() if k.startswith("rollout_corr/")}

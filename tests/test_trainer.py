@@ -38,6 +38,11 @@ def qwen_dir(tmp_path_factory):
     return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2", seed=1)
 
 
+def cfg_is_bypass(overrides) -> bool:
+    preset = overrides.get("rollout_corr_preset", "")
+    return preset.startswith(("bypass", "direct")) or bool(overrides.get("bypass_mode"))
+
+
 def make_args(tmp_path, **overrides) -> RolloutCorrGRPOConfig:
     kwargs = dict(
         output_dir=str(tmp_path / "out"),
@@ -111,6 +116,13 @@ def test_every_mode_trains_and_logs(mode, request, tmp_path):
         assert all(f"rollout_corr/{k}" in log for k in IS_KEYS) == has_is
         assert ("rollout_corr/rollout_rs_masked_fraction" in log) == has_rs
         assert log["rollout_corr/num_valid_tokens"] > 0
+    if overrides.get("num_iterations", 1) > 1:  # second pass over a generation batch: pi_theta has moved from pi_old
+        assert max(log["rollout_corr/update_ratio_max"] for log in logs) > 1.0 + 1e-3
+    if not cfg_is_bypass(overrides):
+        for log in logs:  # direct = engine * update per token, so the logged quantiles are ordered ratios
+            for name in ("engine", "update", "direct"):
+                v = [log[f"rollout_corr/{name}_ratio_{q}"] for q in ("p01", "p50", "p99", "max")]
+                assert v == sorted(v) and v[0] > 0
     # policy lag in optimizer steps: data generated for step k and reused at step k+1 (num_iterations=2, or
     # steps_per_generation=2 with no accumulation) has lag 1
     reused = overrides.get("num_iterations", 1) > 1 or overrides.get("steps_per_generation", 1) > 1
@@ -144,6 +156,22 @@ def test_eval_logs_prefixed_rollout_corr_metrics(llama_dir, tmp_path):
     assert not any(k.startswith("rollout_corr/") for k in evals[0])
 
 
+def test_ratio_quantiles_are_exact_order_statistics(llama_dir, tmp_path):
+    trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="decoupled_token_is")
+    trainer.model.train()
+    values = torch.arange(1.0, 102.0)  # ratios 1..101 in three micro-batches
+    for part in (values[:10], values[10:60], values[60:]):
+        trainer._rc_record_ratios({"engine": part.log()})
+    logs = {}
+    trainer.log(logs)
+    assert logs["rollout_corr/engine_ratio_mean"] == pytest.approx(51.0)
+    assert logs["rollout_corr/engine_ratio_p01"] == pytest.approx(2.0)  # position 0.01 * 100 = 1
+    assert logs["rollout_corr/engine_ratio_p50"] == pytest.approx(51.0)
+    assert logs["rollout_corr/engine_ratio_p99"] == pytest.approx(100.0)
+    assert logs["rollout_corr/engine_ratio_max"] == pytest.approx(101.0)
+    assert torch.quantile(values.double(), 0.99).item() == pytest.approx(100.0)
+
+
 # ---------------------------------------------------------------------------------------------- numerics
 def test_identical_numerics_give_unit_weights(llama_dir, tmp_path):
     """float32 generate, temperature 1, no top-p/top-k: mu == pi_old up to float noise."""
@@ -160,6 +188,10 @@ def test_identical_numerics_give_unit_weights(llama_dir, tmp_path):
             assert log["rollout_corr/rollout_is_min"] == pytest.approx(1.0, abs=1e-5)
             if "rs" in preset:
                 assert log["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+            names = ("direct",) if preset.startswith("bypass") else ("engine", "update", "direct")
+            for name in names:  # ratio decomposition of the trained tokens: all ratios 1
+                for q in ("mean", "p01", "p50", "p99", "max"):
+                    assert log[f"rollout_corr/{name}_ratio_{q}"] == pytest.approx(1.0, abs=1e-5), (name, q)
             assert log["rollout_corr/invalid_token_fraction"] == 0.0
 
 
@@ -602,6 +634,7 @@ def test_two_ranks_match_one_rank(llama_dir, tmp_path):
         # uneven shards: 10 + 1000 valid tokens, one of them NaN -> invalid
         assert ref["rollout_corr/num_valid_tokens"] == 1009
         assert ref["rollout_corr/invalid_token_fraction"] == pytest.approx(1 / 1010)
+        assert got["rollout_corr/engine_ratio_p50"] == ref["rollout_corr/engine_ratio_p50"]  # exact order statistics
     # real 2-rank training: the logged token count is the global one (sum over ranks, not a mean of ranks)
     for preset, logs in two[0]["train"].items():
         assert len(logs) == 2

@@ -39,7 +39,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import nanstd
 
 from .config import PRESETS, RolloutCorrectionConfig
-from .correction import compute_rollout_correction
+from .correction import compute_rollout_correction, ratio_decomposition
 from .engines.transformers_generate import capture_generate_log_probs
 from .losses import bypass_policy_loss
 from .metrics import CorrectionStats
@@ -59,6 +59,8 @@ CORRECTION_FIELDS = (
 # TRL loss types whose per-token loss is positively homogeneous in the advantage (W * loss(A) == loss(W * A) for
 # W >= 0), so decoupled IS weights can be applied through the advantages without re-implementing TRL's loss.
 DECOUPLED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+# Quantiles logged for the ratio decomposition (rollout_corr/{engine,update,direct}_ratio_p01/p50/p99).
+RATIO_QUANTILES = (("p01", 0.01), ("p50", 0.5), ("p99", 0.99))
 # TRL loss types whose aggregation the bypass loss reproduces.
 BYPASS_LOSS_AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -263,6 +265,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction()
         self._rc_stats: dict[str, Optional[CorrectionStats]] = {"train": None, "eval": None}
         self._rc_lag: dict[str, list] = {"train": [0, 0, 0], "eval": [0, 0, 0]}  # sum, micro-batches, max
+        # valid per-token log ratios of the trained tokens, per mode and ratio name, until the next log call
+        self._rc_ratios: dict[str, dict[str, list]] = {"train": {}, "eval": {}}
+        self._rc_capture_log_probs = False
+        self._rc_captured_log_probs: Optional[torch.Tensor] = None
         self._rc_rewards: Optional[torch.Tensor] = None
         self._rc_skip_trl_old_forward = False
         self.rollout_corr_forward_counts = {"old_log_probs": 0}
@@ -337,7 +343,11 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             self._rc_skip_trl_old_forward = False
             placeholder = torch.full((input_ids.size(0), logits_to_keep), float("nan"), device=input_ids.device)
             return placeholder, None, None
-        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        if self._rc_capture_log_probs:  # the loss forward inside GRPOTrainer._compute_loss (decoupled mode)
+            self._rc_captured_log_probs = result[0].detach()
+            self._rc_capture_log_probs = False
+        return result
 
     def _generate_and_score_completions(self, inputs):
         """TRL's generation and scoring, then the rollout correction (decoupled) or its inputs (bypass).
@@ -500,7 +510,17 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 advantages = advantages.unsqueeze(1)
             # -min(r A w, clip(r) A w) == w * -min(r A, clip(r) A) for w >= 0: the weight multiplies the clipped loss.
             inputs["advantages"] = advantages * weights.to(advantages.dtype)
-        return super()._compute_loss(model, inputs)
+        self._rc_capture_log_probs, self._rc_captured_log_probs = True, None
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._rc_capture_log_probs = False
+        if self._rc_captured_log_probs is not None:
+            d = ratio_decomposition(self._rc_captured_log_probs, inputs["old_per_token_logps"],
+                                    inputs["rollout_log_probs"], inputs["tool_mask"])
+            self._rc_record_ratios({"engine": d.engine[d.valid], "update": d.update[d.valid], "direct": d.direct[d.valid]})
+            self._rc_captured_log_probs = None
+        return loss
 
     def _rc_bypass_loss(self, model, inputs):
         """Bypass loss for one micro-batch: correction from pi_theta (no grad) vs mu, then PPO-clip on
@@ -525,6 +545,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         )
         self._rc_add_stats(mode, out.correction.stats)
         keep = out.mask
+        direct = per_token_logps.detach().float() - inputs["rollout_log_probs"].float()
+        self._rc_record_ratios({"direct": direct[keep & torch.isfinite(direct)]})
         per_token_loss = out.per_token_loss
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"]
@@ -583,7 +605,14 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             metrics = reduced.finalize()
             if mode == "eval":
                 metrics = {f"eval_{k}": v for k, v in metrics.items()}
-            logs = {**logs, **metrics}
+            logs.update(metrics)  # in place, like TRL: evaluate() returns this dict
+        ratios = self._rc_ratios[mode]
+        if ratios:
+            self._rc_ratios[mode] = {}
+            prefix = "eval_" if mode == "eval" else ""
+            for name in sorted(ratios):
+                for key, value in self._rc_ratio_metrics(torch.cat(ratios[name])).items():
+                    logs[f"{prefix}rollout_corr/{name}_ratio_{key}"] = value
         lag_sum, lag_n, lag_max = self._rc_lag[mode]
         if lag_n:
             prefix = "eval_" if mode == "eval" else ""
@@ -595,6 +624,43 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     # ================================================================== TRL 1.16 coupling (end)
 
     # ------------------------------------------------------------------ metric plumbing
+    def _rc_record_ratios(self, log_ratios: dict) -> None:
+        """Keep 1-D float64 tensors of valid per-token log ratios (nats) of one micro-batch, by name
+        (``engine``: log pi_old - log mu, ``update``: log pi_theta - log pi_old, ``direct``: log pi_theta - log mu)."""
+        mode = "train" if self.model.training else "eval"
+        store = self._rc_ratios[mode]
+        for name, values in log_ratios.items():
+            store.setdefault(name, []).append(values.detach().double().reshape(-1))
+
+    def _rc_ratio_metrics(self, local_log_ratios: torch.Tensor) -> dict[str, float]:
+        """Mean, p01, p50, p99 and max of the ratio ``exp(clamp(l, -20, 20))`` over every rank's tokens.
+
+        Exact (not a mean of per-rank quantiles): the values are all-gathered (padded with NaN to the longest
+        rank) and sorted once; quantiles use linear interpolation between order statistics (as
+        ``torch.quantile``). 0.0 for every key when there is no token.
+        """
+        values = local_log_ratios
+        if self.accelerator.num_processes > 1:
+            count = torch.tensor([values.numel()], device=values.device)
+            longest = int(self.accelerator.gather(count).max())
+            padded = torch.full((longest,), float("nan"), dtype=values.dtype, device=values.device)
+            padded[: values.numel()] = values
+            values = self.accelerator.gather(padded)
+            values = values[~torch.isnan(values)]
+        if values.numel() == 0:
+            return {"mean": 0.0, **{k: 0.0 for k, _ in RATIO_QUANTILES}, "max": 0.0}
+        ratio = torch.exp(values.clamp(-20.0, 20.0)).sort().values
+        n = ratio.numel()
+        out = {"mean": ratio.mean()}
+        for key, q in RATIO_QUANTILES:
+            pos = q * (n - 1)
+            lo = int(math.floor(pos))
+            hi = min(lo + 1, n - 1)
+            out[key] = ratio[lo] + (pos - lo) * (ratio[hi] - ratio[lo])
+        out["max"] = ratio[-1]
+        host = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in out.values()]).cpu().tolist()
+        return dict(zip(out.keys(), host))
+
     def _rc_record_policy_lag(self, inputs: dict) -> None:
         """Policy lag of a micro-batch: optimizer steps between its generation and this update (0 = on-policy).
 
