@@ -14,6 +14,8 @@ micro-batches), feeds the trainer's statistics, and calls ``trainer.log``: the l
 not depend on the number of ranks.
 Part 2 (real training): 2 GRPO steps per mode on the tiny model; the logged ``rollout_corr/num_valid_tokens`` must
 equal the global completion-token count TRL logs (``completions/mean_length`` times the global batch rows).
+Part 3 (advantages across ranks): a run where RS rejects whole rows; each rank reports its rows' rejection flags
+and advantages and the gathered rewards, so the test can recompute the group baselines over all ranks by hand.
 """
 
 from __future__ import annotations
@@ -74,13 +76,14 @@ USE_DEEPSPEED = len(sys.argv) > 3 and sys.argv[3] == "deepspeed"
 
 
 def make_args(out_dir: str, **kwargs) -> RolloutCorrGRPOConfig:
-    if USE_DEEPSPEED:
-        kwargs["deepspeed"] = DEEPSPEED_ZERO2
-    return RolloutCorrGRPOConfig(
+    base = dict(
         output_dir=out_dir, use_cpu=True, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
         max_steps=2, logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-3, beta=0.0, seed=0,
-        disable_tqdm=True, bf16=False, **kwargs,
+        disable_tqdm=True, bf16=False,
     )
+    if USE_DEEPSPEED:
+        base["deepspeed"] = DEEPSPEED_ZERO2
+    return RolloutCorrGRPOConfig(**{**base, **kwargs})
 
 
 def main() -> None:
@@ -123,6 +126,22 @@ def main() -> None:
              "global_rows": 4 * world}
             for h in logs
         ]
+    # Part 3: RS-rejected rows across ranks: every rank's advantages, its rejection flags and the gathered rewards
+    seen = []
+
+    class Spy(RolloutCorrGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            rejected = (out["completion_mask"].sum(1) > 0) & (out["rollout_rs_mask"].sum(1) == 0)
+            seen.append({"rewards": self._rc_rewards[:, 0].tolist(), "rejected": rejected.tolist(),
+                         "advantages": out["advantages"].tolist()})
+            return out
+
+    spy = Spy(model=model_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8),
+              args=make_args(os.path.join(work, "rs"), rollout_corr_preset="decoupled_k3_rs",
+                             rollout_rs_threshold="0.01", top_p=0.8, max_steps=3))
+    spy.train()
+    result["rs_rows"] = seen
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(result, f)
 

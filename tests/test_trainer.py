@@ -607,7 +607,8 @@ def _launch(nproc: int, out_json, model_dir, port: int, *extra: str):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
            os.path.join(os.path.dirname(__file__), "dist_worker.py"), str(out_json), str(model_dir), *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
+    assert proc.returncode == 0, "\n".join(errors[-20:]) + proc.stderr[-3000:]
     return [json.load(open(f"{out_json}.rank{r}")) for r in range(nproc)]
 
 
@@ -635,6 +636,25 @@ def test_two_ranks_match_one_rank(llama_dir, tmp_path):
         assert ref["rollout_corr/num_valid_tokens"] == 1009
         assert ref["rollout_corr/invalid_token_fraction"] == pytest.approx(1 / 1010)
         assert got["rollout_corr/engine_ratio_p50"] == ref["rollout_corr/engine_ratio_p50"]  # exact order statistics
+    # fully rejected rows across ranks: advantage 0, and the group baselines use only the kept rows of all ranks
+    n_rejected = 0
+    for gen0, gen1 in zip(two[0]["rs_rows"], two[1]["rs_rows"]):
+        assert gen0["rewards"] == gen1["rewards"]
+        rewards = gen0["rewards"]
+        rejected = gen0["rejected"] + gen1["rejected"]
+        advantages = gen0["advantages"] + gen1["advantages"]
+        n_rejected += sum(rejected)
+        for g in range(0, len(rewards), 4):
+            kept = [rewards[i] for i in range(g, g + 4) if not rejected[i]]
+            for i in range(g, g + 4):
+                if rejected[i] or len(kept) < 2:
+                    expected = 0.0
+                else:
+                    mean = sum(kept) / len(kept)
+                    std = math.sqrt(sum((r - mean) ** 2 for r in kept) / (len(kept) - 1))
+                    expected = (rewards[i] - mean) / (std + 1e-4)
+                assert advantages[i] == pytest.approx(expected, abs=1e-4), (g, i)
+    assert n_rejected > 0
     # real 2-rank training: the logged token count is the global one (sum over ranks, not a mean of ranks)
     for preset, logs in two[0]["train"].items():
         assert len(logs) == 2
