@@ -33,7 +33,7 @@ def test_is_threshold_parsing(spec, lower, upper):
         ("3_2", ValueError, "above the upper bound"),
         ("", ValueError, "empty"),
         ("abc", ValueError, "cannot parse"),
-        ("nan", ValueError, "not a finite"),
+        ("nan", ValueError, "cannot parse"),
         ({"a": 1}, TypeError, "unsupported type"),
         ((1.0, 2.0, 3.0), ValueError, "two numbers"),
     ],
@@ -132,3 +132,19 @@ def test_to_dict_round_trip():
     cfg = RolloutCorrectionConfig.decoupled_k3_rs_token_tis()
     again = RolloutCorrectionConfig(**cfg.to_dict())
     assert again == cfg and again.rs_specs == cfg.rs_specs
+
+
+@pytest.mark.parametrize("spec", ["0.5_1_2", "1_2_3", "inf", "0.5_nan", (1.0, float("inf")), (0.5, 1e400)])
+def test_threshold_strings_and_pairs_must_be_plain_finite_numbers(spec):
+    with pytest.raises(ValueError, match="rollout_is_threshold"):
+        parse_is_threshold(spec)
+
+
+def test_numpy_scalars_are_numbers():
+    np = pytest.importorskip("numpy")
+    assert parse_is_threshold(np.float32(2.0)).upper == 2.0
+
+
+def test_single_k1_threshold_below_one_is_an_error():
+    with pytest.raises(ValueError, match="needs u >= 1"):
+        parse_rs_thresholds(("token_k1",), 0.5)

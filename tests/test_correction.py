@@ -206,3 +206,59 @@ def test_length_slices_hand_values():
     assert not any("len_" in k for k in compute_rollout_correction(OLD, ROLL, MASK, cfg, length_buckets=()).metrics)
     with pytest.raises(ValueError, match="increasing positive"):
         compute_rollout_correction(OLD, ROLL, MASK, cfg, length_buckets=(5, 3))
+
+
+def _ref_std_ess(w):
+    w = w.double()
+    mean = w.mean()
+    return (w * w).mean().sub(mean * mean).clamp(min=0).sqrt().item(), (w.sum() ** 2 / (w.numel() * (w * w).sum())).item()
+
+
+@pytest.mark.parametrize("threshold", [2.0, "0.5_2.0"])
+def test_weight_statistics_are_precise_when_engines_nearly_agree(threshold):
+    # float32 engines differ by ~1e-5..1e-4 nats: std and ESS must not drown in float32 rounding.
+    g = torch.Generator().manual_seed(0)
+    roll = -torch.rand(16, 1024, generator=g, dtype=torch.float64) * 3
+    old = roll + torch.randn(16, 1024, generator=g, dtype=torch.float64) * 1e-4
+    out = compute_rollout_correction(old.float(), roll.float(), torch.ones(16, 1024), RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=threshold))
+    ref_std, _ = _ref_std_ess(torch.exp(old.float().double() - roll.float().double()))
+    assert out.metrics[P + "rollout_is_std"] == pytest.approx(ref_std, rel=1e-3)
+
+
+def test_small_weights_keep_relative_precision():
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
+    out = compute_rollout_correction(torch.tensor([[-17.0, -16.5]]), torch.zeros(1, 2), torch.ones(1, 2), cfg)
+    r = torch.tensor([math.exp(-17.0), math.exp(-16.5)])
+    torch.testing.assert_close(out.weights[0], r / r.mean(), rtol=1e-5, atol=0)
+    assert out.metrics[P + "rollout_is_batch_norm_factor"] == pytest.approx(r.mean().item(), rel=1e-5)
+    m = compute_rollout_correction(torch.tensor([[-9.0, -8.5]]), torch.zeros(1, 2), torch.ones(1, 2), RolloutCorrectionConfig.decoupled_token_is()).metrics
+    std, ess = _ref_std_ess(torch.tensor([math.exp(-9.0), math.exp(-8.5)]))
+    assert m[P + "rollout_is_eff_sample_size"] == pytest.approx(ess, rel=1e-5)
+    assert m[P + "rollout_is_std"] == pytest.approx(std, rel=1e-4)
+
+
+def test_training_perplexity_does_not_depend_on_rollout_magnitude():
+    m = compute_rollout_correction(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1e8, -1.0]]), torch.ones(1, 2), RolloutCorrectionConfig()).metrics
+    assert m[P + "training_log_ppl"] == pytest.approx(1.5)
+
+
+def test_float64_inputs_are_subtracted_before_rounding():
+    roll = torch.full((1, 4), -5.0, dtype=torch.float64)
+    old = roll + torch.tensor([[1e-7, 2e-7, -1e-7, 3e-7]], dtype=torch.float64)
+    m = compute_rollout_correction(old, roll, torch.ones(1, 4), RolloutCorrectionConfig()).metrics
+    assert m[P + "kl"] == pytest.approx(-1.25e-7, rel=1e-6)
+
+
+def test_mask_is_boolean_values_above_zero():
+    old, roll = torch.zeros(1, 4), torch.zeros(1, 4)
+    mask = torch.tensor([[1.0, 2.0, -1.0, float("nan")]])
+    out = compute_rollout_correction(old, roll, mask, RolloutCorrectionConfig.decoupled_token_is())
+    assert out.response_mask.tolist() == [[1.0, 1.0, 0.0, 0.0]]
+    assert out.weights.tolist() == [[1.0, 1.0, 0.0, 0.0]]
+
+
+def test_rollout_log_probs_to_tensor_refuses_non_right_padded_masks():
+    with pytest.raises(ValueError, match="Row 0: the completion mask is not a run of ones"):
+        rollout_log_probs_to_tensor([[-0.1, -0.2]], torch.tensor([[1, 0, 1, 0]]))
+    with pytest.raises(ValueError, match="Row 1"):
+        rollout_log_probs_to_tensor([[-0.1], [-0.2]], torch.tensor([[1, 0], [0, 1]]))

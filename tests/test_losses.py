@@ -1,5 +1,7 @@
 """Bypass and decoupled losses against the spec's bypass test vectors (token mean over one micro-batch)."""
 
+import math
+
 import pytest
 import torch
 
@@ -116,3 +118,21 @@ def test_reinforce_hand_value():
 def test_bypass_requires_bypass_config():
     with pytest.raises(ValueError, match="bypass_mode=True"):
         bypass_policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), RolloutCorrectionConfig())
+
+
+def test_junk_advantage_outside_mask_gives_zero_gradient():
+    for bad in (float("nan"), float("inf")):
+        lp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+        out = ppo_clip_per_token_loss(lp, torch.tensor([[-1.1, -1.0]]), torch.tensor([[1.0, bad]]), torch.tensor([[1, 0]]))
+        masked_token_mean(out.per_token_loss, out.mask).backward()
+        assert lp.grad[0, 1].item() == 0.0 and lp.grad[0, 0].item() == pytest.approx(-math.exp(0.1))
+        lp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+        out = reinforce_per_token_loss(lp, torch.tensor([[1.0, bad]]), torch.tensor([[1, 0]]), torch.tensor([[1.0, bad]]))
+        masked_token_mean(out.per_token_loss, out.mask).backward()
+        assert lp.grad.tolist() == [[-1.0, 0.0]]
+
+
+def test_dual_clip_constant_must_exceed_one():
+    for c in (1.0, float("nan")):
+        with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+            ppo_clip_per_token_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), clip_ratio_c=c)

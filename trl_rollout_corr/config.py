@@ -12,6 +12,8 @@ policy (pi_old in decoupled mode, pi_theta in bypass mode) with mu through the p
 from __future__ import annotations
 
 import math
+import numbers
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional, Union
 
@@ -90,15 +92,21 @@ class RSSpec:
         return None, self.upper
 
 
+_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _to_float(text: str, what: str) -> float:
-    try:
+def _to_float(text: Any, what: str) -> float:
+    """A finite float from a number or a plain decimal string (no '_' digit separators, no 'inf'/'nan')."""
+    if _is_number(text):
         value = float(text)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what}: cannot parse {text!r} as a number.") from None
+    elif isinstance(text, str) and _NUMBER.match(text.strip()):
+        value = float(text.strip())
+    else:
+        raise ValueError(f"{what}: cannot parse {text!r} as a number.")
     if math.isnan(value) or math.isinf(value):
         raise ValueError(f"{what}: {text!r} is not a finite number.")
     return value
@@ -109,11 +117,11 @@ def _parse_band(spec: Any, what: str, allowed: str) -> tuple[Optional[float], fl
     if isinstance(spec, bool):
         raise TypeError(f"{what} must be a number or a string, not a boolean ({spec!r}). Allowed: {allowed}.")
     if _is_number(spec):
-        lower, upper = None, _to_float(str(spec), what)
+        lower, upper = None, _to_float(spec, what)
     elif isinstance(spec, (tuple, list)):
         if len(spec) != 2 or not all(_is_number(v) for v in spec):
             raise ValueError(f"{what} as a sequence must be two numbers (L, U), got {spec!r}. Allowed: {allowed}.")
-        lower, upper = float(spec[0]), float(spec[1])
+        lower, upper = _to_float(spec[0], what), _to_float(spec[1], what)
     elif isinstance(spec, str):
         text = spec.strip()
         if not text:
@@ -216,11 +224,11 @@ def parse_rs_thresholds(options: tuple[str, ...], spec: ThresholdSpec) -> tuple[
         level, stat = option.rsplit("_", 1)
         what = f"rollout_rs_threshold for {option}"
         if stat == "k1":
-            lower, upper = _parse_band(part, what, "a ratio band 'L_U' with 0 < L <= U, or u > 0 meaning [1/u, u]")
+            lower, upper = _parse_band(part, what, "a ratio band 'L_U' with 0 < L <= U, or u >= 1 meaning [1/u, u]")
             if lower is None:
+                if upper < 1.0:
+                    raise ValueError(f"{what}: a single k1 threshold u means the band [1/u, u] and needs u >= 1, got {upper}.")
                 lower = 1.0 / upper
-                if lower > upper:
-                    lower, upper = upper, lower
             specs.append(RSSpec(option=option, level=level, stat=stat, upper=upper, lower=lower))
         else:
             if isinstance(part, str) and "_" in part:

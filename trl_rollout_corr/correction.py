@@ -89,11 +89,11 @@ def _check_inputs(log_probs, rollout_log_probs, response_mask) -> None:
         )
 
 
-# A note on speed: every per-token quantity below is built so that it is exactly 0 outside the valid
-# tokens (x = clamp(l) is 0 there, so are expm1(x), k1, k2, k3 and min(expm1(x), U - 1) for U >= 1).
-# Masked sums then need no mask pass, and weights/ratios are carried as "value - offset" with the
-# offset added back when finalising (sum W = sum (W - c) + c N), which keeps float32 sums precise.
-# Each (B, T) quantity is reduced to one (B,) row vector; all row vectors go into a ``_RowTable`` whose
+# Speed and precision: every per-token quantity below is exactly 0 outside the valid tokens (x = clamp(l)
+# is 0 there, so are k1, k2, k3 and the masked ratio R), so masked sums need no mask pass. Each (B, T)
+# quantity is reduced to a (B,) row vector with float64 accumulation (squares are formed in float64), so
+# that variances E[w^2] - E[w]^2 of weights near 1 and sums over millions of tokens stay accurate; k3 is
+# evaluated in float64 (exp(x) - 1 - x cancels for small x). All row vectors go into a ``_RowTable`` whose
 # reductions (sums, maxima, counts over valid rows) run as a handful of batched operations, so the cost
 # does not grow with the number of metrics.
 @dataclass
@@ -105,45 +105,55 @@ class _Prepared:
     valid: torch.Tensor  # bool: mask & fin
     l: torch.Tensor  # float32 log ratio, 0 outside valid
     x: torch.Tensor  # clamp(l, -20, 20), 0 outside valid
-    e1: torch.Tensor  # expm1(x) = R - 1, 0 outside valid
+    ratio: torch.Tensor  # R = exp(x) at valid tokens, 0 elsewhere
     n_row: torch.Tensor  # (B,) float32 valid tokens per row
     row_valid: torch.Tensor  # (B,) bool
-    seq_l: torch.Tensor  # (B,) float32 sum of l over valid tokens (unclamped)
-    _scratch: Optional[torch.Tensor] = None
+    seq_l: torch.Tensor  # (B,) float64 sum of l over valid tokens (unclamped)
     _has_x_range: bool = False
     _stat_rowsums: Optional[dict] = None
 
     def stat_rowsum(self, stat: str, t: torch.Tensor) -> torch.Tensor:
-        """(B,) row sums of the token statistic ``stat`` (``t``), computed once."""
+        """(B,) float64 row sums of the token statistic ``stat`` (``t``), computed once."""
         if self._stat_rowsums is None:
             self._stat_rowsums = {}
         if stat not in self._stat_rowsums:
-            self._stat_rowsums[stat] = t.sum(-1)
+            self._stat_rowsums[stat] = _rowsum(t)
         return self._stat_rowsums[stat]
 
-    def sq_rowsum(self, t: torch.Tensor) -> torch.Tensor:
-        """(B,) row sums of t**2, through one reused scratch buffer."""
-        if self._scratch is None:
-            self._scratch = torch.empty_like(self.x)
-        return torch.mul(t, t, out=self._scratch).sum(-1)
+
+def _rowsum(t: torch.Tensor) -> torch.Tensor:
+    """(B,) float64 row sums of a (B, T) tensor (float64 accumulation)."""
+    return t.sum(-1, dtype=torch.float64)
+
+
+def _sq_rowsum(t: torch.Tensor) -> torch.Tensor:
+    """(B,) float64 row sums of t**2, the square formed in float64."""
+    t64 = t.double()
+    return (t64 * t64).sum(-1)
 
 
 def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor, rows: "_RowTable") -> _Prepared:
-    lp = log_probs.detach().float()
-    rlp = rollout_log_probs.detach().float()
-    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    lp, rlp = log_probs.detach(), rollout_log_probs.detach()
+    # Subtract in float64 when both inputs are float64; bf16/fp16 are upcast to float32 first.
+    work = torch.float64 if lp.dtype == rlp.dtype == torch.float64 else torch.float32
+    lp, rlp = lp.to(work), rlp.to(work)
+    # The mask is boolean: values > 0 are completion tokens (0, negatives and NaN are not).
+    mask = response_mask if response_mask.dtype == torch.bool else response_mask > 0
     diff = lp - rlp
-    fin = diff.abs() < math.inf  # False for NaN and +-inf in either input (or a float32 overflow)
+    fin = diff.abs() < math.inf  # False for NaN and +-inf in either input
     valid = mask & fin
-    l = torch.where(valid, diff, 0.0)
+    l = torch.where(valid, diff, 0.0).float()
     x = l.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     n_row = valid.sum(-1).float()
     rows.set_rows(n_row)
-    p = _Prepared(mask=mask, fin=fin, valid=valid, l=l, x=x, e1=torch.expm1(x), n_row=n_row, row_valid=n_row > 0, seq_l=l.sum(-1))
+    seq_l = _rowsum(torch.where(valid, diff, 0.0)) if work == torch.float64 else _rowsum(l)
+    ratio = torch.exp(x).mul_(valid)
+    p = _Prepared(mask=mask, fin=fin, valid=valid, l=l, x=x, ratio=ratio, n_row=n_row, row_valid=n_row > 0, seq_l=seq_l)
     rows.add("n_tok", n_row, "sum", bucket=True)
     rows.add("n_masked", mask.sum(-1), "sum_all")
     rows.add("n_seq", p.row_valid, "sum", bucket=True)
-    rows.add("rollout_row_sum", torch.where(valid, rlp, 0.0).sum(-1))
+    rows.add("train_row_sum", _rowsum(torch.where(valid, lp, 0.0)))
+    rows.add("rollout_row_sum", _rowsum(torch.where(valid, rlp, 0.0)))
     return p
 
 
@@ -250,15 +260,11 @@ class _RowTable:
 
 
 # ---------------------------------------------------------------------- IS weights
-def _token_weights_shifted(p: _Prepared, upper: float, lower: Optional[float]) -> tuple[torch.Tensor, float]:
-    """Token weights as ``(W - c, c)``: a zero-off-valid tensor and the offset c added back at valid tokens."""
+def _token_weights(p: _Prepared, upper: float, lower: Optional[float]) -> torch.Tensor:
+    """(B, T) token weights at valid tokens, 0 elsewhere (``p.ratio`` is 0 there and L, U > 0)."""
     if lower is not None:  # IcePop: W = R inside [L, U], 0 outside
-        ratio = p.e1 + 1.0
-        return torch.where(p.valid & (ratio >= lower) & (ratio <= upper), ratio, 0.0), 0.0
-    shifted = p.e1.clamp(max=upper - 1.0)  # min(R, U) - 1
-    if upper < 1.0:  # then min(R, U) - 1 is not 0 outside the valid tokens
-        shifted = torch.where(p.valid, shifted, 0.0)
-    return shifted, 1.0
+        return torch.where((p.ratio >= lower) & (p.ratio <= upper), p.ratio, 0.0)
+    return p.ratio.clamp(max=upper)  # TIS
 
 
 def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _RowTable, all_reduce: Optional[AllReduce]) -> torch.Tensor:
@@ -269,34 +275,31 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
     nd = rows.n
     n1 = nd.clamp(min=1)
     if config.rollout_is == "token":
-        w_shift, c = _token_weights_shifted(p, upper, lower)
-        rows.add("is_ws", w_shift.sum(-1), "sum")
-        row_ws = rows.col("is_ws")
-        rows.add("is_wq", p.sq_rowsum(w_shift), "sum")
-        rows.add("is_high", _compare_valid(p.e1, ">", upper - 1.0, p).sum(-1), "sum")
-        rows.add("is_low", _compare_valid(p.e1, "<", lower_m - 1.0, p).sum(-1), "sum")
+        w = _token_weights(p, upper, lower)
+        row_w = _rowsum(w)
+        rows.add("is_w", row_w, "sum", bucket=True)  # per-row sums of W and W^2 (also for the length slices)
+        rows.add("is_w2", _sq_rowsum(w), "sum", bucket=True)
+        rows.add("is_high", (p.ratio > upper).sum(-1), "sum")  # ratio is 0 outside valid tokens
+        rows.add("is_low", ((p.ratio < lower_m) & p.valid).sum(-1), "sum")
         if bounds.is_icepop:
-            rows.add("is_w", w_shift.amax(-1) if w_shift.numel() else p.seq_l, "max")  # W >= 0, 0 off-valid
-            rows.add("is_w", torch.where(p.valid, w_shift, math.inf).amin(-1) if w_shift.numel() else p.seq_l, "min")
+            rows.add("is_w", w.amax(-1) if w.numel() else row_w, "max")  # W >= 0, 0 off-valid
+            rows.add("is_w", torch.where(p.valid, w, math.inf).amin(-1) if w.numel() else row_w, "min")
         else:
             _x_range(p, rows)
-        row_w = row_ws + c * nd
-        rows.add("is_wrow", row_w, bucket=True)  # per-row sum of W and of W^2, for the length slices
-        rows.add("is_wrow2", rows.col("is_wq") + 2.0 * c * row_ws + c * c * nd, bucket=True)
         row_mean_w = row_w / n1
-        row_mean_r = (rows.col("e1") + nd) / n1
-        batch_total = (row_ws.sum() + c * nd.sum(), nd.sum())
+        row_mean_r = rows.col("r") / n1
+        batch_total = (row_w.sum(), nd.sum())
     else:
-        seq_ratio = torch.exp(p.seq_l.double().clamp(-SAFETY_BOUND, SAFETY_BOUND))  # (B,)
+        seq_ratio = torch.exp(p.seq_l.clamp(-SAFETY_BOUND, SAFETY_BOUND))  # (B,) float64
         if bounds.is_icepop:
             seq_w = torch.where((seq_ratio >= lower) & (seq_ratio <= upper), seq_ratio, 0.0)
             rows.add("is_oob", (seq_ratio < lower) | (seq_ratio > upper), "wsum")
         else:
             seq_w = seq_ratio.clamp(max=upper)
-        rows.add("is_w", seq_w, "wsum", "wsq")
-        rows.add("is_wrow", nd * seq_w, bucket=True)
-        rows.add("is_wrow2", nd * seq_w * seq_w, bucket=True)
-        rows.add("is_r", seq_ratio, "wsum", "wsq")
+        rows.add("is_w", nd * seq_w, "sum", bucket=True)  # per-row sums of W and W^2 (token-weighted)
+        rows.add("is_w2", nd * seq_w * seq_w, "sum", bucket=True)
+        rows.add("is_r", nd * seq_ratio, "sum")
+        rows.add("is_r2", nd * seq_ratio * seq_ratio, "sum")
         rows.add("is_logw", p.seq_l, "max", "min", gt=("is_high", math.log(upper)), lt=("is_low", math.log(lower_m)))
         row_mean_w, row_mean_r = seq_w, seq_ratio
         valid_w = torch.where(p.row_valid, seq_w, 0.0)
@@ -304,19 +307,20 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
     rows.add("is_seq", row_mean_w, "sum", "sq", "max", "min")
     rows.add("is_seq_r", row_mean_r, gt=("is_seq_high", upper), lt=("is_seq_low", lower_m))
 
-    if config.rollout_is == "token":
-        values = w_shift.add_(c) if c else w_shift  # in place: w_shift is not used after this
-    else:
-        values = seq_w.float().unsqueeze(-1)
     if config.rollout_is_batch_normalize:
         total = torch.stack(batch_total)
         if all_reduce is not None:
             total = all_reduce(total)
         mean = total[0] / total[1].clamp(min=1)
-        factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean)).float()
-        values = values.div_(factor) if config.rollout_is == "token" else values / factor
-    # 0 at padding; the neutral weight 1 at invalid tokens (mask 1, NaN/inf log-prob).
-    return torch.where(p.valid, values, (p.mask & ~p.fin).float())
+        factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))
+        if config.rollout_is == "token":
+            w = w.div_(factor.float())  # w is this function's own tensor
+        else:
+            seq_w = seq_w / factor
+    if config.rollout_is == "sequence":
+        w = torch.where(p.valid, seq_w.float().unsqueeze(-1), 0.0)
+    # 0 at padding (w is 0 there); the neutral weight 1 at invalid tokens (mask 1, NaN/inf log-prob).
+    return w.add_(p.mask & ~p.fin)
 
 
 def _compare_valid(t: torch.Tensor, op: str, threshold: float, p: _Prepared) -> torch.Tensor:
@@ -336,7 +340,8 @@ def _token_statistic(stat: str, p: _Prepared) -> torch.Tensor:
         return -p.x
     if stat == "k2":
         return 0.5 * p.x * p.x
-    return p.e1 - p.x  # k3 = exp(x) - 1 - x; expm1 keeps it accurate for small x
+    x64 = p.x.double()
+    return torch.expm1(x64) - x64  # k3 = exp(x) - 1 - x, in float64 (cancels for small x)
 
 
 def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, token_stats: dict) -> torch.Tensor:
@@ -367,8 +372,8 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, toke
                 clamped = torch.where(p.valid, clamped, 0.0)
             row_sum = p.stat_rowsum(spec.stat, t)
             rows.add(pre + "sum", row_sum, "sum")
-            rows.add(pre + "csum", clamped.sum(-1), "sum")
-            rows.add(pre + "csum2", p.sq_rowsum(clamped), "sum")
+            rows.add(pre + "csum", _rowsum(clamped), "sum")
+            rows.add(pre + "csum2", _sq_rowsum(clamped), "sum")
             if spec.stat == "k1":  # k1 = -x: extrema from those of x
                 _x_range(p, rows)
             else:  # k2, k3 >= 0 and 0 outside valid tokens
@@ -418,7 +423,8 @@ def compute_rollout_correction(
             (``old_log_probs``) in decoupled mode, pi_theta (``log_probs``, detached here) in bypass mode.
             bf16/fp16 are upcast to float32.
         rollout_log_probs: (B, T) behaviour log-probs mu from the rollout engine, in nats.
-        response_mask: (B, T) 0/1 (bool, int or float) completion mask.
+        response_mask: (B, T) completion mask (bool, int or float). It is boolean: entries > 0 are
+            completion tokens, 0, negative and NaN entries are not; values are never used as weights.
         config: a validated ``RolloutCorrectionConfig``.
         all_reduce: optional callable summing a small 1-D tensor across ranks, used only for batch
             normalisation so that it divides by the global-batch mean. None: this batch is the global batch.
@@ -446,8 +452,8 @@ def compute_rollout_correction(
     rows = _RowTable()
     rows.bucket_edges = edges
     p = _prepare(log_probs, rollout_log_probs, response_mask, rows)
-    rows.add("e1", p.e1.sum(-1), "sum")
-    rows.add("e1sq", p.sq_rowsum(p.e1), "sum")
+    rows.add("r", _rowsum(p.ratio), "sum")
+    rows.add("r2", _sq_rowsum(p.ratio), "sum")
 
     weights = _importance_weights(p, config, rows, all_reduce) if config.is_enabled else None
 
@@ -464,9 +470,8 @@ def _offpolicy_stats(p: _Prepared, rows: _RowTable, k3: torch.Tensor) -> None:
     rows.add("k3", p.stat_rowsum("k3", k3), "sum", bucket=True)  # k3 is 0 outside valid tokens
     n1 = rows.n.clamp(min=1)
     mean_roll = rows.col("rollout_row_sum") / n1  # mean log mu per row
-    mean_l = p.seq_l.double() / n1
-    mean_train = mean_roll + mean_l  # mean log pi_train per row
-    d = -mean_l  # mean(log mu - log pi_train) per row
+    mean_train = rows.col("train_row_sum") / n1  # mean log pi_train per row
+    d = -p.seq_l / n1  # mean(log mu - log pi_train) per row
     rows.add("train_log_ppl", -mean_train, "sum")
     rows.add("train_ppl", torch.exp((-mean_train).clamp(max=700.0)), "sum")
     rows.add("roll_log_ppl", -mean_roll, "sum")
@@ -474,7 +479,7 @@ def _offpolicy_stats(p: _Prepared, rows: _RowTable, k3: torch.Tensor) -> None:
     rows.add("d", d, "sum", "max", "min")
     rows.add("abs_d", d.abs(), "sum")
     rows.add("exp_d", torch.exp(d.clamp(max=700.0)), "sum")
-    rows.add("seq_r2", torch.exp(2.0 * p.seq_l.double().clamp(-SAFETY_BOUND, SAFETY_BOUND)), "sum")
+    rows.add("seq_r2", torch.exp(2.0 * p.seq_l.clamp(-SAFETY_BOUND, SAFETY_BOUND)), "sum")
 
 
 def _layout(config: RolloutCorrectionConfig) -> tuple:
@@ -497,19 +502,28 @@ def rollout_log_probs_to_tensor(
         per_row: B sequences of per-token log-probs (nats), one per sampled completion token, in order.
             A ``None`` entry (engine returned no log-prob for that token) becomes NaN, i.e. an invalid
             token (see ``compute_rollout_correction``).
-        completion_mask: (B, T) 0/1; row i must have exactly ``len(per_row[i])`` leading ones
-            (the completion tokens, before padding).
+        completion_mask: (B, T) 0/1; row i must be ``len(per_row[i])`` ones followed by zeros
+            (right padding, as TRL lays out completions).
 
     Returns:
         (B, T) float32 on the mask's device; NaN where the engine gave None, 0 at padding.
 
     Raises:
-        ValueError: if B differs, a row is None, or a row's length differs from its completion length
-            (the message names the row; nothing is padded or truncated silently).
+        ValueError: if B differs, a row is None, a row's length differs from its completion length, or a
+            mask row is not right-padded (the message names the row; nothing is padded or truncated silently).
     """
     if len(per_row) != completion_mask.shape[0]:
         raise ValueError(f"Got behaviour log-probs for {len(per_row)} rows but the batch has {completion_mask.shape[0]}.")
-    lengths = (completion_mask != 0).sum(-1).tolist()
+    ones = completion_mask != 0
+    lengths = ones.sum(-1)
+    prefix = torch.arange(ones.shape[1], device=ones.device).unsqueeze(0) < lengths.unsqueeze(-1)
+    bad_rows = (ones != prefix).any(-1).nonzero().flatten().tolist()
+    if bad_rows:
+        raise ValueError(
+            f"Row {bad_rows[0]}: the completion mask is not a run of ones followed by padding; behaviour log-probs "
+            "can only be laid out for right-padded completions (nothing is shifted silently)."
+        )
+    lengths = lengths.tolist()
     out = torch.zeros(completion_mask.shape, dtype=torch.float32)
     for i, (row, n) in enumerate(zip(per_row, lengths)):
         if row is None:

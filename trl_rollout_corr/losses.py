@@ -90,14 +90,14 @@ def ppo_clip_per_token_loss(
     # Anchors outside the mask may be NaN/inf: replace them by the (detached) current value so that
     # neither the forward nor the backward pass ever touches a NaN.
     anchor = torch.where(keep & torch.isfinite(anchor_log_probs), anchor_log_probs.detach().float(), lp.detach())
-    adv = _advantages_2d(advantages, lp)
+    adv = torch.where(keep, _advantages_2d(advantages, lp), 0.0)  # junk advantages outside the mask never reach the graph
     ratio = torch.exp((lp - anchor).clamp(-SAFETY_BOUND, SAFETY_BOUND))
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
     loss = torch.maximum(loss_unclipped, loss_clipped)
     clipped_dual = None
     if clip_ratio_c is not None:
-        if clip_ratio_c <= 1.0:
+        if not clip_ratio_c > 1.0:  # also rejects NaN
             raise ValueError(f"clip_ratio_c must be > 1 (dual-clip PPO), got {clip_ratio_c}.")
         capped = torch.minimum(loss, -adv * clip_ratio_c)
         clipped_dual = keep & (adv < 0) & (loss > -adv * clip_ratio_c)
@@ -128,8 +128,8 @@ def reinforce_per_token_loss(
     """
     keep = mask != 0
     lp = log_probs.float()
-    adv = _advantages_2d(advantages, lp)
-    w = 1.0 if weights is None else weights.detach().float()
+    adv = torch.where(keep, _advantages_2d(advantages, lp), 0.0)
+    w = 1.0 if weights is None else torch.where(keep, weights.detach().float(), 0.0)
     safe_lp = torch.where(keep, lp, 0.0)
     return PolicyLossOutput(per_token_loss=torch.where(keep, -adv * w * safe_lp, 0.0), mask=keep)
 

@@ -187,18 +187,16 @@ def _exp_or_zero(v: float, cap: float = _EXP_CAP) -> float:
 def _finalize(s: dict, mx: dict, mn: dict, layout: dict) -> dict[str, float]:
     """Metric formulas from merged statistics (host side, float64). Names: see ``correction.py``."""
     n_tok, n_seq = s["n_tok"], s["n_seq"]
-    r2 = s["e1sq"] + 2.0 * s["e1"] + n_tok  # sum of R^2 over valid tokens, R = 1 + expm1(x)
+    r2 = s["r2"]  # sum of R^2 over valid tokens
     m: dict[str, float] = {}
 
     # IS metrics first (verl's insertion order: IS, RS, off-policy).
     is_layout = layout.get("is")
     if is_layout is not None:
         level, upper, lower_m, icepop, batch_norm = is_layout
+        sum_w, sum_w2 = s["is_w"], s["is_w2"]  # token-weighted at both levels
         if level == "token":
-            c = 0.0 if icepop else 1.0  # weights are stored as W - c (exact zeros outside valid tokens)
-            sum_w = s["is_ws"] + c * n_tok
-            sum_w2 = s["is_wq"] + 2.0 * c * s["is_ws"] + c * c * n_tok
-            sum_r, sum_r2 = s["e1"] + n_tok, r2
+            sum_r, sum_r2 = s["r"], r2
             if icepop:
                 w_max, w_min = _ext(mx["is_w_max"]), _ext(mn["is_w_min"])
             else:  # min(exp(x), U) is monotone in x
@@ -206,7 +204,7 @@ def _finalize(s: dict, mx: dict, mn: dict, layout: dict) -> dict[str, float]:
                 w_min = min(_exp_or_zero(mn["x_min"]), upper) if n_tok > 0 else 0.0
             den = n_tok
         else:
-            sum_w, sum_w2, sum_r, sum_r2 = s["is_w"], s["is_w2"], s["is_r"], s["is_r2"]
+            sum_r, sum_r2 = s["is_r"], s["is_r2"]
             w_max = min(_exp_or_zero(mx["is_logw_max"]), math.exp(20.0)) if n_seq > 0 else 0.0
             w_min = _exp_or_zero(mn["is_logw_min"]) if n_seq > 0 else 0.0
             den = n_seq
@@ -292,7 +290,7 @@ def _finalize(s: dict, mx: dict, mn: dict, layout: dict) -> dict[str, float]:
         if layout.get("rs"):
             m[p + "rs_masked_fraction"] = _div(n_j - s[f"rs_kept@{j}"], n_j)
         if is_layout is not None:
-            m[p + "is_eff_sample_size"] = _ess(s[f"is_wrow@{j}"], s[f"is_wrow2@{j}"], n_j)
+            m[p + "is_eff_sample_size"] = _ess(s[f"is_w@{j}"], s[f"is_w2@{j}"], n_j)
 
     m["num_valid_tokens"] = n_tok
     m["num_valid_seqs"] = n_seq
