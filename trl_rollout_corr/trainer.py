@@ -22,6 +22,11 @@ trainer forward per generation batch, decoupled mode only), pi_theta (the loss f
 * Metrics: ``rollout_corr/*`` are exact over everything trained on since the previous log call, on all ranks:
   the reducible statistics are merged across generation batches / micro-batches, summed (max/min) across ranks
   once at log time and finalised once; they are written straight into the log record (never averaged again).
+  Decoupled mode records them once per generation batch (at the step that generated it); bypass mode once per
+  micro-batch. Also logged: ``rollout_corr/{engine,update,direct}_ratio_{mean,p01,p50,p99,max}`` (ratios
+  pi_old/mu, pi_theta/pi_old, pi_theta/mu over the trained tokens, exact order statistics over all ranks; bypass:
+  ``direct`` only) and ``rollout_corr/policy_lag_{mean,max}`` (optimizer steps between generation and use).
+  In evaluation the keys carry TRL's ``eval_`` prefix.
 
 All knowledge of TRL 1.16 internals is in the block marked "TRL 1.16 coupling" below; the tests
 ``tests/test_trainer.py::test_trl_coupling_*`` fail loudly if the pinned TRL changes under it.
