@@ -132,7 +132,7 @@ class RolloutCorrGRPOConfig(GRPOConfig):
     )
     rollout_is: Optional[str] = field(
         default=None,
-        metadata={"help": "IS weight level: 'token', 'sequence', or unset for no IS weights."},
+        metadata={"help": "IS weight level: 'token', 'sequence', or unset for no IS weights ('none' turns off a preset's IS)."},
     )
     rollout_is_threshold: Optional[str] = field(
         default=None,
@@ -144,7 +144,8 @@ class RolloutCorrGRPOConfig(GRPOConfig):
     )
     rollout_rs: Optional[str] = field(
         default=None,
-        metadata={"help": "Comma list of rejection options: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3."},
+        metadata={"help": "Comma list of rejection options: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3 "
+                  "('none' turns off a preset's RS)."},
     )
     rollout_rs_threshold: Optional[str] = field(
         default=None,
