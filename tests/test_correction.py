@@ -262,3 +262,19 @@ def test_rollout_log_probs_to_tensor_refuses_non_right_padded_masks():
         rollout_log_probs_to_tensor([[-0.1, -0.2]], torch.tensor([[1, 0, 1, 0]]))
     with pytest.raises(ValueError, match="Row 1"):
         rollout_log_probs_to_tensor([[-0.1], [-0.2]], torch.tensor([[1, 0], [0, 1]]))
+
+
+@pytest.mark.slow
+def test_compiled_matches_eager():
+    from trl_rollout_corr.correction import compiled_rollout_correction
+
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True, rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="0.5_2.0,0.01")
+    fn = compiled_rollout_correction(cfg)
+    assert compiled_rollout_correction(cfg) is fn  # cached
+    old, roll, mask = OLD.float().clone(), ROLL.float(), MASK
+    old[1, 0] = float("nan")
+    for rows in (3, 2):  # a second shape must not change the results (dynamic shapes)
+        got, ref = fn(old[:rows], roll[:rows], mask[:rows]), compute_rollout_correction(old[:rows], roll[:rows], mask[:rows], cfg)
+        torch.testing.assert_close(got.weights, ref.weights)
+        assert torch.equal(got.response_mask, ref.response_mask)
+        assert got.metrics == pytest.approx(ref.metrics, rel=1e-5, abs=1e-6)

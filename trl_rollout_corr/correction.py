@@ -578,3 +578,38 @@ def ratio_decomposition(
     engine = torch.where(valid, old - mu, 0.0)
     update = torch.where(valid, lp - old, 0.0)
     return RatioDecomposition(engine=engine, update=update, direct=engine + update, valid=valid)
+
+
+_COMPILED: dict = {}
+
+
+def compiled_rollout_correction(
+    config: RolloutCorrectionConfig, *, length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS, **compile_kwargs
+) -> Callable[..., RolloutCorrectionOutput]:
+    """``compute_rollout_correction`` for one config, compiled with ``torch.compile`` (inductor).
+
+    The eager function makes ~40 passes over the (B, T) inputs, several in float64 for precision; inductor
+    fuses them into a few loops (same results to float rounding; see ``benchmarks/RESULTS.md``). The first
+    call compiles (tens of seconds on CPU); shapes are dynamic, so new (B, T) do not recompile. Compiled
+    functions are cached per (config, length_buckets, compile options).
+
+    Args:
+        config: a validated ``RolloutCorrectionConfig``.
+        length_buckets: as ``compute_rollout_correction``.
+        **compile_kwargs: passed to ``torch.compile`` (default ``dynamic=True``).
+
+    Returns:
+        ``fn(log_probs, rollout_log_probs, response_mask, all_reduce=None) -> RolloutCorrectionOutput``.
+    """
+    compile_kwargs.setdefault("dynamic", True)
+    key = (repr(config.to_dict()), tuple(length_buckets), repr(sorted(compile_kwargs.items())))
+    if key not in _COMPILED:
+        buckets = tuple(length_buckets)
+
+        def run(log_probs, rollout_log_probs, response_mask, all_reduce=None):
+            return compute_rollout_correction(
+                log_probs, rollout_log_probs, response_mask, config, all_reduce=all_reduce, length_buckets=buckets
+            )
+
+        _COMPILED[key] = torch.compile(run, **compile_kwargs)
+    return _COMPILED[key]
