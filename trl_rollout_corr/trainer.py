@@ -64,6 +64,11 @@ CORRECTION_FIELDS = (
 # TRL loss types whose per-token loss is positively homogeneous in the advantage (W * loss(A) == loss(W * A) for
 # W >= 0), so decoupled IS weights can be applied through the advantages without re-implementing TRL's loss.
 DECOUPLED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+# Multimodal batch keys that TRL 1.16 forwards to _get_per_token_logps_and_entropies (as keyword arguments).
+MULTIMODAL_FORWARD_KEYS = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)
 # Quantiles logged for the ratio decomposition (rollout_corr/{engine,update,direct}_ratio_p01/p50/p99).
 RATIO_QUANTILES = (("p01", 0.01), ("p50", 0.5), ("p99", 0.99))
 # TRL loss types whose aggregation the bypass loss reproduces.
@@ -414,11 +419,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        forward_keys = (
-            "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-            "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
-        )
-        extra = {k: output[k] for k in forward_keys if k in output}
+        extra = {k: output[k] for k in MULTIMODAL_FORWARD_KEYS if k in output}
         self.rollout_corr_forward_counts["old_log_probs"] += 1
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             old, _, _ = self._get_per_token_logps_and_entropies(
@@ -536,13 +537,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        forward_keys = (
-            "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-            "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
-        )
         per_token_logps, entropies, _ = self._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
-            **{k: inputs[k] for k in forward_keys if k in inputs},
+            **{k: inputs[k] for k in MULTIMODAL_FORWARD_KEYS if k in inputs},
         )
         mode = "train" if self.model.training else "eval"
         out = bypass_policy_loss(
