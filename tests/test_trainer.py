@@ -135,6 +135,20 @@ def test_every_mode_trains_and_logs(mode, request, tmp_path):
     assert trainer.args.vllm_importance_sampling_correction is False
 
 
+def test_logging_window_aggregates_every_step_exactly(llama_dir, tmp_path):
+    """logging_steps=2: one record per two steps, over all their tokens (not the mean of two per-step values)."""
+    for preset in ("decoupled_token_is", "bypass_pg_is"):
+        trainer = make_trainer(llama_dir, tmp_path / preset, rollout_corr_preset=preset, max_steps=4, logging_steps=2,
+                               top_p=0.9)
+        trainer.train()
+        logs = step_logs(trainer)
+        assert [log["step"] for log in logs] == [2, 4]
+        for log in logs:
+            # TRL averages completions/mean_length over the two steps (4 rows each): tokens = mean * 8 rows
+            assert log["rollout_corr/num_valid_tokens"] == pytest.approx(log["completions/mean_length"] * 8)
+            assert log["rollout_corr/num_valid_seqs"] == 8
+
+
 @pytest.mark.parametrize("loss_type", ["bnpo", "dr_grpo"])
 def test_decoupled_other_loss_types_train(loss_type, llama_dir, tmp_path):
     trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="decoupled_geo_rs_token_tis", loss_type=loss_type,
