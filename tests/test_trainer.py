@@ -18,7 +18,7 @@ from tiny_model import make_tiny_model, make_tiny_model_dir, prompt_dataset, rew
 import trl  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction  # noqa: E402
+from trl_rollout_corr import compute_rollout_correction  # noqa: E402
 from trl_rollout_corr.engines.transformers_generate import (  # noqa: E402
     behaviour_log_probs_from_scores,
     capture_generate_log_probs,
@@ -496,6 +496,13 @@ def test_cli_flags_and_yaml_round_trip(tmp_path):
     assert cfg.rollout_is == "token" and cfg.is_bounds.upper == 3.5
     assert (cfg.rs_specs[0].lower, cfg.rs_specs[0].upper) == (0.99, 1.01)
     assert from_cli.rs_keep_rejected_in_baseline is True and cfg.bypass_mode is False
+    (bools,) = parser.parse_args_and_config([
+        "--output_dir", str(tmp_path), "--use_cpu", "--rollout_is", "sequence", "--rollout_is_batch_normalize", "true",
+        "--bypass_mode", "true", "--bypass_loss_type", "reinforce", "--vllm_importance_sampling_correction", "false",
+    ])
+    cfg = bools.rollout_correction()
+    assert cfg.bypass_mode is True and cfg.rollout_is_batch_normalize is True and cfg.bypass_loss_type == "reinforce"
+    assert bools.vllm_importance_sampling_correction is False
 
     names = ["rollout_corr_preset", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
              "rollout_rs_threshold", "bypass_mode", "bypass_loss_type", "rs_keep_rejected_in_baseline",

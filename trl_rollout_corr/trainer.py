@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -131,8 +131,8 @@ class RolloutCorrGRPOConfig(GRPOConfig):
     rollout_corr_preset: Optional[str] = field(
         default=None,
         metadata={
-            "help": "Rollout-correction preset (e.g. decoupled_k3_rs_token_tis, bypass_ppo_clip, direct_double_sided). "
-            "Explicit rollout_* / bypass_* fields override it."
+            "help": f"Rollout-correction preset, one of: {', '.join(PRESETS)}. Explicit rollout_* / bypass_* fields "
+            "override it."
         },
     )
     rollout_is: Optional[str] = field(
