@@ -180,8 +180,12 @@ class RolloutCorrGRPOConfig(GRPOConfig):
         correction = self._resolve_rollout_correction()
         if self.vllm_importance_sampling_correction is None:
             self.vllm_importance_sampling_correction = not correction.enabled
-            if correction.enabled:
-                logger.info("rollout correction is enabled: TRL's vllm_importance_sampling_correction is switched off.")
+            if correction.enabled and self.use_vllm:
+                logger.warning(
+                    "Rollout correction is enabled, so TRL's own vLLM importance-sampling correction "
+                    "(vllm_importance_sampling_correction) is switched off: the mismatch is corrected once, by "
+                    "trl_rollout_corr."
+                )
         elif self.vllm_importance_sampling_correction and correction.enabled:
             raise ValueError(
                 "vllm_importance_sampling_correction=True and rollout correction (rollout_is / rollout_rs / "
