@@ -415,6 +415,21 @@ def test_decoupled_loss_equals_hand_computed_value(llama_dir, tmp_path):
     # row0: t1 -min(1.1, 1.1)*1.5 = -1.65, t2 -min(.7, .8)*.8 = -.56 -> mean -1.105
     # row1 (A=-.5): t0 -min(-.45, -.45)*1.2 = .54 -> mean .54 ; grpo loss = mean over rows = -.2825
     assert loss.item() == pytest.approx(-0.2825, abs=1e-5)
+    # gradient: equal to that of the reference decoupled loss (losses.decoupled_policy_loss: W times the clipped
+    # PPO loss) aggregated as TRL's grpo
+    from trl_rollout_corr.losses import decoupled_policy_loss
+
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(trainer._compute_loss(trainer.model, inputs), params)
+    lp, _, _ = trainer._get_per_token_logps_and_entropies(
+        trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+        torch.cat([inputs["prompt_mask"], mask], 1), 3)
+    ref = decoupled_policy_loss(lp, old, inputs["advantages"], out.response_mask, out.weights)
+    keep = ref.mask
+    ref_loss = (torch.where(keep, ref.per_token_loss, 0.0).sum(-1) / keep.sum(-1).clamp(min=1)).mean()
+    assert ref_loss.item() == pytest.approx(-0.2825, abs=1e-5)
+    for a, b in zip(grads, torch.autograd.grad(ref_loss, params)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     # dapo: sum over kept tokens / kept tokens of the global batch (3)
     trainer.loss_type = "dapo"
     assert trainer._compute_loss(trainer.model, inputs).item() == pytest.approx((-1.65 - 0.56 + 0.54) / 3, abs=1e-5)
@@ -452,6 +467,26 @@ def test_bypass_losses_equal_hand_computed_values(llama_dir, tmp_path):
     w0, w1 = min(3.0 * 1.1 * 0.7, 2.0), 0.9 * 1.3
     expected = (-(1.0 * w0 * logp[0, :3]).sum() / 3 + (0.5 * w1 * logp[1, :2]).sum() / 2) / 2
     assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_trl_coupling_bypass_aggregation_matches_trl_loss(loss_type, llama_dir, tmp_path):
+    """Bypass ppo_clip without IS/RS == TRL's own loss with old_per_token_logps := mu (incl. beta KL, bias-corrected)."""
+    trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="bypass_ppo_clip", loss_type=loss_type, beta=0.04,
+                           gradient_accumulation_steps=2)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    inputs, logp, log_direct = _loss_inputs(trainer, [[3.0, 1.1, 0.7], [0.9, 1.3, 1.0]], [1.0, -0.5])
+    mu = logp - log_direct
+    inputs.update(rollout_log_probs=mu, ref_per_token_logps=logp + torch.tensor([[0.1, -0.2, 0.3], [0.05, 0.0, 0.0]]))
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    ours = trainer._compute_loss(trainer.model, inputs)
+    grads_ours = torch.autograd.grad(ours, params)
+    theirs = GRPOTrainer._compute_loss(trainer, trainer.model, {**inputs, "old_per_token_logps": mu})
+    grads_theirs = torch.autograd.grad(theirs, params)
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
+    for a, b in zip(grads_ours, grads_theirs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- config, CLI, YAML
