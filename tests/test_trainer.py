@@ -327,6 +327,56 @@ def test_greedy_generation_is_refused():
         model.generate(input_ids=torch.tensor([[2, 5]]), do_sample=False, max_new_tokens=2)
 
 
+def _engine_rollout_func(shift: int = 0):
+    """A rollout_func (the vLLM-style path: per-row lists of sampled-token log-probs) backed by HF generate.
+
+    ``shift=1`` returns each row's log-probs shifted by one token (a misaligned engine) to show it is visible.
+    """
+
+    def rollout(prompts, trainer):
+        tok = trainer.processing_class
+        prompt_ids = [tok(text=p)["input_ids"] for p in prompts]
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        width = max(len(ids) for ids in prompt_ids)
+        batch = torch.tensor([[tok.pad_token_id] * (width - len(ids)) + ids for ids in prompt_ids])
+        attention = (torch.arange(width)[None, :] >= torch.tensor([width - len(ids) for ids in prompt_ids])[:, None]).long()
+        was_training = model.training
+        model.eval()  # as TRL's unwrap_model_for_generation: gradient checkpointing (train mode) breaks the KV cache
+        with torch.no_grad(), capture_generate_log_probs(model) as capture:
+            seqs = model.generate(input_ids=batch, attention_mask=attention, do_sample=True, max_new_tokens=8,
+                                  temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tok.pad_token_id,
+                                  eos_token_id=tok.eos_token_id)
+        model.train(was_training)
+        completions = []
+        for row in seqs[:, width:].tolist():
+            cut = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
+            completions.append(row[:cut])
+        logprobs = capture.completion_log_probs(completions)
+        if shift:
+            logprobs = [lp[shift:] + lp[:shift] for lp in logprobs]
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logprobs}
+
+    return rollout
+
+
+def test_rollout_func_engine_path_is_aligned_token_for_token(llama_dir, tmp_path, monkeypatch):
+    """The engine path (TRL pads per-row log-prob lists into sampling_per_token_logps, as for vLLM): with identical
+    numerics kl is 0 to 1e-6; the same engine off by one token shows a large mismatch."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    results = {}
+    for shift in (0, 1):
+        args = make_args(tmp_path / str(shift), rollout_corr_preset="decoupled_token_is", max_steps=2)
+        trainer = RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, args=args,
+                                         train_dataset=prompt_dataset(8), rollout_func=_engine_rollout_func(shift))
+        trainer.train()
+        # per-token statistics (a rotation within a row leaves row sums, kl and the log-ppl metrics unchanged)
+        results[shift] = [log["rollout_corr/k3_kl"] for log in step_logs(trainer)]
+        if shift == 0:
+            assert max(abs(log["rollout_corr/kl"]) for log in step_logs(trainer)) < 1e-6
+            assert max(results[0]) < 1e-6
+    assert min(results[1]) > 1e-2
+
+
 # ---------------------------------------------------------------------------------------------- advantages
 def test_fully_rejected_row_gets_zero_advantage_and_leaves_baseline(llama_dir, tmp_path):
     trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="decoupled_k3_rs")
