@@ -263,3 +263,168 @@ def sampled_log_probs(completion: Any) -> list[float]:
             f"{len(completion.logprobs)} log-prob entries for {len(completion.token_ids)} tokens; cannot align."
         )
     return [float(step[tok].logprob) for tok, step in zip(completion.token_ids, completion.logprobs)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TRL rollout_func: vLLM CPU rollouts inside (RolloutCorr)GRPOTrainer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class VLLMCPURollout:
+    """A TRL ``rollout_func`` that samples with an in-process vLLM CPU engine and returns mu token for token.
+
+    TRL 1.16 calls ``rollout_func(prompts, trainer)`` from ``GRPOTrainer._generate`` with the prompts of this
+    process's generation batch (each prompt already repeated ``num_generations`` times by TRL's sampler) and
+    expects ``{"prompt_ids", "completion_ids", "logprobs"}``, one row per prompt, ``logprobs[i]`` one float per
+    token of ``completion_ids[i]`` (TRL turns it into ``sampling_per_token_logps``; ``RolloutCorrGRPOTrainer`` uses
+    it as ``rollout_log_probs``). This class:
+
+    * owns the engine (``build_cpu_llm``: explicit rollout dtype, ``processed_logprobs``);
+    * before sampling, loads the trainer's current weights (``sync_weights``) whenever ``trainer.state.global_step``
+      differs from the step of the last sync (always on the first call), so every rollout uses the current policy;
+    * tokenises like TRL (chat template with ``add_generation_prompt=True``, the trainer's ``chat_template`` and
+      ``chat_template_kwargs``; plain text through the tokenizer);
+    * samples one completion per row with the trainer's settings (``temperature``, ``top_p``, ``top_k``,
+      ``min_p``, ``repetition_penalty``, ``max_completion_length``, ``args.generation_kwargs``), like TRL's own
+      colocate mode (duplicate prompts share their KV blocks through vLLM's prefix cache);
+    * returns the sampled tokens' processed log-probs (the distribution that actually sampled them).
+
+    Build it BEFORE the trainer: in-process vLLM re-seeds Python's, NumPy's and torch's global RNGs with
+    ``seed`` while it starts; ``Trainer.__init__`` seeds them again with ``args.seed`` afterwards (measured in
+    ``tests/test_e2e_vllm_cpu.py``). Single process per engine: with several ranks each builds its own
+    (DDP / ZeRO-1/2 work: the unwrapped module holds full weights); ZeRO-3 / FSDP are refused at sync time.
+
+    Args:
+        model: local model directory the engine starts from (normally the trainer's initial checkpoint).
+        dtype: rollout dtype, ``"bfloat16"`` or ``"float32"`` (``"auto"`` is refused).
+        max_model_len, seed, kv_cache_gib, max_num_seqs, **llm_kwargs: see ``build_cpu_llm``.
+    """
+
+    logprobs_mode = "processed_logprobs"
+
+    def __init__(
+        self,
+        model: Union[str, os.PathLike],
+        dtype: Union[str, torch.dtype] = "bfloat16",
+        *,
+        max_model_len: int = 1024,
+        seed: int = 0,
+        kv_cache_gib: int = 1,
+        max_num_seqs: Optional[int] = None,
+        **llm_kwargs: Any,
+    ) -> None:
+        self.model_path = str(model)
+        self.dtype = resolve_rollout_dtype(dtype)
+        self.seed = seed
+        self.max_model_len = max_model_len
+        t0 = time.perf_counter()
+        self.llm = build_cpu_llm(
+            model, self.dtype, max_model_len=max_model_len, seed=seed, kv_cache_gib=kv_cache_gib,
+            max_num_seqs=max_num_seqs, **llm_kwargs,
+        )
+        self.startup_seconds = time.perf_counter() - t0
+        self.last_synced_step: Optional[int] = None
+        self.num_syncs = 0
+        self.sync_seconds = 0.0
+        self.generate_seconds = 0.0
+        self.num_calls = 0
+
+    # -------------------------------------------------------------- description recorded with every run
+    def describe(self) -> dict[str, Any]:
+        """What produced mu, for run configs and model cards."""
+        import vllm
+
+        return {
+            "rollout_engine": "vllm_cpu",
+            "rollout_engine_version": f"vllm {vllm.__version__}",
+            "rollout_dtype": str(self.dtype).removeprefix("torch."),
+            "rollout_logprobs_mode": self.logprobs_mode,
+            "rollout_weight_sync": "model_runner.reload_weights (in process), every optimizer step",
+            "rollout_max_model_len": self.max_model_len,
+            "rollout_seed": self.seed,
+        }
+
+    # -------------------------------------------------------------- the rollout_func contract
+    def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
+        self.num_calls += 1
+        step = int(trainer.state.global_step)
+        if self.last_synced_step != step:
+            self.sync_from(trainer)
+            self.last_synced_step = step
+        prompt_ids = self.tokenize(prompts, trainer)
+        too_long = [i for i, ids in enumerate(prompt_ids) if len(ids) >= self.max_model_len]
+        if too_long:
+            raise ValueError(
+                f"Prompt rows {too_long[:5]} have >= max_model_len={self.max_model_len} tokens; raise rollout_max_model_len."
+            )
+        t0 = time.perf_counter()
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompt_ids], self.sampling_params(trainer), use_tqdm=False
+        )
+        elapsed = time.perf_counter() - t0
+        self.generate_seconds += elapsed
+        completion_ids = [list(out.outputs[0].token_ids) for out in outputs]
+        logprobs = [sampled_log_probs(out.outputs[0]) for out in outputs]
+        self._log_metric(trainer, "rollout/vllm_generate_s", elapsed)
+        return {"prompt_ids": [list(ids) for ids in prompt_ids], "completion_ids": completion_ids, "logprobs": logprobs}
+
+    def sync_from(self, trainer: Any) -> float:
+        """Load the trainer's current (unwrapped) weights into the engine; returns seconds."""
+        ds = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+        if getattr(trainer, "is_fsdp_enabled", False) or (ds is not None and getattr(ds, "zero_stage", 0) == 3):
+            raise NotImplementedError(
+                "VLLMCPURollout syncs full weights from the unwrapped model: ZeRO-3 / FSDP are not supported."
+            )
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        seconds = sync_weights(self.llm, model)
+        self.num_syncs += 1
+        self.sync_seconds += seconds
+        self._log_metric(trainer, "rollout/vllm_sync_s", seconds)
+        return seconds
+
+    @staticmethod
+    def tokenize(prompts: list, trainer: Any) -> list[list[int]]:
+        """Prompt ids exactly as ``GRPOTrainer._tokenize_prompts`` builds them for text-only prompts."""
+        tokenizer = trainer.processing_class
+        if isinstance(prompts[0], list):  # conversational
+            out = tokenizer.apply_chat_template(
+                conversation=prompts,
+                tools=getattr(trainer, "tools", None) or None,
+                chat_template=getattr(trainer, "chat_template", None),
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                **(getattr(trainer, "chat_template_kwargs", None) or {}),
+            )
+            return [list(ids) for ids in out["input_ids"]]
+        return [list(ids) for ids in tokenizer(text=prompts)["input_ids"]]
+
+    @staticmethod
+    def sampling_params(trainer: Any, **overrides: Any):
+        """``SamplingParams`` from the trainer's generation settings (as TRL's colocate mode builds them)."""
+        from vllm import SamplingParams
+
+        kwargs = {
+            "n": 1,
+            "temperature": trainer.temperature,
+            "top_p": trainer.top_p,
+            "top_k": trainer.top_k,
+            "min_p": 0.0 if trainer.min_p is None else trainer.min_p,
+            "repetition_penalty": trainer.repetition_penalty,
+            "max_tokens": trainer.max_completion_length,
+            "logprobs": 0,
+        }
+        generation_kwargs = getattr(trainer.args, "generation_kwargs", None) or {}
+        kwargs.update(generation_kwargs)
+        kwargs.update(overrides)
+        if kwargs.get("logprobs") != 0:
+            raise ValueError("VLLMCPURollout needs logprobs=0 (the sampled token's log-prob only).")
+        return SamplingParams(**kwargs)
+
+    @staticmethod
+    def _log_metric(trainer: Any, key: str, value: float) -> None:
+        metrics = getattr(trainer, "_metrics", None)  # TRL's per-mode metric lists, averaged at log time
+        if metrics is None:
+            return
+        mode = "train" if trainer.model.training else "eval"
+        metrics[mode][key].append(float(value))

@@ -1,0 +1,371 @@
+"""Reusable parts of ``recipes/grpo_rollout_corr.py``: reasoning-gym data and reward, greedy evaluation, a JSONL
+log of every logged step, PNG plots, and the model-card section that records the correction and the rollout engine.
+
+Nothing here downloads anything: reasoning-gym generates its problems locally from a seed.
+
+reasoning-gym seeds: item ``idx`` of ``create_dataset(name, size, seed)`` is generated with
+``random.Random(seed + idx)``, so two datasets share items when their seed ranges ``[seed, seed + size)`` overlap.
+``make_task_splits`` refuses overlapping train/eval ranges.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+DEFAULT_INSTRUCTION = "Answer with only the final number."
+
+
+# ----------------------------------------------------------------------------------------------- task and reward
+def last_number(text: str) -> Optional[str]:
+    """The last integer/decimal in ``text`` (commas removed), or None."""
+    found = NUMBER.findall(text or "")
+    return found[-1].replace(",", "") if found else None
+
+
+@dataclass
+class ReasoningGymTask:
+    """A reasoning-gym dataset with a verifiable 0/1 reward (``score_answer(...) == 1.0``; partial credit is 0).
+
+    Args:
+        name: reasoning-gym dataset name (e.g. ``chain_sum``).
+        config: keyword arguments of ``reasoning_gym.create_dataset`` (e.g. ``min_digits``).
+        size, seed: ``create_dataset(name, size=size, seed=seed, **config)``.
+        instruction: appended to each question on a new line.
+    """
+
+    name: str
+    config: dict = field(default_factory=dict)
+    size: int = 1000
+    seed: int = 42
+    instruction: str = DEFAULT_INSTRUCTION
+
+    def __post_init__(self) -> None:
+        import reasoning_gym
+
+        self.rg = reasoning_gym.create_dataset(self.name, size=self.size, seed=self.seed, **self.config)
+
+    def messages(self, idx: int) -> list[dict]:
+        question = self.rg[idx]["question"].strip()
+        return [{"role": "user", "content": f"{question}\n{self.instruction}" if self.instruction else question}]
+
+    def score(self, completion: str, idx: int) -> float:
+        """1.0 iff the last number of ``completion`` is scored exactly right by reasoning-gym, else 0.0."""
+        answer = last_number(completion)
+        if answer is None:
+            return 0.0
+        return 1.0 if self.rg.score_answer(answer, self.rg[idx]) == 1.0 else 0.0
+
+    def to_dataset(self):
+        """A ``datasets.Dataset`` with ``prompt`` (chat messages), ``answer`` and ``rg_index``."""
+        from datasets import Dataset
+
+        return Dataset.from_dict(
+            {
+                "prompt": [self.messages(i) for i in range(self.size)],
+                "answer": [str(self.rg[i]["answer"]) for i in range(self.size)],
+                "rg_index": list(range(self.size)),
+            }
+        )
+
+    def reward_func(self) -> Callable[..., list[float]]:
+        """A TRL reward function (``completions``, ``rg_index`` column) -> 0/1 rewards."""
+
+        def correct_answer(completions: list, rg_index: list, **_: Any) -> list[float]:
+            return [self.score(_completion_text(c), int(i)) for c, i in zip(completions, rg_index)]
+
+        return correct_answer
+
+
+def _completion_text(completion: Any) -> str:
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    return str(completion)
+
+
+def make_task_splits(name: str, config: dict, train_size: int, train_seed: int, eval_size: int, eval_seed: int,
+                     instruction: str = DEFAULT_INSTRUCTION) -> tuple[ReasoningGymTask, ReasoningGymTask]:
+    """Train and held-out tasks with disjoint reasoning-gym seed ranges (raises if they overlap)."""
+    if not (eval_seed >= train_seed + train_size or train_seed >= eval_seed + eval_size):
+        raise ValueError(
+            f"reasoning-gym seed ranges overlap: train [{train_seed}, {train_seed + train_size}) and eval "
+            f"[{eval_seed}, {eval_seed + eval_size}) share items (item idx uses Random(seed + idx)). "
+            f"Use eval_seed >= {train_seed + train_size}."
+        )
+    train = ReasoningGymTask(name, dict(config), train_size, train_seed, instruction)
+    held_out = ReasoningGymTask(name, dict(config), eval_size, eval_seed, instruction)
+    return train, held_out
+
+
+# ----------------------------------------------------------------------------------------------- evaluation
+@dataclass
+class EvalResult:
+    accuracy: float
+    correct: int
+    total: int
+    mean_completion_tokens: float
+    seconds: float
+    samples: list = field(default_factory=list)
+
+    @property
+    def stderr(self) -> float:
+        """Binomial standard error of the accuracy."""
+        p = self.accuracy
+        return math.sqrt(max(p * (1 - p), 0.0) / max(self.total, 1))
+
+    def to_dict(self) -> dict:
+        return {"accuracy": self.accuracy, "correct": self.correct, "total": self.total, "stderr": self.stderr,
+                "mean_completion_tokens": self.mean_completion_tokens, "seconds": self.seconds,
+                "samples": self.samples[:8]}
+
+
+def greedy_accuracy(llm: Any, task: ReasoningGymTask, max_tokens: int = 64) -> EvalResult:
+    """Greedy (temperature 0) accuracy of a vLLM ``LLM`` on every item of ``task`` (chat template)."""
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    outs = llm.chat([task.messages(i) for i in range(task.size)], SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                    use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    scores = [task.score(t, i) for i, t in enumerate(texts)]
+    n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
+    correct = int(sum(scores))
+    samples = [{"question": task.rg[i]["question"], "answer": task.rg[i]["answer"], "completion": texts[i]}
+               for i in range(min(8, task.size))]
+    return EvalResult(correct / task.size, correct, task.size, n_tok / task.size, time.perf_counter() - t0, samples)
+
+
+def greedy_accuracy_transformers(model: Any, tokenizer: Any, task: ReasoningGymTask, max_tokens: int = 64,
+                                 batch_size: int = 32) -> EvalResult:
+    """The same evaluation with ``transformers.generate`` (for runs without vLLM)."""
+    import torch
+
+    t0 = time.perf_counter()
+    texts: list[str] = []
+    n_tok = 0
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        for start in range(0, task.size, batch_size):
+            msgs = [task.messages(i) for i in range(start, min(start + batch_size, task.size))]
+            enc = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                padding=True, return_tensors="pt").to(model.device)
+            with torch.no_grad():
+                out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id)
+            gen = out[:, enc["input_ids"].shape[1]:]
+            for row in gen:
+                ids = row.tolist()
+                if tokenizer.eos_token_id in ids:
+                    ids = ids[: ids.index(tokenizer.eos_token_id) + 1]
+                n_tok += len(ids)
+                texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+    finally:
+        tokenizer.padding_side = side
+    scores = [task.score(t, i) for i, t in enumerate(texts)]
+    correct = int(sum(scores))
+    samples = [{"question": task.rg[i]["question"], "answer": task.rg[i]["answer"], "completion": texts[i]}
+               for i in range(min(8, task.size))]
+    return EvalResult(correct / task.size, correct, task.size, n_tok / task.size, time.perf_counter() - t0, samples)
+
+
+def paired_difference(before: Sequence[float], after: Sequence[float]) -> dict:
+    """Mean and standard error of the per-item difference (after - before) of two 0/1 score lists."""
+    diffs = [a - b for a, b in zip(after, before)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    var = sum((d - mean) ** 2 for d in diffs) / max(n - 1, 1)
+    return {"mean": mean, "stderr": math.sqrt(var / n), "n": n}
+
+
+# ----------------------------------------------------------------------------------------------- logging and plots
+def make_jsonl_callback(path: str | Path, extra: Optional[dict] = None):
+    """A ``TrainerCallback`` appending one JSON line per log event: ``{"step", "time", **logs}``.
+
+    The first line is ``{"run_config": extra}`` when ``extra`` is given (rollout engine, dtype, correction ...).
+    """
+    from transformers import TrainerCallback
+
+    class JsonlLogCallback(TrainerCallback):
+        def __init__(self) -> None:
+            self.path = Path(path)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+            self.t0 = time.time()
+            if extra is not None:
+                self._write({"run_config": extra})
+
+        def _write(self, record: dict) -> None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record, default=_json_default) + "\n")
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and logs:
+                self._write({"step": state.global_step, "time": round(time.time() - self.t0, 3), **logs})
+
+    return JsonlLogCallback()
+
+
+def _json_default(x: Any) -> Any:
+    try:
+        return float(x)
+    except Exception:
+        return str(x)
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+PLOTS = (
+    ("reward", "reward (mean 0/1 correct)"),
+    ("rollout_corr/kl", "rollout_corr/kl (nats/token)"),
+    ("rollout_corr/rollout_is_eff_sample_size", "IS effective sample size (fraction)"),
+    ("rollout_corr/rollout_rs_masked_fraction", "RS rejected token fraction"),
+)
+
+
+def plot_metrics(jsonl_path: str | Path, out_dir: str | Path, keys: Iterable[tuple[str, str]] = PLOTS) -> list[Path]:
+    """One PNG per metric (value per step) plus ``metrics.png`` with all of them; keys never logged are skipped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in read_jsonl(jsonl_path) if "step" in r and "train_runtime" not in r]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    series = []
+    for key, title in keys:
+        pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+        if pts:
+            series.append((key, title, pts))
+    written = []
+    for key, title, pts in series:
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".")
+        ax.set_xlabel("optimizer step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / (key.replace("/", "_") + ".png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    if series:
+        fig, axes = plt.subplots(1, len(series), figsize=(4.2 * len(series), 3.2))
+        axes = [axes] if len(series) == 1 else list(axes)
+        for ax, (key, title, pts) in zip(axes, series):
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".")
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / "metrics.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# ----------------------------------------------------------------------------------------------- model card
+def rollout_correction_record(args: Any) -> dict:
+    """The effective correction fields of a ``RolloutCorrGRPOConfig`` (after preset expansion)."""
+    from .trainer import CORRECTION_FIELDS
+
+    record = {name: getattr(args, name) for name in CORRECTION_FIELDS}
+    record["rollout_corr_preset"] = getattr(args, "rollout_corr_preset", None)
+    record["rs_keep_rejected_in_baseline"] = getattr(args, "rs_keep_rejected_in_baseline", None)
+    record["vllm_importance_sampling_correction"] = getattr(args, "vllm_importance_sampling_correction", None)
+    return record
+
+
+def model_card_section(correction: dict, engine: dict, task: dict, evaluation: Optional[dict] = None) -> str:
+    """Markdown appended to the saved model's README.md."""
+    lines = ["", "## Rollout correction (trl-rollout-corr)", "",
+             "Trained with `RolloutCorrGRPOTrainer`: TRL's GRPO corrected for the mismatch between the rollout engine "
+             "(mu) and the trainer (pi).", "", "| correction field | value |", "|---|---|"]
+    lines += [f"| `{k}` | `{v}` |" for k, v in correction.items()]
+    lines += ["", "| rollout engine | value |", "|---|---|"]
+    lines += [f"| `{k}` | `{v}` |" for k, v in engine.items()]
+    lines += ["", "| task | value |", "|---|---|"]
+    lines += [f"| `{k}` | `{v}` |" for k, v in task.items()]
+    if evaluation:
+        lines += ["", "Greedy accuracy on the held-out problems:", "", "| | accuracy | correct / total |", "|---|---|---|"]
+        for name, res in evaluation.items():
+            lines.append(f"| {name} | {res['accuracy']:.3f} ± {res['stderr']:.3f} | {res['correct']} / {res['total']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_model_card(trainer: Any, output_dir: str | Path, section: str, dataset_name: Optional[str] = None) -> Path:
+    """TRL's model card (``trainer.create_model_card``) with ``section`` appended; a minimal card if TRL's fails."""
+    path = Path(output_dir) / "README.md"
+    try:
+        trainer.create_model_card(dataset_name=dataset_name, tags=["trl-rollout-corr", "rollout-correction"])
+    except Exception as exc:  # offline / template problems must not lose the run
+        path.write_text(f"---\ntags: [trl, grpo, trl-rollout-corr]\n---\n# Model trained with GRPO + rollout correction\n"
+                        f"(TRL model card unavailable: {type(exc).__name__})\n")
+    text = path.read_text() if path.exists() else ""
+    path.write_text(text + section)
+    return path
+
+
+class Progress:
+    """Prints ``[phase] message (elapsed)`` lines so long phases are visible (flushes immediately)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.time()
+
+    def __call__(self, phase: str, message: str) -> None:
+        print(f"[{phase} +{time.time() - self.t0:6.1f}s] {message}", flush=True)
+
+
+def pick_threads(requested: int = 0) -> int:
+    """``requested`` if > 0, else the cores not busy with other work: ``cpu_count - round(1-min load)``, at least 1.
+
+    On a shared machine, oversubscribing torch's intra-op pool is several times slower than one thread (measured on
+    the 2-core dev box at load 3-5: a SmolLM2 forward+backward took 22-59 s on 2 threads vs 8 s on 1).
+    """
+    if requested > 0:
+        return requested
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = 0.0
+    return max(1, min(cores, cores - int(round(load))))
+
+
+def engine_record(script_args: Any, training_args: Any, model_path: str) -> dict:
+    """What produces mu for engines other than ``vllm_cpu`` (which describes itself), checked for explicitness."""
+    engine = script_args.rollout_engine
+    if engine == "vllm_cpu":
+        return {"rollout_engine": "vllm_cpu", "rollout_dtype": script_args.rollout_dtype,
+                "rollout_logprobs_mode": "processed_logprobs"}
+    if engine == "trl_vllm":
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)
+        checkpoint = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)).removeprefix("torch.")
+        if checkpoint != script_args.rollout_dtype:
+            raise ValueError(
+                f"TRL's vLLM path loads the checkpoint with dtype='auto' = {checkpoint}, but rollout_dtype="
+                f"{script_args.rollout_dtype!r}: set rollout_dtype to {checkpoint!r} (or convert the checkpoint)."
+            )
+        return {"rollout_engine": f"trl_vllm_{training_args.vllm_mode}", "rollout_dtype": checkpoint,
+                "rollout_logprobs_mode": "processed_logprobs",
+                "rollout_weight_sync": "TRL VLLMGeneration.sync_weights"}
+    if engine == "transformers":
+        return {"rollout_engine": "transformers.generate",
+                "rollout_dtype": "bfloat16 (autocast)" if training_args.bf16 else "trainer dtype",
+                "rollout_logprobs_mode": "processed scores (after logits processors)"}
+    raise ValueError(f"Unknown rollout_engine {engine!r}: use vllm_cpu, trl_vllm or transformers.")
