@@ -314,6 +314,24 @@ def test_generate_log_probs_match_processed_distribution():
         capture.completion_log_probs([seqs[0, 4:].tolist() + [1], seqs[1, 4:].tolist()])
 
 
+def test_streaming_recorder_equals_output_scores_reference():
+    """The O(B*V) recorder gives bit-for-bit the values of log_softmax(output_scores) for every sampling transform."""
+    model, tok = make_tiny_model("qwen2", seed=5)
+    model.eval()
+    prompt = torch.tensor([[tok.bos_token_id, 5, 6, 7], [tok.bos_token_id, 9, 9, 10], [tok.bos_token_id, 3, 4, 4]])
+    torch.manual_seed(1)
+    with capture_generate_log_probs(model) as capture:
+        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=0.7,
+                             top_k=10, top_p=0.8, min_p=0.05, repetition_penalty=1.3, max_new_tokens=7,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                             output_scores=True, return_dict_in_generate=True)
+    assert not torch.is_tensor(out)  # the caller's return_dict_in_generate is respected
+    reference = behaviour_log_probs_from_scores(out.scores, out.sequences, prompt_length=4)
+    torch.testing.assert_close(capture.log_probs[0], reference, atol=0, rtol=0)
+    assert torch.isfinite(reference[:, 0]).all()
+    assert "_get_logits_processor" not in vars(model) and "generate" not in vars(model)
+
+
 def test_generate_log_probs_from_scores_by_hand():
     scores = (torch.tensor([[0.0, math.log(3.0), -float("inf")]]), torch.tensor([[math.log(2.0), 0.0, 0.0]]))
     seqs = torch.tensor([[7, 1, 0]])

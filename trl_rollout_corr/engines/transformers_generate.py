@@ -10,7 +10,9 @@ distribution that actually produced the token: the behaviour policy mu of the ro
 
 This module has no TRL dependency. ``capture_generate_log_probs`` shadows ``model.generate`` for the duration of
 a ``with`` block so that a caller which only expects token ids (TRL's GRPO generation path) keeps working while
-the log-probs are recorded on the side.
+the log-probs are recorded on the side, by a logits processor appended after all the others
+(``SampledTokenLogProbs``; memory O(B * V), where ``output_scores=True`` would keep T tensors of (B, V)).
+``behaviour_log_probs_from_scores`` computes the same values from ``out.scores`` (reference, used in tests).
 """
 
 from __future__ import annotations
@@ -119,23 +121,102 @@ class GenerateCapture:
         return out
 
 
+class SampledTokenLogProbs:
+    """A logits processor that records log mu of every sampled token while ``generate`` runs.
+
+    Placed LAST in generate's processor list (after every processor and warper), it sees the processed scores
+    of step t, keeps ``log_softmax`` of them (one ``(B, V)`` float32 tensor), and at step t + 1, when the token
+    sampled at step t is the last column of ``input_ids``, gathers its log-prob. ``finish(sequences)`` handles the
+    final step. Memory: O(B * V), instead of O(T * B * V) for ``output_scores=True``.
+    """
+
+    def __init__(self) -> None:
+        self._previous: Optional[torch.Tensor] = None
+        self._values: list[torch.Tensor] = []
+        self.calls = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self._previous is not None:
+            self._values.append(self._previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self._previous = torch.log_softmax(scores.to(torch.float32), dim=-1)
+        return scores
+
+    def finish(self, sequences: torch.Tensor, prompt_length: int) -> torch.Tensor:
+        """(B, T) float32 log-probs of the T generated tokens ``sequences[:, prompt_length:]``.
+
+        Raises:
+            RuntimeError: if the number of recorded steps differs from the number of generated tokens.
+        """
+        if self._previous is not None:
+            self._values.append(self._previous.gather(-1, sequences[:, -1:].to(self._previous.device)).squeeze(-1))
+            self._previous = None
+        generated = sequences.size(1) - prompt_length
+        if len(self._values) != generated:
+            raise RuntimeError(
+                f"Recorded {len(self._values)} sampling steps for {generated} generated tokens; cannot align the "
+                "behaviour log-probs (unsupported generation mode?)."
+            )
+        if not self._values:
+            return torch.zeros(sequences.size(0), 0, dtype=torch.float32, device=sequences.device)
+        return torch.stack(self._values, dim=1)
+
+
+@contextlib.contextmanager
+def _record_last_processor(model: torch.nn.Module, recorders: list) -> Iterator[None]:
+    """Shadow ``_get_logits_processor`` on every generation module inside ``model`` (the model itself, or the
+    wrapped model of a PEFT wrapper) so that the processor list it builds ends with a ``SampledTokenLogProbs``.
+
+    transformers 5.x builds the list in ``GenerationMixin._get_logits_processor``: processors, then the caller's
+    custom ``logits_processor`` list, then the sampling warpers (temperature, top-k, top-p, min-p, ...), so a custom
+    processor would see pre-warper scores; appending to the returned list puts the recorder after everything.
+    """
+    from transformers.generation.utils import GenerationMixin
+
+    patched = []
+    for module in model.modules():
+        if isinstance(module, GenerationMixin) and "_get_logits_processor" not in vars(module):
+            original = module._get_logits_processor
+
+            def builder(*args, _original=original, **kwargs):
+                processors = _original(*args, **kwargs)
+                recorder = SampledTokenLogProbs()
+                recorders.append(recorder)
+                processors.append(recorder)
+                return processors
+
+            module._get_logits_processor = builder
+            patched.append(module)
+    if not patched:
+        raise TypeError(f"{type(model).__name__} contains no transformers GenerationMixin module to record from.")
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module._get_logits_processor
+
+
 @contextlib.contextmanager
 def capture_generate_log_probs(model: torch.nn.Module) -> Iterator[GenerateCapture]:
     """Within the block, ``model.generate`` also records the behaviour log-probs of what it samples.
 
-    The wrapper calls the original ``generate`` with ``output_scores=True, return_dict_in_generate=True`` and
-    returns only ``out.sequences`` (a ``(B, P + T)`` tensor), so callers that expect plain ids are unaffected.
-    The instance attribute is removed on exit (the class method is visible again), also on error.
+    ``generate`` is shadowed by a wrapper that appends a ``SampledTokenLogProbs`` recorder to the END of the
+    processor list generate builds (after temperature/top-k/top-p/min-p/repetition penalty), so the recorded
+    value is ``log_softmax(processed scores)[sampled token]``: exactly what ``output_scores=True`` would give
+    (tested), without keeping T score tensors. The wrapper returns what ``generate`` returns (the caller's
+    ``return_dict_in_generate`` is respected). Instance attributes are removed on exit, also on error.
 
     Args:
-        model: the module whose ``generate`` the caller will use (for DDP / ZeRO-1/2 the unwrapped model).
+        model: the module whose ``generate`` the caller will use (for DDP / ZeRO-1/2 the unwrapped model; a PEFT
+            wrapper works: its inner generation model is instrumented).
 
     Yields:
-        GenerateCapture, filled by every ``generate`` call in the block.
+        GenerateCapture, filled by every ``generate`` call in the block: ``log_probs[k]`` is (B, T) float32.
 
     Raises:
         ValueError (from the wrapped call): if generation is not sampling (``do_sample=False`` / beam search),
         because mu is then not a sampling distribution and no behaviour log-prob exists.
+        RuntimeError (from the wrapped call): if the recorded steps cannot be aligned with the generated tokens.
     """
     capture = GenerateCapture()
     had_instance_attr = "generate" in vars(model)
@@ -151,15 +232,18 @@ def capture_generate_log_probs(model: torch.nn.Module) -> Iterator[GenerateCaptu
                 "Behaviour log-probs need sampled generation (do_sample=True, num_beams=1); greedy or beam search "
                 "has no sampling distribution to correct for."
             )
-        kwargs["output_scores"] = True
-        kwargs["return_dict_in_generate"] = True
-        out = original(*args, **kwargs)
+        recorders: list[SampledTokenLogProbs] = []
+        with _record_last_processor(model, recorders):
+            out = original(*args, **kwargs)
+        sequences = out if torch.is_tensor(out) else out.sequences
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         prompt_length = input_ids.size(1)
-        capture.sequences.append(out.sequences)
+        if len(recorders) != 1:
+            raise RuntimeError(f"Expected one logits-processor list per generate call, saw {len(recorders)}.")
+        capture.sequences.append(sequences)
         capture.prompt_lengths.append(prompt_length)
-        capture.log_probs.append(behaviour_log_probs_from_scores(out.scores, out.sequences, prompt_length))
-        return out.sequences
+        capture.log_probs.append(recorders[0].finish(sequences, prompt_length))
+        return out
 
     model.generate = generate_with_log_probs
     try:
