@@ -702,6 +702,10 @@ def test_trl_coupling_version_and_signatures():
     assert "if advantages.dim() == 1:" in src_loss
     assert "per_token_loss = -torch.min(per_token_loss1, per_token_loss2)" in src_loss
     assert src_loss.count("tool_mask") == 2  # both on that one line
+    # transformers: the behaviour-log-prob recorder is appended to the list _get_logits_processor returns
+    from transformers.generation.utils import GenerationMixin
+
+    assert "generation_config" in inspect.signature(GenerationMixin._get_logits_processor).parameters
 
 
 @pytest.mark.parametrize("setting", [
