@@ -18,7 +18,9 @@ trainer forward per generation batch, decoupled mode only), pi_theta (the loss f
   the clipped per-token loss.
 * Bypass mode: no pi_old forward; in every micro-batch the correction is computed from the current pi_theta
   (detached) against mu and the loss is PPO-clip on pi_theta / mu or REINFORCE ``-A w log pi_theta``
-  (``trl_rollout_corr.losses.bypass_policy_loss``), aggregated as TRL's ``loss_type`` does.
+  (``trl_rollout_corr.losses.bypass_policy_loss``), aggregated as TRL's ``loss_type`` does. The RS mask is the
+  loss mask and normaliser (dapo: the pre-RS token count, as verl's engine workers); the advantages were computed
+  at generation time, before pi_theta exists, so rows rejected here stay in their group's baseline (as in verl).
 * Metrics: ``rollout_corr/*`` are exact over everything trained on since the previous log call, on all ranks:
   the reducible statistics are merged across generation batches / micro-batches, summed (max/min) across ranks
   once at log time and finalised once; they are written straight into the log record (never averaged again).
