@@ -240,6 +240,11 @@ class RolloutCorrGRPOConfig(GRPOConfig):
                 fail(f"decoupled mode supports loss_type in {DECOUPLED_LOSS_TYPES}, got {self.loss_type!r}.")
             return
         # Bypass mode: our own loss replaces TRL's, so only what it reproduces is allowed.
+        if self.rs_keep_rejected_in_baseline:
+            logger.warning(
+                "rs_keep_rejected_in_baseline has no effect in bypass mode: RS runs in the loss, after the advantages, "
+                "so rejected rows always stay in their group's baseline."
+            )
         if self.loss_type not in BYPASS_LOSS_AGGREGATIONS:
             fail(f"bypass_mode=True supports loss_type in {BYPASS_LOSS_AGGREGATIONS}, got {self.loss_type!r}.")
         unsupported = {
