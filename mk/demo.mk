@@ -16,7 +16,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PIP := $(VLLM_PY) -m pip
 SMOLLM2_DIR ?= models/SmolLM2-135M-Instruct
 DEMO_CONFIG ?= recipes/configs/cpu_smollm2_decoupled.yaml
-DEMO_OUT ?= runs/demo
+DEMO_OUT ?= outputs/demo
 DEMO_ARGS ?=
 
 .PHONY: demo demo-install demo-model test-vllm
