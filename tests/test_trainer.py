@@ -159,8 +159,9 @@ def test_decoupled_other_loss_types_train(loss_type, llama_dir, tmp_path):
         assert 0.0 <= log["rollout_corr/rollout_rs_masked_fraction"] <= 1.0
 
 
-def test_eval_logs_prefixed_rollout_corr_metrics(llama_dir, tmp_path):
-    args = make_args(tmp_path, rollout_corr_preset="decoupled_token_is", max_steps=2, eval_strategy="steps",
+@pytest.mark.parametrize("preset", ["decoupled_token_is", "bypass_pg_is"])
+def test_eval_logs_prefixed_rollout_corr_metrics(preset, llama_dir, tmp_path):
+    args = make_args(tmp_path, rollout_corr_preset=preset, max_steps=2, eval_strategy="steps",
                      eval_steps=2, per_device_eval_batch_size=4)
     trainer = RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, args=args,
                                      train_dataset=prompt_dataset(8), eval_dataset=prompt_dataset(4))
