@@ -189,6 +189,23 @@ def test_ratio_quantiles_are_exact_order_statistics(llama_dir, tmp_path):
     assert torch.quantile(values.double(), 0.99).item() == pytest.approx(100.0)
 
 
+@pytest.mark.slow
+def test_compiled_correction_gives_the_same_metrics(llama_dir, tmp_path):
+    """rollout_corr_compile=True: torch.compile'd correction, same logged values as the eager run (same seed)."""
+    logs = {}
+    for compile_ in (False, True):
+        trainer = make_trainer(llama_dir, tmp_path / str(compile_), rollout_corr_preset="decoupled_k3_rs_token_tis",
+                               rollout_rs_threshold="0.05", top_p=0.9, max_steps=2, rollout_corr_compile=compile_)
+        trainer.train()
+        logs[compile_] = step_logs(trainer)
+    for eager, compiled in zip(logs[False], logs[True]):
+        keys = [k for k in eager if k.startswith("rollout_corr/")]
+        assert keys and set(keys) <= set(compiled)
+        for key in keys:
+            assert compiled[key] == pytest.approx(eager[key], rel=1e-4, abs=1e-5), key  # fused float32 rounding
+        assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-5, abs=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------- numerics
 def test_identical_numerics_give_unit_weights(llama_dir, tmp_path):
     """float32 generate, temperature 1, no top-p/top-k: mu == pi_old up to float noise."""
