@@ -20,7 +20,7 @@ Aggregation (token mean, sequence mean, ...) is left to the caller (the trainer 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -172,6 +172,7 @@ def bypass_policy_loss(
     epsilon_high: float = 0.2,
     clip_ratio_c: Optional[float] = None,
     all_reduce: Optional[AllReduce] = None,
+    correction_fn: Optional[Callable[..., RolloutCorrectionOutput]] = None,
 ) -> PolicyLossOutput:
     """Bypass mode: correction from pi_theta vs mu (no grad), then PPO-clip or REINFORCE.
 
@@ -180,6 +181,9 @@ def bypass_policy_loss(
         advantages: (B,) or (B, T). response_mask: (B, T) 0/1 completion mask.
         config: must have ``bypass_mode=True``.
         all_reduce: cross-rank sum for batch normalisation (see ``compute_rollout_correction``).
+        correction_fn: optional ``fn(log_probs, rollout_log_probs, response_mask, all_reduce=None)`` computing
+            the correction for ``config`` (e.g. ``correction.compiled_rollout_correction(config)``); default:
+            ``compute_rollout_correction`` with ``config``.
 
     Returns:
         PolicyLossOutput with ``correction`` set (its stats hold this micro-batch's metrics).
@@ -190,7 +194,10 @@ def bypass_policy_loss(
     if not config.bypass_mode:
         raise ValueError("bypass_policy_loss needs a config with bypass_mode=True; use decoupled_policy_loss otherwise.")
     with torch.no_grad():
-        correction = compute_rollout_correction(log_probs.detach(), rollout_log_probs, response_mask, config, all_reduce=all_reduce)
+        if correction_fn is None:
+            correction = compute_rollout_correction(log_probs.detach(), rollout_log_probs, response_mask, config, all_reduce=all_reduce)
+        else:
+            correction = correction_fn(log_probs.detach(), rollout_log_probs, response_mask, all_reduce=all_reduce)
     if config.bypass_loss_type == "ppo_clip":
         out = ppo_clip_per_token_loss(
             log_probs, rollout_log_probs, advantages, correction.response_mask,

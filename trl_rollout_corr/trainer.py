@@ -37,7 +37,6 @@ All knowledge of TRL 1.16 internals is in the block marked "TRL 1.16 coupling" b
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import math
 from dataclasses import dataclass, field
@@ -68,8 +67,6 @@ CORRECTION_FIELDS = (
 # TRL loss types whose per-token loss is positively homogeneous in the advantage (W * loss(A) == loss(W * A) for
 # W >= 0), so decoupled IS weights can be applied through the advantages without re-implementing TRL's loss.
 DECOUPLED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
-# Whether losses.bypass_policy_loss accepts a correction_fn (to use the compiled correction in bypass mode too).
-_BYPASS_TAKES_CORRECTION_FN = "correction_fn" in inspect.signature(bypass_policy_loss).parameters
 # Multimodal batch keys that TRL 1.16 forwards to _get_per_token_logps_and_entropies (as keyword arguments).
 MULTIMODAL_FORWARD_KEYS = (
     "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
@@ -131,8 +128,7 @@ class RolloutCorrGRPOConfig(GRPOConfig):
             behaviour). Default False: they leave the baseline. Their own advantage is 0 either way.
         rollout_corr_compile (`bool`, defaults to `False`):
             Run the correction math through ``torch.compile`` (``correction.compiled_rollout_correction``): same
-            values, faster on large batches; the first step pays the compile. Bypass mode uses it when
-            ``losses.bypass_policy_loss`` accepts a ``correction_fn``.
+            values, faster on large batches; the first step pays the compile. Used in both modes.
         vllm_importance_sampling_correction (`bool`, *optional*):
             TRL's own vLLM IS correction. Unset: off when this config's correction is enabled (IS, RS or bypass),
             TRL's default (on) otherwise. Setting it True together with an enabled correction is an error
@@ -307,8 +303,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction()
         if self.args.rollout_corr_compile:
             self._rc_correction_fn = compiled_rollout_correction(self.rollout_correction)
-            if self.rollout_correction.bypass_mode and not _BYPASS_TAKES_CORRECTION_FN:
-                logger.warning("rollout_corr_compile: bypass_policy_loss takes no correction_fn; bypass runs eager.")
         else:
             self._rc_correction_fn = functools.partial(_eager_correction, config=self.rollout_correction)
         self._rc_stats: dict[str, Optional[CorrectionStats]] = {"train": None, "eval": None}
@@ -577,10 +571,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             **{k: inputs[k] for k in MULTIMODAL_FORWARD_KEYS if k in inputs},
         )
         mode = "train" if self.model.training else "eval"
-        extra = {"correction_fn": self._rc_correction_fn} if _BYPASS_TAKES_CORRECTION_FN else {}
         out = bypass_policy_loss(
             per_token_logps, inputs["rollout_log_probs"], inputs["advantages"], mask, self.rollout_correction,
-            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, all_reduce=self._rc_all_reduce_sum(), **extra,
+            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, all_reduce=self._rc_all_reduce_sum(),
+            correction_fn=self._rc_correction_fn,
         )
         self._rc_add_stats(mode, out.correction.stats)
         keep = out.mask
