@@ -130,6 +130,19 @@ def get_fn(impl: str):
             return out.weights, out.response_mask, metrics, out
 
         return fn
+    if impl == "ours_compiled":
+        sys.path.insert(0, os.environ.get("BENCH_OURS_SRC", REPO))
+        from trl_rollout_corr import RolloutCorrectionConfig
+        from trl_rollout_corr.correction import compiled_rollout_correction
+
+        compiled = compiled_rollout_correction(RolloutCorrectionConfig(**CFG))
+
+        def fn(old, rollout, mask):
+            out = compiled(old, rollout, mask)
+            metrics = out.metrics
+            return out.weights, out.response_mask, metrics, out
+
+        return fn
     if impl == "verl":
         import warnings
 
@@ -167,24 +180,37 @@ def worker(args) -> dict:
 
     if args.mode == "time":
         floor = get_fn("floor")
+        t0 = time.perf_counter()
+        r = fn(old, rollout, mask)  # first call (includes torch.compile for ours_compiled)
+        res["first_call_s"] = time.perf_counter() - t0
+        del r
         for _ in range(args.warmup):
             floor(old, rollout, mask)
             r = fn(old, rollout, mask)
             del r
-        t_floor, t_impl, c_floor, c_impl = [], [], [], []
+        import resource
+
+        t_floor, t_impl, c_floor, c_impl, f_floor, f_impl = [], [], [], [], [], []
         pc, tt = time.perf_counter, time.thread_time
+
+        def flt():
+            return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
         for _ in range(args.repeats):
-            c0, t0 = tt(), pc()
+            f0, c0, t0 = flt(), tt(), pc()
             floor(old, rollout, mask)
-            c1, t1 = tt(), pc()
+            f1, c1, t1 = flt(), tt(), pc()
             r = fn(old, rollout, mask)
-            c2, t2 = tt(), pc()
+            f2, c2, t2 = flt(), tt(), pc()
             del r
+            f_floor.append(f1 - f0)
+            f_impl.append(f2 - f1)
             t_floor.append(t1 - t0)
             t_impl.append(t2 - t1)
             c_floor.append(c1 - c0)
             c_impl.append(c2 - c1)
-        res.update(t_floor=t_floor, t_impl=t_impl, c_floor=c_floor, c_impl=c_impl)
+        res.update(t_floor=t_floor, t_impl=t_impl, c_floor=c_floor, c_impl=c_impl, faults_floor=med(f_floor),
+                   faults_impl=med(f_impl))
     elif args.mode == "mem":
         r = fn(old, rollout, mask)  # warm-up (lazy init, first-call allocations)
         del r
@@ -273,10 +299,10 @@ def driver(args):
         os.environ["BENCH_OURS_SRC"] = os.path.abspath(args.ours_src)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     have_verl = os.path.exists(args.verl_python) and not args.no_verl
-    impls = ["ours"] + (["verl"] if have_verl else [])
+    impls = ["ours"] + (["ours_compiled"] if args.compiled else []) + (["verl"] if have_verl else [])
     if args.no_ours:
         impls = [i for i in impls if i != "ours"]
-    pythons = {"ours": sys.executable, "verl": args.verl_python, "floor": sys.executable}
+    pythons = {"ours": sys.executable, "ours_compiled": sys.executable, "verl": args.verl_python, "floor": sys.executable}
     started = datetime.datetime.now(datetime.timezone.utc)
     load0 = os.getloadavg()
     report = {"shapes": {}, "impls": impls}
@@ -306,6 +332,15 @@ def driver(args):
                 fmn = min(min(x[clk + "_floor"]) for x in per[impl])
                 sh[impl][clk] = dict(med=med(meds), min=mn, floor_med=med(fl), floor_min=fmn,
                                      x_floor=med([m / f for m, f in zip(meds, fl)]), x_floor_min=mn / fmn)
+        pooled = {clk: med([med(x[clk + "_floor"]) for i in impls for x in per[i]]) for clk in ("t", "c")}
+        sh["floor_pooled"] = pooled
+        for impl in impls:
+            sh[impl]["first_call_s"] = med([x["first_call_s"] for x in per[impl]])
+            sh[impl]["x_floor_pooled_c"] = sh[impl]["c"]["med"] / pooled["c"]
+            sh[impl]["faults_impl"] = med([x["faults_impl"] for x in per[impl]])
+            sh[impl]["faults_floor"] = med([x["faults_floor"] for x in per[impl]])
+        if "ours_compiled" in impls and "verl" in impls:
+            sh["compiled_ratio_c"] = med([med(o["c_impl"]) / med(v["c_impl"]) for o, v in zip(per["ours_compiled"], per["verl"])])
         if "ours" in impls and "verl" in impls:
             for clk in ("t", "c"):
                 ratios = [med(o[clk + "_impl"]) / med(v[clk + "_impl"]) for o, v in zip(per["ours"], per["verl"])]
@@ -325,6 +360,8 @@ def driver(args):
             print(f"  mem {impl:5s}: extra peak {pk:8.2f} MiB  retained {rt:8.2f} MiB  ({mem[impl][0]['method']})")
         if "ours" in impls and "verl" in impls:
             sh["mem_ratio"] = sh["ours"]["peak_mib"] / max(sh["verl"]["peak_mib"], 1e-9)
+        if "ours_compiled" in impls and "verl" in impls:
+            sh["compiled_mem_ratio"] = sh["ours_compiled"]["peak_mib"] / max(sh["verl"]["peak_mib"], 1e-9)
         sh["input_mib"] = 3 * B * T * 4 / 2**20
         sh["valid_tokens"] = int(make_inputs(B, T, args.seed, args.mask_dtype)[2].sum().item())
         # --- agreement
@@ -374,10 +411,11 @@ def _describe_ours(args) -> str:
                                  check=True).stdout
         subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
         args.ours_src = dest
-        return f"trl_rollout_corr at commit {rev} (`--ours-rev {args.ours_rev}`)"
+        last = git("log", "-1", "--format=%h", args.ours_rev, "--", "trl_rollout_corr")
+        return f"trl_rollout_corr at commit {rev} (`--ours-rev {args.ours_rev}`; package last changed in {last})"
     if args.ours_src:
         return f"trl_rollout_corr from {args.ours_src}"
-    rev = git("rev-parse", "--short", "HEAD")
+    rev = git("log", "-1", "--format=%h", "HEAD", "--", "trl_rollout_corr")
     dirty = git("status", "--porcelain", "trl_rollout_corr")
     return f"trl_rollout_corr working tree at {rev}" + (" with uncommitted changes" if dirty else "")
 
@@ -405,20 +443,27 @@ def to_markdown(rep) -> str:
              "thread, which excludes time the thread was descheduled by other users of the shared CPU; medians over "
              "rounds of each worker's median, and minima over all repeats.")
     L.append("")
+    L.append("*x floor* divides by the floor timed in the same worker process, interleaved call by call; *x pooled "
+             "floor* divides by the median floor over all workers of that shape (the floor's own cost depends on the "
+             "allocator state the other call leaves behind: its temporaries page-fault after some calls, see the "
+             "minor-fault columns).")
+    L.append("")
     L.append("| (B, T) | impl | wall median (ms) | wall min (ms) | cpu median (ms) | cpu min (ms) | x floor, wall | "
-             "x floor, cpu | x floor, cpu min/min | extra peak RSS (MiB) | retained (MiB) |")
-    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+             "x floor, cpu | x floor, cpu min/min | x pooled floor, cpu | minor faults / call (impl; floor) | "
+             "extra peak RSS (MiB) | retained (MiB) |")
+    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for key, sh in rep["shapes"].items():
         B, T = key.split("x")
         fl = sh[rep["impls"][0]]
         L.append(f"| ({B}, {T}) | floor | {fl['t']['floor_med']*1e3:.3f} | {fl['t']['floor_min']*1e3:.3f} | "
-                 f"{fl['c']['floor_med']*1e3:.3f} | {fl['c']['floor_min']*1e3:.3f} | 1 | 1 | 1 | "
-                 f"{sh['floor']['peak_mib']:.1f} | {sh['floor']['retained_mib']:.1f} |")
+                 f"{fl['c']['floor_med']*1e3:.3f} | {fl['c']['floor_min']*1e3:.3f} | 1 | 1 | 1 | 1 (pooled "
+                 f"{sh['floor_pooled']['c']*1e3:.3f} ms) | | {sh['floor']['peak_mib']:.1f} | {sh['floor']['retained_mib']:.1f} |")
         for impl in rep["impls"]:
             s, t, c = sh[impl], sh[impl]["t"], sh[impl]["c"]
             L.append(f"| ({B}, {T}) | {impl} | {t['med']*1e3:.2f} | {t['min']*1e3:.2f} | {c['med']*1e3:.2f} | "
                      f"{c['min']*1e3:.2f} | {t['x_floor']:.1f} | {c['x_floor']:.1f} | {c['x_floor_min']:.1f} | "
-                     f"{s['peak_mib']:.1f} | {s['retained_mib']:.1f} |")
+                     f"{s['x_floor_pooled_c']:.1f} | {s['faults_impl']:.0f}; {s['faults_floor']:.0f} | "
+                     f"{s['peak_mib']:.2f} | {s['retained_mib']:.2f} |")
     L.append("")
     if all("ratio_t" in sh for sh in rep["shapes"].values()):
         L.append("| (B, T) | inputs (MiB) | valid tokens | ours/verl wall (median of rounds) | ours/verl cpu (median "
@@ -430,9 +475,15 @@ def to_markdown(rep) -> str:
             a = sh["agree"]
             d = ", ".join(f"`{k}`" for k, *_ in a["diffs"]) or f"none of {a['n_shared']}"
             L.append(f"| ({B}, {T}) | {sh['input_mib']:.0f} | {sh['valid_tokens']} | {sh['ratio_t']['med']:.2f} | "
-                     f"{sh['ratio_c']['med']:.2f} | {sh['ratio_c']['min']:.2f} | {sh['mem_ratio']:.2f} | "
+                     f"{sh['ratio_c']['med']:.2f} | {sh['ratio_c']['min']:.2f} | {sh['mem_ratio']:.4f} | "
                      f"{sh['ours']['c']['x_floor']:.1f} | {a['weights_max_rel']:.1e} | {a['mask_mismatches']} | {d} |")
         L.append("")
+        for key, sh in rep["shapes"].items():
+            if "compiled_ratio_c" in sh:
+                L.append(f"* ({key}) ours_compiled (`compiled_rollout_correction`): cpu {sh['ours_compiled']['c']['x_floor']:.1f}x "
+                         f"floor ({sh['ours_compiled']['x_floor_pooled_c']:.1f}x pooled floor), {sh['compiled_ratio_c']:.2f}x verl time (median of rounds), "
+                         f"{sh['compiled_mem_ratio']:.4f}x verl extra peak RSS; first call (compile) "
+                         f"{sh['ours_compiled']['first_call_s']:.1f} s wall.")
         for key, sh in rep["shapes"].items():
             a = sh["agree"]
             L.append(f"* ({key}): per-round ours/verl ratios, wall "
@@ -475,19 +526,31 @@ def main():
     ap.add_argument("--verl-python", default=DEFAULT_VERL_PY)
     ap.add_argument("--no-verl", action="store_true")
     ap.add_argument("--no-ours", action="store_true", help="floor + verl only (before ours exists)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also time trl_rollout_corr.correction.compiled_rollout_correction (torch.compile; the "
+                         "compile happens in the warm-up calls and is reported separately)")
     ap.add_argument("--ours-src", default=None, help="import trl_rollout_corr from this checkout (default: repo)")
     ap.add_argument("--ours-rev", default=None,
                     help="benchmark trl_rollout_corr as committed at this git revision (git archive into a temp dir; "
                          "ignores uncommitted edits in the working tree)")
     ap.add_argument("--write-results", default=None, help="replace the generated block in this markdown file")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="also save the full report as JSON")
+    ap.add_argument("--from-json", default=None, help="only re-render the markdown of a report saved with --json")
     # worker mode
-    ap.add_argument("--worker", choices=["ours", "verl", "floor"])
+    ap.add_argument("--worker", choices=["ours", "ours_compiled", "verl", "floor"])
     ap.add_argument("--mode", choices=["time", "mem", "dump"], default="time")
     ap.add_argument("--B", type=int)
     ap.add_argument("--T", type=int)
     ap.add_argument("--dump")
     args = ap.parse_args()
+    if args.from_json:  # re-render a previous run's report (e.g. after a formatting change)
+        with open(args.from_json) as f:
+            rep = json.load(f)
+        md = to_markdown(rep)
+        print(md)
+        if args.write_results:
+            write_results(args.write_results, md)
+        return
     if args.worker:
         res = worker(args)
         print("RESULT " + json.dumps(res), flush=True)
