@@ -582,7 +582,10 @@ def test_config_preset_overrides_and_validation(tmp_path):
     assert (cfg.rollout_is, cfg.rollout_rs, cfg.rs_specs[0].upper) == ("token", "seq_mean_k3", 0.005)
     assert args.rollout_is_threshold == "2.0" and args.vllm_importance_sampling_correction is False
     no_is = make_args(tmp_path, rollout_corr_preset="decoupled_k3_rs_token_tis", rollout_is="none")
-    assert no_is.rollout_is is None and not no_is.rollout_correction().is_enabled and no_is.rollout_rs == "seq_mean_k3"
+    # a preset's IS switched off stays explicitly "none", so re-parsing the fields (YAML, checkpoint) keeps it off
+    assert no_is.rollout_is == "none" and not no_is.rollout_correction().is_enabled and no_is.rollout_rs == "seq_mean_k3"
+    fields = {k: getattr(no_is, k) for k in ("rollout_corr_preset", "rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold")}
+    assert make_args(tmp_path, **fields).rollout_correction() == no_is.rollout_correction()
     dds = make_args(tmp_path, rollout_corr_preset="direct_double_sided")
     assert dds.rollout_is_threshold == "0.8_1.2" and dds.bypass_loss_type == "reinforce" and dds.bypass_mode
     # diagnostics only: TRL's default vLLM correction stays on

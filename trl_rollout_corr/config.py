@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional, Union
 
@@ -294,6 +295,13 @@ class RolloutCorrectionConfig:
                     "or 'L_U' (IcePop); set rollout_is=None to turn IS weights off."
                 )
             self.is_bounds = parse_is_threshold(self.rollout_is_threshold)
+            if not self.is_bounds.is_icepop and self.is_bounds.upper < 1.0:
+                warnings.warn(
+                    f"rollout_is_threshold={self.rollout_is_threshold!r} is a truncation cap U < 1, which scales every "
+                    "weight above U down to U. If you meant an IcePop band 'L_U', quote it: YAML reads an unquoted "
+                    "0.5_2 as the number 0.52.",
+                    stacklevel=2,
+                )
         else:
             self.is_bounds = None
             if self.rollout_is_threshold is not None:

@@ -232,6 +232,10 @@ class RolloutCorrGRPOConfig(GRPOConfig):
             value = effective[name]
             if name in ("rollout_is_threshold", "rollout_rs_threshold"):
                 value = _threshold_to_field(value)
+            if value is None and name in ("rollout_is", "rollout_rs") and self.rollout_corr_preset is not None:
+                # Keep "switched off" explicit: a None would let the preset win again when the fields are re-parsed
+                # (to_dict -> YAML -> TrlParser, checkpoints).
+                value = "none"
             setattr(self, name, value)
         return correction
 
@@ -566,8 +570,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        per_token_logps, entropies, _ = self._get_per_token_logps_and_entropies(
+        per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
             **{k: inputs[k] for k in MULTIMODAL_FORWARD_KEYS if k in inputs},
         )
         mode = "train" if self.model.training else "eval"
@@ -591,6 +596,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 per_token_kl = per_token_kl * torch.exp((per_token_logps - mu).clamp(-20.0, 20.0))
             per_token_loss = per_token_loss + self.beta * torch.where(keep, per_token_kl, 0.0)
         loss = self._rc_aggregate(per_token_loss, keep, inputs, mode)
+        if self.aux_loss_enabled:  # MoE router load-balancing loss, scaled for gradient accumulation as TRL does
+            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item())
 
         def global_masked_mean(x: torch.Tensor) -> float:
             local = torch.stack([torch.where(keep, x, 0.0).sum(), keep.sum().to(x.dtype)]).detach()

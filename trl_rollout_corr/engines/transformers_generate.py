@@ -148,10 +148,12 @@ class SampledTokenLogProbs:
         Raises:
             RuntimeError: if the number of recorded steps differs from the number of generated tokens.
         """
-        if self._previous is not None:
-            self._values.append(self._previous.gather(-1, sequences[:, -1:].to(self._previous.device)).squeeze(-1))
-            self._previous = None
         generated = sequences.size(1) - prompt_length
+        if self._previous is not None:
+            if len(self._values) < generated:
+                self._values.append(self._previous.gather(-1, sequences[:, -1:].to(self._previous.device)).squeeze(-1))
+            # else: a deferred stop check (transformers on CUDA/MPS) ran one extra step whose token was undone.
+            self._previous = None
         if len(self._values) != generated:
             raise RuntimeError(
                 f"Recorded {len(self._values)} sampling steps for {generated} generated tokens; cannot align the "
@@ -224,10 +226,11 @@ def capture_generate_log_probs(model: torch.nn.Module) -> Iterator[GenerateCaptu
     original = model.generate
 
     def generate_with_log_probs(*args, **kwargs):
-        config = kwargs.get("generation_config")
+        # generate() falls back to the model's own generation_config for anything the call does not set.
+        config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
         do_sample = kwargs.get("do_sample", getattr(config, "do_sample", None))
         num_beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
-        if do_sample is False or num_beams > 1:
+        if not do_sample or num_beams > 1:
             raise ValueError(
                 "Behaviour log-probs need sampled generation (do_sample=True, num_beams=1); greedy or beam search "
                 "has no sampling distribution to correct for."
