@@ -33,6 +33,11 @@ Two things this module does that the stock paths do not:
    the prefix cache is reset (prefix caching is on by default, and cached KV blocks were computed with the old
    weights).
 
+3. **A TRL ``rollout_func``.** ``VLLMCPURollout`` plugs the engine into ``GRPOTrainer(rollout_func=...)`` (TRL 1.16's
+   public hook, so TRL's own GPU-oriented vLLM colocate path is not used on CPU): it syncs the trainer's weights
+   whenever the optimizer step changed, samples with the trainer's generation settings and returns the sampled
+   tokens' processed log-probs as ``logprobs`` (mu, token for token with ``completion_ids``).
+
 Side effect worth knowing: vLLM's ``CPUWorker.init_device`` replaces ``torch.set_num_threads`` with a no-op (it
 assumes it bound OpenMP threads itself, which the in-process executor does not do). ``build_cpu_llm`` puts the
 original function back afterwards (``restore_set_num_threads=True``) so that a colocated trainer keeps control of
