@@ -18,10 +18,13 @@ Method:
 
 * Inputs are generated from a fixed seed with a private ``torch.Generator`` by this same file in both
   venvs (same torch 2.13.0, so bit-identical; a checksum is printed and checked).
-* Time: every worker subprocess generates the inputs, warms up, then alternates ``floor`` and the
-  implementation ``--repeats`` times (so the floor ratio is from one process, interleaved). The driver
-  alternates rounds of [ours-worker, verl-worker] (order flipped every round) and reports the median over
-  rounds of the per-round ratio, plus the ratio of the minima (least disturbed by other users of the CPU).
+* Time: every worker subprocess generates the inputs, calls the implementation once (reported as the first-call
+  time: it includes torch.compile for ``ours_compiled``), warms up, then alternates ``floor`` and the
+  implementation ``--repeats`` times (so the floor ratio is from one process, interleaved), recording wall time
+  (``perf_counter``), the thread's CPU time (``thread_time``: excludes time descheduled by other users of a shared
+  machine) and minor page faults. The driver alternates rounds of [ours, (ours_compiled,) verl] workers (order
+  flipped every round) and reports the median over rounds of the per-round ratio, the ratio of the minima, and a
+  "pooled" floor (median over all workers of the shape; the floor's own temporaries page-fault after some calls).
 * Peak memory: a fresh subprocess per measurement, started with ``MALLOC_MMAP_THRESHOLD_=131072`` (a fixed
   threshold disables glibc's dynamic threshold, so every tensor >= 128 KiB is its own mmap and is returned
   to the OS on free: RSS then tracks live tensor memory). After creating the inputs and one warm-up call
@@ -34,7 +37,10 @@ Method:
 Usage (from the repo root, main venv for ours, the verl venv found at .venv-verl):
 
     bash benchmarks/setup_verl_venv.sh        # once
-    .venv/bin/python benchmarks/bench_correction.py --write-results benchmarks/RESULTS.md
+    .venv/bin/python benchmarks/bench_correction.py --ours-rev HEAD --compiled --write-results benchmarks/RESULTS.md
+
+``--ours-rev REV`` benchmarks trl_rollout_corr as committed at REV (``git archive`` to a temp dir), ``--ours-src DIR``
+a checkout at DIR; ``--no-verl`` skips verl; ``--json``/``--from-json`` save / re-render a report.
 """
 
 from __future__ import annotations
