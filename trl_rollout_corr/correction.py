@@ -96,21 +96,47 @@ def _check_inputs(log_probs, rollout_log_probs, response_mask) -> None:
 # evaluated in float64 (exp(x) - 1 - x cancels for small x). All row vectors go into a ``_RowTable`` whose
 # reductions (sums, maxima, counts over valid rows) run as a handful of batched operations, so the cost
 # does not grow with the number of metrics.
+_BIG = 1e30  # float32 stand-in for +-inf in masked extrema (|x| <= 20, so x +- _BIG never rounds back to x)
+
+
+def _mask_float(response_mask: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``response_mask > 0`` as float32 0/1 written into ``out`` (bool masks: read through uint8)."""
+    if response_mask.dtype == torch.bool:
+        return out.copy_(response_mask.view(torch.uint8))
+    return torch.gt(response_mask, 0, out=out)
+
+
 @dataclass
 class _Prepared:
-    """Cleaned per-token quantities shared by IS, RS and the metrics (all (B, T) unless noted)."""
+    """Cleaned per-token quantities shared by IS, RS and the metrics (all (B, T) unless noted).
 
-    mask: torch.Tensor  # bool: mask 1
-    fin: torch.Tensor  # bool: the log ratio is finite (both log-probs finite)
-    valid: torch.Tensor  # bool: mask & fin
-    l: torch.Tensor  # float32 log ratio, 0 outside valid
-    x: torch.Tensor  # clamp(l, -20, 20), 0 outside valid
-    ratio: torch.Tensor  # R = exp(x) at valid tokens, 0 elsewhere
+    Masks are float32 0/1, never bool: on CPU every kernel that reads a bool tensor (where, masked_fill,
+    bool & | ~, bool * float, bool.sum, any, bool -> float) is 5-30x slower than float32 arithmetic, and
+    comparisons written into a float32 ``out=`` are ~8x faster than into bool. Work buffers are reused
+    (``scratch`` float32, ``scratch64`` float64) so that a call touches few fresh pages.
+    """
+
+    response_mask: torch.Tensor  # the caller's mask (any dtype; > 0 means completion token)
+    vf: torch.Tensor  # float32 1.0 at valid tokens (mask > 0 and finite log ratio), else 0.0
+    x: torch.Tensor  # float32 clamp(l, -20, 20), 0 outside valid
+    ratio: Optional[torch.Tensor]  # R = exp(x) at valid tokens, 0 elsewhere (None once consumed by the weights)
     n_row: torch.Tensor  # (B,) float32 valid tokens per row
     row_valid: torch.Tensor  # (B,) bool
     seq_l: torch.Tensor  # (B,) float64 sum of l over valid tokens (unclamped)
+    scratch: torch.Tensor  # (B, T) float32 work buffer (never returned)
+    _scratch64: Optional[torch.Tensor] = None
     _has_x_range: bool = False
     _stat_rowsums: Optional[dict] = None
+
+    @property
+    def scratch64(self) -> torch.Tensor:
+        if self._scratch64 is None:
+            self._scratch64 = torch.empty(self.x.shape, dtype=torch.float64, device=self.x.device)
+        return self._scratch64
+
+    def sq_rowsum(self, t: torch.Tensor) -> torch.Tensor:
+        """(B,) float64 row sums of t**2, the square formed in float64 (in the reused float64 buffer)."""
+        return self.scratch64.copy_(t).square_().sum(-1)
 
     def stat_rowsum(self, stat: str, t: torch.Tensor) -> torch.Tensor:
         """(B,) float64 row sums of the token statistic ``stat`` (``t``), computed once."""
@@ -120,16 +146,14 @@ class _Prepared:
             self._stat_rowsums[stat] = _rowsum(t)
         return self._stat_rowsums[stat]
 
+    def valid_min_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """(B,) min over valid tokens of a zero-off-valid float32 t (+_BIG on rows without one, never read)."""
+        return torch.mul(self.vf, -_BIG, out=self.scratch).add_(_BIG).add_(t).amin(-1)
+
 
 def _rowsum(t: torch.Tensor) -> torch.Tensor:
     """(B,) float64 row sums of a (B, T) tensor (float64 accumulation)."""
     return t.sum(-1, dtype=torch.float64)
-
-
-def _sq_rowsum(t: torch.Tensor) -> torch.Tensor:
-    """(B,) float64 row sums of t**2, the square formed in float64."""
-    t64 = t.double()
-    return (t64 * t64).sum(-1)
 
 
 def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor, rows: "_RowTable") -> _Prepared:
@@ -137,32 +161,38 @@ def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_
     # Subtract in float64 when both inputs are float64; bf16/fp16 are upcast to float32 first.
     work = torch.float64 if lp.dtype == rlp.dtype == torch.float64 else torch.float32
     lp, rlp = lp.to(work), rlp.to(work)
-    # The mask is boolean: values > 0 are completion tokens (0, negatives and NaN are not).
-    mask = response_mask if response_mask.dtype == torch.bool else response_mask > 0
-    diff = lp - rlp
-    fin = diff.abs() < math.inf  # False for NaN and +-inf in either input
-    valid = mask & fin
-    l = torch.where(valid, diff, 0.0).float()
-    x = l.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    n_row = valid.sum(-1).float()
+    diff = lp - rlp  # fresh; becomes l (and x in place) for float32 work
+    chk = torch.sub(diff, diff)  # 0 where diff is finite, NaN for NaN/+-inf in either input
+    vf = _mask_float(response_mask, torch.empty(diff.shape, dtype=torch.float32, device=diff.device))
+    rows.add("n_masked", vf.sum(-1), "sum_all")
+    vf.mul_(torch.eq(chk, 0, out=chk))  # valid = mask > 0 and finite log ratio
+    diff.nan_to_num_(0.0, 0.0, 0.0).mul_(vf)  # zero outside the valid tokens, finite everywhere
+    seq_l = _rowsum(diff)
+    n_row = vf.sum(-1)
     rows.set_rows(n_row)
-    seq_l = _rowsum(torch.where(valid, diff, 0.0)) if work == torch.float64 else _rowsum(l)
-    ratio = torch.exp(x).mul_(valid)
-    p = _Prepared(mask=mask, fin=fin, valid=valid, l=l, x=x, ratio=ratio, n_row=n_row, row_valid=n_row > 0, seq_l=seq_l)
+    # training / rollout row sums over valid tokens (chk is a work-dtype scratch buffer)
+    rows.add("train_row_sum", _rowsum(torch.nan_to_num(lp, 0.0, 0.0, 0.0, out=chk).mul_(vf)))
+    rows.add("rollout_row_sum", _rowsum(torch.nan_to_num(rlp, 0.0, 0.0, 0.0, out=chk).mul_(vf)))
+    x = (diff if work == torch.float32 else diff.float()).clamp_(-SAFETY_BOUND, SAFETY_BOUND)
+    scratch = chk if work == torch.float32 else torch.empty_like(x)
+    ratio = torch.exp(x).mul_(vf)
+    p = _Prepared(response_mask=response_mask, vf=vf, x=x, ratio=ratio, n_row=n_row, row_valid=n_row > 0,
+                  seq_l=seq_l, scratch=scratch)
     rows.add("n_tok", n_row, "sum", bucket=True)
-    rows.add("n_masked", mask.sum(-1), "sum_all")
     rows.add("n_seq", p.row_valid, "sum", bucket=True)
-    rows.add("train_row_sum", _rowsum(torch.where(valid, lp, 0.0)))
-    rows.add("rollout_row_sum", _rowsum(torch.where(valid, rlp, 0.0)))
     return p
 
 
 def _x_range(p: _Prepared, rows: "_RowTable") -> None:
-    """Adds the max/min of x over valid tokens (``x_max``, ``x_min``) once."""
+    """Adds the max/min of x over valid tokens (``x_max``, ``x_min``) once (x -/+ _BIG off valid, no where)."""
     if not p._has_x_range:
         p._has_x_range = True
-        rows.add("x", torch.where(p.valid, p.x, -math.inf).amax(-1) if p.x.numel() else p.seq_l, "max")
-        rows.add("x", torch.where(p.valid, p.x, math.inf).amin(-1) if p.x.numel() else p.seq_l, "min")
+        if p.x.numel():
+            rows.add("x", torch.mul(p.vf, _BIG, out=p.scratch).sub_(_BIG).add_(p.x).amax(-1), "max")
+            rows.add("x", p.valid_min_rows(p.x), "min")
+        else:
+            rows.add("x", p.seq_l, "max")
+            rows.add("x", p.seq_l, "min")
 
 
 class _RowTable:
@@ -261,10 +291,15 @@ class _RowTable:
 
 # ---------------------------------------------------------------------- IS weights
 def _token_weights(p: _Prepared, upper: float, lower: Optional[float]) -> torch.Tensor:
-    """(B, T) token weights at valid tokens, 0 elsewhere (``p.ratio`` is 0 there and L, U > 0)."""
+    """(B, T) token weights at valid tokens, 0 elsewhere (``p.ratio`` is 0 there and L, U > 0).
+
+    TIS clamps ``p.ratio`` in place (one (B, T) buffer less); ``p.ratio`` is consumed (set to None)."""
     if lower is not None:  # IcePop: W = R inside [L, U], 0 outside
-        return torch.where((p.ratio >= lower) & (p.ratio <= upper), p.ratio, 0.0)
-    return p.ratio.clamp(max=upper)  # TIS
+        w = torch.ge(p.ratio, lower, out=torch.empty_like(p.ratio))
+        return w.mul_(torch.le(p.ratio, upper, out=p.scratch)).mul_(p.ratio)
+    w = p.ratio.clamp_(max=upper)  # TIS
+    p.ratio = None
+    return w
 
 
 def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _RowTable, all_reduce: Optional[AllReduce]) -> torch.Tensor:
@@ -275,15 +310,15 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
     nd = rows.n
     n1 = nd.clamp(min=1)
     if config.rollout_is == "token":
+        rows.add("is_high", _compare_valid(p.ratio, ">", upper, p).sum(-1), "sum")  # ratio is 0 off valid
+        rows.add("is_low", _compare_valid(p.ratio, "<", lower_m, p).sum(-1), "sum")
         w = _token_weights(p, upper, lower)
         row_w = _rowsum(w)
         rows.add("is_w", row_w, "sum", bucket=True)  # per-row sums of W and W^2 (also for the length slices)
-        rows.add("is_w2", _sq_rowsum(w), "sum", bucket=True)
-        rows.add("is_high", (p.ratio > upper).sum(-1), "sum")  # ratio is 0 outside valid tokens
-        rows.add("is_low", ((p.ratio < lower_m) & p.valid).sum(-1), "sum")
+        rows.add("is_w2", p.sq_rowsum(w), "sum", bucket=True)
         if bounds.is_icepop:
             rows.add("is_w", w.amax(-1) if w.numel() else row_w, "max")  # W >= 0, 0 off-valid
-            rows.add("is_w", torch.where(p.valid, w, math.inf).amin(-1) if w.numel() else row_w, "min")
+            rows.add("is_w", p.valid_min_rows(w) if w.numel() else row_w, "min")
         else:
             _x_range(p, rows)
         row_mean_w = row_w / n1
@@ -318,75 +353,104 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
         else:
             seq_w = seq_w / factor
     if config.rollout_is == "sequence":
-        w = torch.where(p.valid, seq_w.float().unsqueeze(-1), 0.0)
-    # 0 at padding (w is 0 there); the neutral weight 1 at invalid tokens (mask 1, NaN/inf log-prob).
-    return w.add_(p.mask & ~p.fin)
+        w = torch.mul(p.vf, seq_w.float().unsqueeze(-1))
+    # 0 at padding (w is 0 there); the neutral weight 1 at invalid tokens (mask 1, NaN/inf log-prob): + (mask - valid).
+    return w.add_(torch.sub(_mask_float(p.response_mask, p.scratch), p.vf, out=p.scratch))
 
 
-def _compare_valid(t: torch.Tensor, op: str, threshold: float, p: _Prepared) -> torch.Tensor:
-    """(B, T) bool: ``t > threshold`` or ``t < threshold`` at valid tokens, for a zero-off-valid ``t``
-    (restricting to valid tokens is free when the comparison is False at 0)."""
+def _compare_valid(t: torch.Tensor, op: str, threshold: float, p: _Prepared, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(B, T) float32 0/1: ``t > threshold`` or ``t < threshold`` at valid tokens, for a zero-off-valid ``t``
+    (restricting to valid tokens is free when the comparison is False at 0). Written into ``out`` (default:
+    the float32 scratch buffer)."""
+    out = p.scratch if out is None else out
     if op == ">":
-        hit = t > threshold
-        return hit & p.valid if 0.0 > threshold else hit
-    hit = t < threshold
-    return hit & p.valid if 0.0 < threshold else hit
+        hit = torch.gt(t, threshold, out=out)
+        return hit.mul_(p.vf) if 0.0 > threshold else hit
+    hit = torch.lt(t, threshold, out=out)
+    return hit.mul_(p.vf) if 0.0 < threshold else hit
 
 
 # ---------------------------------------------------------------------- RS masks
 def _token_statistic(stat: str, p: _Prepared) -> torch.Tensor:
-    """(B, T) k1/k2/k3 per token from x = clamp(l); 0 outside valid tokens."""
-    if stat == "k1":
-        return -p.x
+    """(B, T) k2/k3 per token from x = clamp(l); 0 outside valid tokens (k1 = -x is never materialised).
+    k3 = exp(x) - 1 - x in float64 (cancels for small x)."""
     if stat == "k2":
-        return 0.5 * p.x * p.x
-    x64 = p.x.double()
-    return torch.expm1(x64) - x64  # k3 = exp(x) - 1 - x, in float64 (cancels for small x)
+        return torch.mul(p.x, p.x).mul_(0.5)
+    k3 = torch.empty(p.x.shape, dtype=torch.float64, device=p.x.device).copy_(p.x)
+    return torch.expm1(k3, out=k3).sub_(p.x)
+
+
+def _k3_rowsum(p: _Prepared) -> torch.Tensor:
+    """(B,) float64 row sums of k3 = expm1(x) - x (float64), through the float64 scratch buffer."""
+    s64 = p.scratch64.copy_(p.x)
+    return torch.expm1(s64, out=s64).sub_(p.x).sum(-1)
 
 
 def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, token_stats: dict) -> torch.Tensor:
-    """Returns the (B, T) bool keep mask over valid tokens, combining every option (logical AND)."""
-    keep = p.valid
+    """Returns the (B, T) float32 0/1 keep mask over valid tokens, combining every option (logical AND).
+
+    k1 = -x is handled through x: ``k1 > hi <=> x < -hi``, ``clamp(k1, lo, hi) = -clamp(x, -hi, -lo)``."""
+    keep: Optional[torch.Tensor] = None
     keep_row: Optional[torch.Tensor] = None
     n1 = p.n_row.clamp(min=1)
     for spec in specs:
         pre = f"rollout_rs_{spec.option}_"
         lo, hi = spec.stat_bounds
         clamp_lo = lo if lo is not None else 0.0
-        t = token_stats[spec.stat]
+        k1 = spec.stat == "k1"
         if spec.is_token_level:
-            high = _compare_valid(t, ">", hi, p)
-            rejected = high
+            t = None if k1 else token_stats[spec.stat]
+            rej = torch.empty_like(p.x)  # rejected tokens (0/1); becomes the keep mask for the first option
+            high = _compare_valid(p.x, "<", -hi, p, out=rej) if k1 else _compare_valid(t, ">", hi, p, out=rej)
             high_rows = high.sum(-1)
             rows.add(pre + "high", high_rows, "sum")
             if lo is not None:
-                low = _compare_valid(t, "<", lo, p)
-                rejected = high | low
+                low = _compare_valid(p.x, ">", -lo, p) if k1 else _compare_valid(t, "<", lo, p)  # in scratch
                 low_rows = low.sum(-1)
                 rows.add(pre + "low", low_rows, "sum")
+                rej.add_(low)  # high and low are disjoint
                 high_rows = high_rows + low_rows
             rows.add(pre + "rejected_rows", high_rows, gt=(pre + "rejected_seqs", 0.0))
-            keep = keep & ~rejected
-            clamped = t.clamp(clamp_lo, hi)
+            if keep is None:
+                keep = torch.sub(p.vf, rej, out=rej)
+            else:
+                keep.addcmul_(keep, rej, value=-1.0)  # keep * (1 - rej)
+            if k1:
+                row_sum = -_rowsum(p.x)
+                clamped = torch.clamp(p.x, -hi, -clamp_lo, out=p.scratch)  # = -clamp(k1, lo, hi)
+            else:
+                row_sum = p.stat_rowsum(spec.stat, t)
+                clamped = torch.clamp(t, clamp_lo, hi, out=p.scratch if t.dtype == torch.float32 else torch.empty_like(t))
             if not clamp_lo <= 0.0 <= hi:
-                clamped = torch.where(p.valid, clamped, 0.0)
-            row_sum = p.stat_rowsum(spec.stat, t)
+                clamped.mul_(p.vf)
+            csum = _rowsum(clamped)
             rows.add(pre + "sum", row_sum, "sum")
-            rows.add(pre + "csum", _rowsum(clamped), "sum")
-            rows.add(pre + "csum2", _sq_rowsum(clamped), "sum")
-            if spec.stat == "k1":  # k1 = -x: extrema from those of x
+            rows.add(pre + "csum", -csum if k1 else csum, "sum")
+            rows.add(pre + "csum2", p.sq_rowsum(clamped), "sum")
+            if k1:  # k1 = -x: extrema from those of x
                 _x_range(p, rows)
             else:  # k2, k3 >= 0 and 0 outside valid tokens
                 rows.add(pre[:-1], t.amax(-1) if t.numel() else row_sum, "max")  # -> {pre}max
-                rows.add(pre[:-1], torch.where(p.valid, t, math.inf).amin(-1) if t.numel() else row_sum, "min")
+                if not t.numel():
+                    tmin = row_sum
+                elif t.dtype == torch.float32:
+                    tmin = p.valid_min_rows(t)
+                else:
+                    tmin = torch.where(p.vf > 0, t, math.inf).amin(-1)
+                rows.add(pre[:-1], tmin, "min")
             row_values = row_sum / n1
         else:
-            if spec.level == "seq_sum":
-                row_values = p.stat_rowsum(spec.stat, t)
-            elif spec.level == "seq_mean":
-                row_values = p.stat_rowsum(spec.stat, t) / n1
-            else:  # seq_max (k2/k3 only, >= 0, so padding zeros never win over a valid token)
+            if spec.level == "seq_max":  # k2/k3 only, >= 0, so padding zeros never win over a valid token
+                t = token_stats[spec.stat]
                 row_values = t.amax(-1) if t.numel() else t.sum(-1)
+            else:
+                if k1:
+                    row_sum = -_rowsum(p.x)
+                elif spec.stat == "k3":
+                    row_sum = p.stat_rowsum("k3", None)
+                else:
+                    row_sum = p.stat_rowsum(spec.stat, token_stats[spec.stat])
+                row_values = row_sum if spec.level == "seq_sum" else row_sum / n1
             in_band = row_values <= hi
             if lo is not None:
                 in_band = in_band & (row_values >= lo)
@@ -398,8 +462,10 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, toke
             rows.add(pre + "rejected", bad, "wsum")
             rows.add(pre + "rejected_seqs", bad, "sum")
         rows.add(pre + "seq", row_values, "sum", "sq", "max", "min", gt=(pre + "seq_high", hi), lt=((pre + "seq_low", lo) if lo is not None else None))
+    if keep is None:
+        keep = p.vf.clone() if keep_row is not None else p.vf
     if keep_row is not None:
-        keep = keep & keep_row.unsqueeze(-1)
+        keep.mul_(keep_row.to(keep.dtype).unsqueeze(-1))
     kept_rows = keep.sum(-1)
     rows.add("rs_kept", kept_rows, "sum", bucket=True)
     rows.add("rs_kept_minus_n", kept_rows - p.n_row, lt=("rs_rejected_seqs", 0.0))
@@ -453,21 +519,22 @@ def compute_rollout_correction(
     rows.bucket_edges = edges
     p = _prepare(log_probs, rollout_log_probs, response_mask, rows)
     rows.add("r", _rowsum(p.ratio), "sum")
-    rows.add("r2", _sq_rowsum(p.ratio), "sum")
-
+    rows.add("r2", p.sq_rowsum(p.ratio), "sum")
+    # k2/k3 (B, T) tensors only where an option tests tokens, takes a row max or needs k2 sums; k3 row sums
+    # (always needed by the off-policy metrics) go through the float64 scratch buffer.
+    needed = {sp.stat for sp in config.rs_specs if sp.stat != "k1" and (sp.is_token_level or sp.level == "seq_max" or sp.stat == "k2")}
+    token_stats = {stat: _token_statistic(stat, p) for stat in needed}
+    p._stat_rowsums = {"k3": _rowsum(token_stats["k3"]) if "k3" in token_stats else _k3_rowsum(p)}
     weights = _importance_weights(p, config, rows, all_reduce) if config.is_enabled else None
-
-    token_stats = {stat: _token_statistic(stat, p) for stat in {spec.stat for spec in config.rs_specs} | {"k3"}}
-    keep = _rejection_keep(p, config.rs_specs, rows, token_stats) if config.rs_enabled else p.valid
-
-    _offpolicy_stats(p, rows, token_stats["k3"])
+    keep = _rejection_keep(p, config.rs_specs, rows, token_stats) if config.rs_enabled else p.vf
+    _offpolicy_stats(p, rows)
     layout = _layout(config) + ((("buckets", edges),) if edges else ())
     return RolloutCorrectionOutput(weights=weights, response_mask=keep.to(response_mask.dtype), stats=rows.reduce(layout))
 
 
-def _offpolicy_stats(p: _Prepared, rows: _RowTable, k3: torch.Tensor) -> None:
+def _offpolicy_stats(p: _Prepared, rows: _RowTable) -> None:
     rows.add("l", p.seq_l, "sum", bucket=True)
-    rows.add("k3", p.stat_rowsum("k3", k3), "sum", bucket=True)  # k3 is 0 outside valid tokens
+    rows.add("k3", p.stat_rowsum("k3", None), "sum", bucket=True)  # k3 is 0 outside valid tokens
     n1 = rows.n.clamp(min=1)
     mean_roll = rows.col("rollout_row_sum") / n1  # mean log mu per row
     mean_train = rows.col("train_row_sum") / n1  # mean log pi_train per row
