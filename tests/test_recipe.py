@@ -67,7 +67,7 @@ def test_reasoning_gym_reward_exact_match_only():
     answers = [task.rg[i]["answer"] for i in range(8)]
     right = [[{"role": "assistant", "content": f"The result is {a}."}] for a in answers]
     wrong = [[{"role": "assistant", "content": f"The result is {int(a) + 1}."}] for a in answers]
-    partial = [[{"role": "assistant", "content": f"{a}0"}] for a in answers]  # reasoning-gym gives partial credit
+    partial = [[{"role": "assistant", "content": f"{a}5"}] for a in answers]  # reasoning-gym gives partial credit
     assert reward(right, list(range(8))) == [1.0] * 8
     assert reward(wrong, list(range(8))) == [0.0] * 8
     assert reward(partial, list(range(8))) == [0.0] * 8
