@@ -11,6 +11,7 @@ Usage: python benchmarks/trainer_mismatch_smollm2.py [models/SmolLM2-135M-Instru
 """
 
 import json
+from pathlib import Path
 import sys
 import time
 
@@ -24,16 +25,10 @@ KEYS = ("kl", "k3_kl", "log_ppl_abs_diff", "rollout_is_mean", "rollout_is_std", 
         "rollout_rs_masked_fraction", "engine_ratio_p01", "engine_ratio_p99", "num_valid_tokens")
 
 
-class BF16Rollout(RolloutCorrGRPOTrainer):
-    def _generate_single_turn(self, *args, **kwargs):
-        model = self.accelerator.unwrap_model(self.model)
-        backup = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        model.to(torch.bfloat16)
-        try:
-            return super()._generate_single_turn(*args, **kwargs)
-        finally:
-            model.to(torch.float32)
-            model.load_state_dict(backup)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from tiny_model import bf16_generate_trainer_class  # noqa: E402  (the same bf16-rollout trainer the tests use)
+
+BF16Rollout = bf16_generate_trainer_class()
 
 
 def reward(completions, **kwargs):

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tiny_model import make_tiny_model, make_tiny_model_dir, prompt_dataset, reward_len  # noqa: E402
+from tiny_model import bf16_generate_trainer_class, make_tiny_model, make_tiny_model_dir, prompt_dataset, reward_len  # noqa: E402
+
+BF16GenerateTrainer = bf16_generate_trainer_class()
 
 import trl  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -227,20 +229,6 @@ def test_identical_numerics_give_unit_weights(llama_dir, tmp_path):
                 for q in ("mean", "p01", "p50", "p99", "max"):
                     assert log[f"rollout_corr/{name}_ratio_{q}"] == pytest.approx(1.0, abs=1e-5), (name, q)
             assert log["rollout_corr/invalid_token_fraction"] == 0.0
-
-
-class BF16GenerateTrainer(RolloutCorrGRPOTrainer):
-    """Generates with a bf16 copy of the weights (a rollout engine in bf16, a float32 trainer)."""
-
-    def _generate_single_turn(self, *args, **kwargs):
-        model = self.accelerator.unwrap_model(self.model)
-        backup = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        model.to(torch.bfloat16)
-        try:
-            return super()._generate_single_turn(*args, **kwargs)
-        finally:
-            model.to(torch.float32)
-            model.load_state_dict(backup)
 
 
 @pytest.mark.parametrize("how", ["top_p", "bf16", "repetition_penalty"])
