@@ -724,9 +724,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._rc_stats[mode] = stats if current is None else current.merge(stats)
 
     def _rc_all_reduce_sum(self):
-        if self.accelerator.num_processes <= 1:
-            return None
-        return lambda t: self.accelerator.reduce(t, reduction="sum")
+        """The cross-rank sum for batch normalisation, or None on one process (no collective needed)."""
+        return self._rc_reduce_sum if self.accelerator.num_processes > 1 else None
 
     def _rc_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.accelerator.num_processes <= 1:
