@@ -91,9 +91,9 @@ def _check_inputs(log_probs, rollout_log_probs, response_mask) -> None:
 
 # Speed and precision: every per-token quantity below is exactly 0 outside the valid tokens (x = clamp(l)
 # is 0 there, so are k1, k2, k3 and the masked ratio R), so masked sums need no mask pass. Each (B, T)
-# quantity is reduced to a (B,) row vector with float64 accumulation (squares are formed in float64), so
-# that variances E[w^2] - E[w]^2 of weights near 1 and sums over millions of tokens stay accurate; k3 is
-# evaluated in float64 (exp(x) - 1 - x cancels for small x). All row vectors go into a ``_RowTable`` whose
+# quantity is reduced to a (B,) row vector; sums of mixed-sign log ratios accumulate in float64, sums of
+# squares go through a per-row two-pass identity (``sq_rowsum``) so that variances E[w^2] - E[w]^2 of
+# weights near 1 stay exact, and k3 is expm1(x) - x (no cancellation). All row vectors go into a ``_RowTable`` whose
 # reductions (sums, maxima, counts over valid rows) run as a handful of batched operations, so the cost
 # does not grow with the number of metrics.
 _BIG = 1e30  # float32 stand-in for +-inf in masked extrema (|x| <= 20, so x +- _BIG never rounds back to x)
@@ -113,7 +113,7 @@ class _Prepared:
     Masks are float32 0/1, never bool: on CPU every kernel that reads a bool tensor (where, masked_fill,
     bool & | ~, bool * float, bool.sum, any, bool -> float) is 5-30x slower than float32 arithmetic, and
     comparisons written into a float32 ``out=`` are ~8x faster than into bool. Work buffers are reused
-    (``scratch`` float32, ``scratch64`` float64) so that a call touches few fresh pages.
+    (``scratch``) so that a call touches few fresh pages.
     """
 
     response_mask: torch.Tensor  # the caller's mask (any dtype; > 0 means completion token)
@@ -124,26 +124,28 @@ class _Prepared:
     row_valid: torch.Tensor  # (B,) bool
     seq_l: torch.Tensor  # (B,) float64 sum of l over valid tokens (unclamped)
     scratch: torch.Tensor  # (B, T) float32 work buffer (never returned)
-    _scratch64: Optional[torch.Tensor] = None
     _has_x_range: bool = False
     _stat_rowsums: Optional[dict] = None
 
-    @property
-    def scratch64(self) -> torch.Tensor:
-        if self._scratch64 is None:
-            self._scratch64 = torch.empty(self.x.shape, dtype=torch.float64, device=self.x.device)
-        return self._scratch64
+    def sq_rowsum(self, t: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
+        """(B,) float64 row sums of t**2 for a zero-off-valid t whose row sums are ``row_sum``.
 
-    def sq_rowsum(self, t: torch.Tensor) -> torch.Tensor:
-        """(B,) float64 row sums of t**2, the square formed in float64 (in the reused float64 buffer)."""
-        return self.scratch64.copy_(t).square_().sum(-1)
+        Two-pass per row: ``sum t^2 = sum (t - c)^2 + S^2 / n`` with the row mean ``c = S / n``, so the
+        float32 sum of small squared deviations keeps the variance ``E[t^2] - E[t]^2`` exact even when every
+        t is ~1 +- 1e-4 (float32 squares of t itself would lose it); the identity is evaluated in float64."""
+        n1 = self.n_row.clamp(min=1)
+        c = (row_sum / n1).to(t.dtype).unsqueeze(-1)
+        m2 = torch.addcmul(t, self.vf, c, value=-1.0, out=self.scratch if t.dtype == self.scratch.dtype else None)
+        m2 = m2.square_().sum(-1).double()
+        s = row_sum.double()
+        return m2.add_(s * s / n1.double())
 
     def stat_rowsum(self, stat: str, t: torch.Tensor) -> torch.Tensor:
-        """(B,) float64 row sums of the token statistic ``stat`` (``t``), computed once."""
+        """(B,) row sums of the token statistic ``stat`` (``t``), computed once (``k1x``: x, in float64)."""
         if self._stat_rowsums is None:
             self._stat_rowsums = {}
         if stat not in self._stat_rowsums:
-            self._stat_rowsums[stat] = _rowsum(t)
+            self._stat_rowsums[stat] = _rowsum64(t) if stat == "k1x" else _rowsum(t)
         return self._stat_rowsums[stat]
 
     def valid_min_rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -152,7 +154,13 @@ class _Prepared:
 
 
 def _rowsum(t: torch.Tensor) -> torch.Tensor:
-    """(B,) float64 row sums of a (B, T) tensor (float64 accumulation)."""
+    """(B,) row sums of a (B, T) tensor in its own dtype (torch's cascade summation: relative error ~1e-7 in
+    float32). Only for terms of one sign, or whose variance is taken through ``sq_rowsum``."""
+    return t.sum(-1)
+
+
+def _rowsum64(t: torch.Tensor) -> torch.Tensor:
+    """(B,) float64 row sums with float64 accumulation, for sums of mixed-sign terms that cancel (log ratios)."""
     return t.sum(-1, dtype=torch.float64)
 
 
@@ -167,7 +175,7 @@ def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_
     rows.add("n_masked", vf.sum(-1), "sum_all")
     vf.mul_(torch.eq(chk, 0, out=chk))  # valid = mask > 0 and finite log ratio
     diff.nan_to_num_(0.0, 0.0, 0.0).mul_(vf)  # zero outside the valid tokens, finite everywhere
-    seq_l = _rowsum(diff)
+    seq_l = _rowsum64(diff)
     n_row = vf.sum(-1)
     rows.set_rows(n_row)
     # training / rollout row sums over valid tokens (chk is a work-dtype scratch buffer)
@@ -201,20 +209,20 @@ class _RowTable:
     Reductions over valid rows (rows with at least one valid token): ``sum``, ``sq`` (sum of squares, stored
     as ``{name}2``), ``wsum``/``wsq`` (weighted by the row's valid-token count), ``max``/``min`` (stored as
     ``{name}_max``/``{name}_min``); ``sum_all`` sums over every row. ``gt``/``lt`` count valid rows whose
-    value is above/below a threshold (a NaN value is never counted).
+    value is above/below a threshold (a NaN value is never counted). ``bucket=True`` also sums the value
+    over the valid rows of each response-length bucket (stored as ``{name}@{j}``).
+
+    All sums come from one matrix product ``[V; V*V; hits; X_all] @ [valid, n, 1, buckets]`` (V: the
+    values with invalid rows zeroed) followed by one gather; the bookkeeping (names, gather indices,
+    thresholds) depends only on the sequence of ``add`` calls and is cached per sequence (``_PLANS``).
     """
 
-    _KINDS = ("sum", "sum_all", "sq", "wsum", "wsq", "max", "min")
-
-    def __init__(self) -> None:
+    def __init__(self, bucket_edges: tuple[int, ...] = ()) -> None:
         self.values: list[torch.Tensor] = []
         self.index: dict[str, int] = {}
-        self.requests: dict[str, list[tuple[str, int]]] = {k: [] for k in self._KINDS}
-        self.gt: list[tuple[str, int, float]] = []
-        self.lt: list[tuple[str, int, float]] = []
+        self.signature: list[tuple] = []
         self.n: Optional[torch.Tensor] = None
-        self.bucketed: list[tuple[str, int]] = []
-        self.bucket_edges: tuple[int, ...] = ()
+        self.bucket_edges = bucket_edges
 
     def set_rows(self, n_row: torch.Tensor) -> None:
         self.n = n_row.double()
@@ -223,19 +231,7 @@ class _RowTable:
         idx = len(self.values)
         self.values.append(values)  # converted to float64 once, in reduce()
         self.index.setdefault(name, idx)
-        for kind in kinds:
-            if kind in ("max", "min"):
-                self.requests[kind].append((f"{name}_{kind}", idx))
-            elif kind in ("sq", "wsq"):
-                self.requests[kind].append((name + "2", idx))
-            else:
-                self.requests[kind].append((name, idx))
-        if bucket:
-            self.bucketed.append((name, idx))
-        if gt is not None:
-            self.gt.append((gt[0], idx, gt[1]))
-        if lt is not None:
-            self.lt.append((lt[0], idx, lt[1]))
+        self.signature.append((name, kinds, gt, lt, bucket))
         return idx
 
     def col(self, name: str) -> torch.Tensor:
@@ -243,50 +239,106 @@ class _RowTable:
         return self.values[self.index[name]].double()
 
     def reduce(self, layout: tuple) -> CorrectionStats:
-        X = torch.stack(self.values).double()  # (K, B); stack promotes mixed dtypes
-        K, B = X.shape
-        row_valid = self.n > 0
-        V = torch.where(row_valid, X, 0.0)
-        V2 = V * V
-        out = {
-            "sum": V.sum(-1), "sum_all": X.sum(-1), "sq": V2.sum(-1),
-            "wsum": V @ self.n, "wsq": V2 @ self.n,
-        }
-        if B:
-            out["max"] = torch.where(row_valid, X, -math.inf).amax(-1)
-            out["min"] = torch.where(row_valid, X, math.inf).amin(-1)
-        else:
-            out["max"] = torch.full((K,), -math.inf, dtype=X.dtype, device=X.device)
-            out["min"] = torch.full((K,), math.inf, dtype=X.dtype, device=X.device)
-        sum_names, sum_parts = [], []
+        key = (tuple(self.signature), self.bucket_edges)
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = _PLANS[key] = _ReducePlan(self.signature, self.bucket_edges)
+        return plan.run(self.values, self.n, layout)
+
+
+class _ReducePlan:
+    """Names and gather indices for ``_RowTable.reduce``, built once per sequence of ``add`` calls."""
+
+    def __init__(self, signature: Sequence[tuple], bucket_edges: tuple[int, ...]) -> None:
+        K = len(signature)
+        nb = len(bucket_edges) + 1 if bucket_edges else 0
+        self.bucket_edges = bucket_edges
+        gts = [(cnt, i, thr, 1.0) for i, (_, _, gt, _, _) in enumerate(signature) if gt is not None for cnt, thr in (gt,)]
+        lts = [(cnt, i, thr, -1.0) for i, (_, _, _, lt, _) in enumerate(signature) if lt is not None for cnt, thr in (lt,)]
+        hits = gts + lts
+        alls = [i for i, (_, kinds, *_rest) in enumerate(signature) if "sum_all" in kinds]
+        self.hit_idx = [i for _, i, _, _ in hits]
+        self.hit_thr = [thr * sign for _, _, thr, sign in hits]
+        self.hit_sign = [sign for *_, sign in hits]
+        self.all_idx = alls
+        # rows of the product: V (K), V*V (K), hits (len(hits)), X[all] (len(alls)); columns: valid, n, one, buckets
+        J = 3 + nb
+        row_sq, row_hit, row_all = K, 2 * K, 2 * K + len(hits)
+        flat = lambda r, c: r * J + c
+        names, gather = [], []
+        order = {k: [] for k in ("sum", "sum_all", "sq", "wsum", "wsq")}
+        for i, (name, kinds, _, _, _) in enumerate(signature):
+            for kind in kinds:
+                if kind == "sum":
+                    order[kind].append((name, flat(i, 0)))
+                elif kind == "wsum":
+                    order[kind].append((name, flat(i, 1)))
+                elif kind == "sq":
+                    order[kind].append((name + "2", flat(row_sq + i, 0)))
+                elif kind == "wsq":
+                    order[kind].append((name + "2", flat(row_sq + i, 1)))
+                elif kind == "sum_all":
+                    order[kind].append((name, flat(row_all + alls.index(i), 2)))
         for kind in ("sum", "sum_all", "sq", "wsum", "wsq"):
-            if self.requests[kind]:
-                names, idx = zip(*self.requests[kind])
-                sum_names += names
-                sum_parts.append(out[kind][list(idx)])
-        if self.bucketed and self.bucket_edges:
-            # Sums per response-length bucket: (k, B) @ (B, n_buckets) one-hot of each valid row's bucket.
-            edges = torch.tensor(self.bucket_edges, dtype=X.dtype, device=X.device)
-            bucket = torch.bucketize(self.n, edges, right=True)
-            one_hot = (bucket.unsqueeze(-1) == torch.arange(len(self.bucket_edges) + 1, device=X.device)) & row_valid.unsqueeze(-1)
-            names, idx = zip(*self.bucketed)
-            per_bucket = X[list(idx)] @ one_hot.to(X.dtype)  # (k, n_buckets)
-            sum_names += [f"{name}@{j}" for name in names for j in range(per_bucket.shape[1])]
-            sum_parts.append(per_bucket.reshape(-1))
-        for store, sign in ((self.gt, 1.0), (self.lt, -1.0)):
-            if store:
-                names, idx, thr = zip(*store)
-                thr_t = torch.tensor(thr, dtype=X.dtype, device=X.device).unsqueeze(-1)
-                hit = (X[list(idx)] * sign > thr_t * sign) & row_valid
-                sum_names += names
-                sum_parts.append(hit.sum(-1).double())
-        extremes = []
-        for kind in ("max", "min"):
-            names, idx = zip(*self.requests[kind]) if self.requests[kind] else ((), ())
-            extremes.append((tuple(names), out[kind][list(idx)]))
-        return CorrectionStats(
-            tuple(sum_names), torch.cat(sum_parts), extremes[0][0], extremes[0][1], extremes[1][0], extremes[1][1], layout
-        )
+            for name, g in order[kind]:
+                names.append(name)
+                gather.append(g)
+        for i, (name, _, _, _, bucket) in enumerate(signature):
+            if bucket and nb:
+                for j in range(nb):
+                    names.append(f"{name}@{j}")
+                    gather.append(flat(i, 3 + j))
+        for h, (cnt, _, _, _) in enumerate(hits):
+            names.append(cnt)
+            gather.append(flat(row_hit + h, 0))
+        self.sum_names = tuple(names)
+        self.gather = gather
+        self.max_idx = [i for i, (_, kinds, *_r) in enumerate(signature) if "max" in kinds]
+        self.min_idx = [i for i, (_, kinds, *_r) in enumerate(signature) if "min" in kinds]
+        self.max_names = tuple(f"{signature[i][0]}_max" for i in self.max_idx)
+        self.min_names = tuple(f"{signature[i][0]}_min" for i in self.min_idx)
+        self._dev: dict = {}
+
+    def _tensors(self, device: torch.device) -> tuple:
+        t = self._dev.get(device)
+        if t is None:
+            f64 = dict(dtype=torch.float64, device=device)
+            long = dict(dtype=torch.long, device=device)
+            t = self._dev[device] = (
+                torch.tensor(self.gather, **long), torch.tensor(self.hit_idx, **long),
+                torch.tensor(self.hit_thr, **f64).unsqueeze(-1), torch.tensor(self.hit_sign, **f64).unsqueeze(-1),
+                torch.tensor(self.all_idx, **long), torch.tensor(self.max_idx, **long), torch.tensor(self.min_idx, **long),
+                torch.tensor(self.bucket_edges, **f64), torch.arange(len(self.bucket_edges) + 1, **long),
+            )
+        return t
+
+    def run(self, values: list[torch.Tensor], n: torch.Tensor, layout: tuple) -> CorrectionStats:
+        gather, hit_idx, hit_thr, hit_sign, all_idx, max_idx, min_idx, edges, bucket_ids = self._tensors(n.device)
+        X = torch.stack(values).double()  # (K, B); stack promotes mixed dtypes
+        B = X.shape[1]
+        row_valid = n > 0
+        V = torch.where(row_valid, X, 0.0)
+        parts = [V, V * V]
+        if len(hit_idx):
+            parts.append(torch.gt(X.index_select(0, hit_idx) * hit_sign, hit_thr).double())
+        if len(all_idx):
+            parts.append(X.index_select(0, all_idx))
+        cols = [row_valid.double(), n, torch.ones_like(n)]
+        W = torch.stack(cols, -1)  # (B, 3)
+        if self.bucket_edges:
+            bucket = torch.bucketize(n, edges, right=True)
+            W = torch.cat([W, (bucket.unsqueeze(-1) == bucket_ids).double() * W[:, :1]], -1)
+        sums = (torch.cat(parts) @ W).flatten().index_select(0, gather)
+        if B:
+            maxs = torch.where(row_valid, X.index_select(0, max_idx), -math.inf).amax(-1)
+            mins = torch.where(row_valid, X.index_select(0, min_idx), math.inf).amin(-1)
+        else:
+            maxs = torch.full((len(max_idx),), -math.inf, dtype=X.dtype, device=X.device)
+            mins = torch.full((len(min_idx),), math.inf, dtype=X.dtype, device=X.device)
+        return CorrectionStats(self.sum_names, sums, self.max_names, maxs, self.min_names, mins, layout)
+
+
+_PLANS: dict = {}
 
 
 # ---------------------------------------------------------------------- IS weights
@@ -315,7 +367,7 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
         w = _token_weights(p, upper, lower)
         row_w = _rowsum(w)
         rows.add("is_w", row_w, "sum", bucket=True)  # per-row sums of W and W^2 (also for the length slices)
-        rows.add("is_w2", p.sq_rowsum(w), "sum", bucket=True)
+        rows.add("is_w2", p.sq_rowsum(w, row_w), "sum", bucket=True)
         if bounds.is_icepop:
             rows.add("is_w", w.amax(-1) if w.numel() else row_w, "max")  # W >= 0, 0 off-valid
             rows.add("is_w", p.valid_min_rows(w) if w.numel() else row_w, "min")
@@ -372,18 +424,19 @@ def _compare_valid(t: torch.Tensor, op: str, threshold: float, p: _Prepared, out
 
 # ---------------------------------------------------------------------- RS masks
 def _token_statistic(stat: str, p: _Prepared) -> torch.Tensor:
-    """(B, T) k2/k3 per token from x = clamp(l); 0 outside valid tokens (k1 = -x is never materialised).
-    k3 = exp(x) - 1 - x in float64 (cancels for small x)."""
+    """(B, T) float32 k2/k3 per token from x = clamp(l); 0 outside valid tokens (k1 = -x is never materialised).
+
+    k3 = expm1(x) - x: the subtraction is exact for |x| < 1 (Sterbenz), so the relative error is that of
+    expm1 alone, ~1.2e-7 / |x|, below what float32 log-probs determine (an ulp of log pi ~ -3 moves x by
+    2.4e-7, so k3 by that much relative to |x|/2)."""
     if stat == "k2":
         return torch.mul(p.x, p.x).mul_(0.5)
-    k3 = torch.empty(p.x.shape, dtype=torch.float64, device=p.x.device).copy_(p.x)
-    return torch.expm1(k3, out=k3).sub_(p.x)
+    return torch.expm1(p.x).sub_(p.x)
 
 
 def _k3_rowsum(p: _Prepared) -> torch.Tensor:
-    """(B,) float64 row sums of k3 = expm1(x) - x (float64), through the float64 scratch buffer."""
-    s64 = p.scratch64.copy_(p.x)
-    return torch.expm1(s64, out=s64).sub_(p.x).sum(-1)
+    """(B,) row sums of k3 = expm1(x) - x (as ``_token_statistic``), through the scratch buffer."""
+    return torch.expm1(p.x, out=p.scratch).sub_(p.x).sum(-1)
 
 
 def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, token_stats: dict) -> torch.Tensor:
@@ -416,7 +469,7 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, toke
             else:
                 keep.addcmul_(keep, rej, value=-1.0)  # keep * (1 - rej)
             if k1:
-                row_sum = -_rowsum(p.x)
+                row_sum = -p.stat_rowsum("k1x", p.x)
                 clamped = torch.clamp(p.x, -hi, -clamp_lo, out=p.scratch)  # = -clamp(k1, lo, hi)
             else:
                 row_sum = p.stat_rowsum(spec.stat, t)
@@ -426,7 +479,7 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, toke
             csum = _rowsum(clamped)
             rows.add(pre + "sum", row_sum, "sum")
             rows.add(pre + "csum", -csum if k1 else csum, "sum")
-            rows.add(pre + "csum2", p.sq_rowsum(clamped), "sum")
+            rows.add(pre + "csum2", p.sq_rowsum(clamped, csum), "sum")
             if k1:  # k1 = -x: extrema from those of x
                 _x_range(p, rows)
             else:  # k2, k3 >= 0 and 0 outside valid tokens
@@ -445,7 +498,7 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, toke
                 row_values = t.amax(-1) if t.numel() else t.sum(-1)
             else:
                 if k1:
-                    row_sum = -_rowsum(p.x)
+                    row_sum = -p.stat_rowsum("k1x", p.x)
                 elif spec.stat == "k3":
                     row_sum = p.stat_rowsum("k3", None)
                 else:
@@ -515,13 +568,13 @@ def compute_rollout_correction(
     edges = tuple(int(e) for e in length_buckets)
     if any(b <= a for a, b in zip(edges, edges[1:])) or any(e <= 0 for e in edges):
         raise ValueError(f"length_buckets must be increasing positive token counts, got {tuple(length_buckets)}.")
-    rows = _RowTable()
-    rows.bucket_edges = edges
+    rows = _RowTable(edges)
     p = _prepare(log_probs, rollout_log_probs, response_mask, rows)
-    rows.add("r", _rowsum(p.ratio), "sum")
-    rows.add("r2", p.sq_rowsum(p.ratio), "sum")
+    row_r = _rowsum(p.ratio)
+    rows.add("r", row_r, "sum")
+    rows.add("r2", p.sq_rowsum(p.ratio, row_r), "sum")
     # k2/k3 (B, T) tensors only where an option tests tokens, takes a row max or needs k2 sums; k3 row sums
-    # (always needed by the off-policy metrics) go through the float64 scratch buffer.
+    # (always needed by the off-policy metrics) go through the scratch buffer.
     needed = {sp.stat for sp in config.rs_specs if sp.stat != "k1" and (sp.is_token_level or sp.level == "seq_max" or sp.stat == "k2")}
     token_stats = {stat: _token_statistic(stat, p) for stat in needed}
     p._stat_rowsums = {"k3": _rowsum(token_stats["k3"]) if "k3" in token_stats else _k3_rowsum(p)}
