@@ -133,6 +133,8 @@ class _Prepared:
         Two-pass per row: ``sum t^2 = sum (t - c)^2 + S^2 / n`` with the row mean ``c = S / n``, so the
         float32 sum of small squared deviations keeps the variance ``E[t^2] - E[t]^2`` exact even when every
         t is ~1 +- 1e-4 (float32 squares of t itself would lose it); the identity is evaluated in float64."""
+        if torch.compiler.is_compiling():  # fused by inductor: the float64 square costs nothing there
+            return t.double().square().sum(-1)
         n1 = self.n_row.clamp(min=1)
         c = (row_sum / n1).to(t.dtype).unsqueeze(-1)
         m2 = torch.addcmul(t, self.vf, c, value=-1.0, out=self.scratch if t.dtype == self.scratch.dtype else None)
@@ -141,11 +143,11 @@ class _Prepared:
         return m2.add_(s * s / n1.double())
 
     def stat_rowsum(self, stat: str, t: torch.Tensor) -> torch.Tensor:
-        """(B,) row sums of the token statistic ``stat`` (``t``), computed once (``k1x``: x, in float64)."""
+        """(B,) row sums of the token statistic ``stat`` (``t``; ``k1x``: x), computed once."""
         if self._stat_rowsums is None:
             self._stat_rowsums = {}
         if stat not in self._stat_rowsums:
-            self._stat_rowsums[stat] = _rowsum64(t) if stat == "k1x" else _rowsum(t)
+            self._stat_rowsums[stat] = _rowsum(t)
         return self._stat_rowsums[stat]
 
     def valid_min_rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -154,14 +156,14 @@ class _Prepared:
 
 
 def _rowsum(t: torch.Tensor) -> torch.Tensor:
-    """(B,) row sums of a (B, T) tensor in its own dtype (torch's cascade summation: relative error ~1e-7 in
-    float32). Only for terms of one sign, or whose variance is taken through ``sq_rowsum``."""
+    """(B,) row sums of a (B, T) tensor in its own dtype.
+
+    torch sums a row by cascade (pairwise-like) summation, so a float32 row sum is off by ~1e-7 of the sum of
+    |terms| over the row (a 4096-token row of log ratios ~ +-0.03: ~1e-5 nats, less than the float32
+    rounding of the log-probs themselves). Rows are then combined in float64 (``_RowTable``). A float64
+    accumulation here would cost a (B, T) float64 copy (fresh pages: ~8x the floor at (256, 4096)).
+    Squares never go through here: see ``_Prepared.sq_rowsum``."""
     return t.sum(-1)
-
-
-def _rowsum64(t: torch.Tensor) -> torch.Tensor:
-    """(B,) float64 row sums with float64 accumulation, for sums of mixed-sign terms that cancel (log ratios)."""
-    return t.sum(-1, dtype=torch.float64)
 
 
 def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor, rows: "_RowTable") -> _Prepared:
@@ -175,7 +177,7 @@ def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_
     rows.add("n_masked", vf.sum(-1), "sum_all")
     vf.mul_(torch.eq(chk, 0, out=chk))  # valid = mask > 0 and finite log ratio
     diff.nan_to_num_(0.0, 0.0, 0.0).mul_(vf)  # zero outside the valid tokens, finite everywhere
-    seq_l = _rowsum64(diff)
+    seq_l = _rowsum(diff).double()
     n_row = vf.sum(-1)
     rows.set_rows(n_row)
     # training / rollout row sums over valid tokens (chk is a work-dtype scratch buffer)
@@ -239,28 +241,33 @@ class _RowTable:
         return self.values[self.index[name]].double()
 
     def reduce(self, layout: tuple) -> CorrectionStats:
-        key = (tuple(self.signature), self.bucket_edges)
+        dtypes = tuple(v.dtype for v in self.values)
+        key = (tuple(self.signature), dtypes, self.bucket_edges)
         plan = _PLANS.get(key)
         if plan is None:
-            plan = _PLANS[key] = _ReducePlan(self.signature, self.bucket_edges)
+            plan = _PLANS[key] = _ReducePlan(self.signature, dtypes, self.bucket_edges)
         return plan.run(self.values, self.n, layout)
 
 
 class _ReducePlan:
     """Names and gather indices for ``_RowTable.reduce``, built once per sequence of ``add`` calls."""
 
-    def __init__(self, signature: Sequence[tuple], bucket_edges: tuple[int, ...]) -> None:
+    def __init__(self, signature: Sequence[tuple], dtypes: Sequence[torch.dtype], bucket_edges: tuple[int, ...]) -> None:
         K = len(signature)
+        # Values are stacked per dtype (one same-dtype stack each, no per-value promotion) and the groups
+        # concatenated: value i lands in row pos[i] of X.
+        self.groups = [[i for i, d in enumerate(dtypes) if d == dt] for dt in dict.fromkeys(dtypes)]
+        pos = {i: r for r, i in enumerate(i for g in self.groups for i in g)}
         nb = len(bucket_edges) + 1 if bucket_edges else 0
         self.bucket_edges = bucket_edges
         gts = [(cnt, i, thr, 1.0) for i, (_, _, gt, _, _) in enumerate(signature) if gt is not None for cnt, thr in (gt,)]
         lts = [(cnt, i, thr, -1.0) for i, (_, _, _, lt, _) in enumerate(signature) if lt is not None for cnt, thr in (lt,)]
         hits = gts + lts
         alls = [i for i, (_, kinds, *_rest) in enumerate(signature) if "sum_all" in kinds]
-        self.hit_idx = [i for _, i, _, _ in hits]
+        self.hit_idx = [pos[i] for _, i, _, _ in hits]
         self.hit_thr = [thr * sign for _, _, thr, sign in hits]
         self.hit_sign = [sign for *_, sign in hits]
-        self.all_idx = alls
+        self.all_idx = [pos[i] for i in alls]
         # rows of the product: V (K), V*V (K), hits (len(hits)), X[all] (len(alls)); columns: valid, n, one, buckets
         J = 3 + nb
         row_sq, row_hit, row_all = K, 2 * K, 2 * K + len(hits)
@@ -270,13 +277,13 @@ class _ReducePlan:
         for i, (name, kinds, _, _, _) in enumerate(signature):
             for kind in kinds:
                 if kind == "sum":
-                    order[kind].append((name, flat(i, 0)))
+                    order[kind].append((name, flat(pos[i], 0)))
                 elif kind == "wsum":
-                    order[kind].append((name, flat(i, 1)))
+                    order[kind].append((name, flat(pos[i], 1)))
                 elif kind == "sq":
-                    order[kind].append((name + "2", flat(row_sq + i, 0)))
+                    order[kind].append((name + "2", flat(row_sq + pos[i], 0)))
                 elif kind == "wsq":
-                    order[kind].append((name + "2", flat(row_sq + i, 1)))
+                    order[kind].append((name + "2", flat(row_sq + pos[i], 1)))
                 elif kind == "sum_all":
                     order[kind].append((name, flat(row_all + alls.index(i), 2)))
         for kind in ("sum", "sum_all", "sq", "wsum", "wsq"):
@@ -287,16 +294,17 @@ class _ReducePlan:
             if bucket and nb:
                 for j in range(nb):
                     names.append(f"{name}@{j}")
-                    gather.append(flat(i, 3 + j))
+                    gather.append(flat(pos[i], 3 + j))
         for h, (cnt, _, _, _) in enumerate(hits):
             names.append(cnt)
             gather.append(flat(row_hit + h, 0))
         self.sum_names = tuple(names)
         self.gather = gather
-        self.max_idx = [i for i, (_, kinds, *_r) in enumerate(signature) if "max" in kinds]
-        self.min_idx = [i for i, (_, kinds, *_r) in enumerate(signature) if "min" in kinds]
-        self.max_names = tuple(f"{signature[i][0]}_max" for i in self.max_idx)
-        self.min_names = tuple(f"{signature[i][0]}_min" for i in self.min_idx)
+        max_i = [i for i, (_, kinds, *_r) in enumerate(signature) if "max" in kinds]
+        min_i = [i for i, (_, kinds, *_r) in enumerate(signature) if "min" in kinds]
+        self.max_names = tuple(f"{signature[i][0]}_max" for i in max_i)
+        self.min_names = tuple(f"{signature[i][0]}_min" for i in min_i)
+        self.max_idx, self.min_idx = [pos[i] for i in max_i], [pos[i] for i in min_i]
         self._dev: dict = {}
 
     def _tensors(self, device: torch.device) -> tuple:
@@ -314,7 +322,8 @@ class _ReducePlan:
 
     def run(self, values: list[torch.Tensor], n: torch.Tensor, layout: tuple) -> CorrectionStats:
         gather, hit_idx, hit_thr, hit_sign, all_idx, max_idx, min_idx, edges, bucket_ids = self._tensors(n.device)
-        X = torch.stack(values).double()  # (K, B); stack promotes mixed dtypes
+        stacks = [torch.stack([values[i] for i in g]).double() for g in self.groups]
+        X = stacks[0] if len(stacks) == 1 else torch.cat(stacks)  # (K, B) float64, rows in plan order
         B = X.shape[1]
         row_valid = n > 0
         V = torch.where(row_valid, X, 0.0)
