@@ -123,24 +123,22 @@ class _Prepared:
     n_row: torch.Tensor  # (B,) float32 valid tokens per row
     row_valid: torch.Tensor  # (B,) bool
     seq_l: torch.Tensor  # (B,) float64 sum of l over valid tokens (unclamped)
+    n1: torch.Tensor  # (B,) float32 max(n_row, 1)
+    n1_64: torch.Tensor  # (B,) float64 max(n_row, 1)
     scratch: torch.Tensor  # (B, T) float32 work buffer (never returned)
     _has_x_range: bool = False
     _stat_rowsums: Optional[dict] = None
 
-    def sq_rowsum(self, t: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
-        """(B,) float64 row sums of t**2 for a zero-off-valid t whose row sums are ``row_sum``.
+    def sq_rowsum(self, t: torch.Tensor, row_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row sums of t**2 for a zero-off-valid (B, T) t whose row sums are ``row_sum``, as ``(M2, m)``:
+        ``sum_t t^2 = M2 + n * m^2`` per row (``_RowTable.add_sq`` adds the two in float64).
 
-        Two-pass per row: ``sum t^2 = sum (t - c)^2 + S^2 / n`` with the row mean ``c = S / n``, so the
-        float32 sum of small squared deviations keeps the variance ``E[t^2] - E[t]^2`` exact even when every
-        t is ~1 +- 1e-4 (float32 squares of t itself would lose it); the identity is evaluated in float64."""
-        if torch.compiler.is_compiling():  # fused by inductor: the float64 square costs nothing there
-            return t.double().square().sum(-1)
-        n1 = self.n_row.clamp(min=1)
-        c = (row_sum / n1).to(t.dtype).unsqueeze(-1)
-        m2 = torch.addcmul(t, self.vf, c, value=-1.0, out=self.scratch if t.dtype == self.scratch.dtype else None)
-        m2 = m2.square_().sum(-1).double()
-        s = row_sum.double()
-        return m2.add_(s * s / n1.double())
+        Two-pass per row: ``M2 = sum (t - c)^2`` over valid tokens with the row mean ``c = S / n`` (float32),
+        ``m = S / n`` in float64. The float32 sum of small squared deviations keeps the variance
+        ``E[t^2] - E[t]^2`` exact even when every t is ~1 +- 1e-4 (float32 squares of t would lose it)."""
+        c = torch.div(row_sum, self.n1, out=None).unsqueeze(-1)
+        m2 = torch.addcmul(t, self.vf, c.to(t.dtype), value=-1.0, out=self.scratch if t.dtype == self.scratch.dtype else None)
+        return m2.square_().sum(-1), row_sum.double().div_(self.n1_64)
 
     def stat_rowsum(self, stat: str, t: torch.Tensor) -> torch.Tensor:
         """(B,) row sums of the token statistic ``stat`` (``t``; ``k1x``: x), computed once."""
@@ -186,8 +184,9 @@ def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_
     x = (diff if work == torch.float32 else diff.float()).clamp_(-SAFETY_BOUND, SAFETY_BOUND)
     scratch = chk if work == torch.float32 else torch.empty_like(x)
     ratio = torch.exp(x).mul_(vf)
+    n1 = n_row.clamp(min=1)
     p = _Prepared(response_mask=response_mask, vf=vf, x=x, ratio=ratio, n_row=n_row, row_valid=n_row > 0,
-                  seq_l=seq_l, scratch=scratch)
+                  seq_l=seq_l, n1=n1, n1_64=n1.double(), scratch=scratch)
     rows.add("n_tok", n_row, "sum", bucket=True)
     rows.add("n_seq", p.row_valid, "sum", bucket=True)
     return p
@@ -229,12 +228,19 @@ class _RowTable:
     def set_rows(self, n_row: torch.Tensor) -> None:
         self.n = n_row.double()
 
-    def add(self, name: str, values: torch.Tensor, *kinds: str, gt: Optional[tuple[str, float]] = None, lt: Optional[tuple[str, float]] = None, bucket: bool = False) -> int:
+    def add(self, name: str, values: torch.Tensor, *kinds: str, gt: Optional[tuple[str, float]] = None, lt: Optional[tuple[str, float]] = None, bucket: bool = False, plus_wsq: Optional[int] = None) -> int:
+        """Register a (B,) row vector; returns its index. ``plus_wsq``: index of a row vector m whose
+        token-weighted sum of squares ``sum_i n_i m_i^2`` is added to this value's ``sum`` (and bucket sums)."""
         idx = len(self.values)
         self.values.append(values)  # converted to float64 once, in reduce()
         self.index.setdefault(name, idx)
-        self.signature.append((name, kinds, gt, lt, bucket))
+        self.signature.append((name, kinds, gt, lt, bucket, plus_wsq))
         return idx
+
+    def add_sq(self, name: str, sq: tuple[torch.Tensor, torch.Tensor], bucket: bool = False) -> None:
+        """Register the row sums of squares returned by ``_Prepared.sq_rowsum`` as the ``sum`` ``name``."""
+        m2, mean = sq
+        self.add(name, m2, "sum", bucket=bucket, plus_wsq=self.add(name + "_rowmean", mean))
 
     def col(self, name: str) -> torch.Tensor:
         """The named row vector as float64 (B,)."""
@@ -260,24 +266,28 @@ class _ReducePlan:
         pos = {i: r for r, i in enumerate(i for g in self.groups for i in g)}
         nb = len(bucket_edges) + 1 if bucket_edges else 0
         self.bucket_edges = bucket_edges
-        gts = [(cnt, i, thr, 1.0) for i, (_, _, gt, _, _) in enumerate(signature) if gt is not None for cnt, thr in (gt,)]
-        lts = [(cnt, i, thr, -1.0) for i, (_, _, _, lt, _) in enumerate(signature) if lt is not None for cnt, thr in (lt,)]
+        gts = [(cnt, i, thr, 1.0) for i, (_, _, gt, *_r) in enumerate(signature) if gt is not None for cnt, thr in (gt,)]
+        lts = [(cnt, i, thr, -1.0) for i, (_, _, _, lt, *_r) in enumerate(signature) if lt is not None for cnt, thr in (lt,)]
         hits = gts + lts
         alls = [i for i, (_, kinds, *_rest) in enumerate(signature) if "sum_all" in kinds]
         self.hit_idx = [pos[i] for _, i, _, _ in hits]
         self.hit_thr = [thr * sign for _, _, thr, sign in hits]
         self.hit_sign = [sign for *_, sign in hits]
         self.all_idx = [pos[i] for i in alls]
-        # rows of the product: V (K), V*V (K), hits (len(hits)), X[all] (len(alls)); columns: valid, n, one, buckets
-        J = 3 + nb
+        # rows of the product: V (K), V*V (K), hits (len(hits)), X[all] (len(alls)); columns: valid, n, one,
+        # bucket indicators (nb), n * bucket indicators (nb)
+        J = 3 + 2 * nb
         row_sq, row_hit, row_all = K, 2 * K, 2 * K + len(hits)
         flat = lambda r, c: r * J + c
-        names, gather = [], []
+        names, gather, extra_dst, extra_src = [], [], [], []
         order = {k: [] for k in ("sum", "sum_all", "sq", "wsum", "wsq")}
-        for i, (name, kinds, _, _, _) in enumerate(signature):
+        for i, (name, kinds, _, _, _, plus) in enumerate(signature):
             for kind in kinds:
                 if kind == "sum":
                     order[kind].append((name, flat(pos[i], 0)))
+                    if plus is not None:
+                        extra_dst.append(len(order["sum"]) - 1)  # sums come first, in this order
+                        extra_src.append(flat(row_sq + pos[plus], 1))
                 elif kind == "wsum":
                     order[kind].append((name, flat(pos[i], 1)))
                 elif kind == "sq":
@@ -290,16 +300,19 @@ class _ReducePlan:
             for name, g in order[kind]:
                 names.append(name)
                 gather.append(g)
-        for i, (name, _, _, _, bucket) in enumerate(signature):
+        for i, (name, _, _, _, bucket, plus) in enumerate(signature):
             if bucket and nb:
                 for j in range(nb):
+                    if plus is not None:
+                        extra_dst.append(len(names))
+                        extra_src.append(flat(row_sq + pos[plus], 3 + nb + j))
                     names.append(f"{name}@{j}")
                     gather.append(flat(pos[i], 3 + j))
         for h, (cnt, _, _, _) in enumerate(hits):
             names.append(cnt)
             gather.append(flat(row_hit + h, 0))
         self.sum_names = tuple(names)
-        self.gather = gather
+        self.gather, self.extra_dst, self.extra_src = gather, extra_dst, extra_src
         max_i = [i for i, (_, kinds, *_r) in enumerate(signature) if "max" in kinds]
         min_i = [i for i, (_, kinds, *_r) in enumerate(signature) if "min" in kinds]
         self.max_names = tuple(f"{signature[i][0]}_max" for i in max_i)
@@ -317,11 +330,12 @@ class _ReducePlan:
                 torch.tensor(self.hit_thr, **f64).unsqueeze(-1), torch.tensor(self.hit_sign, **f64).unsqueeze(-1),
                 torch.tensor(self.all_idx, **long), torch.tensor(self.max_idx, **long), torch.tensor(self.min_idx, **long),
                 torch.tensor(self.bucket_edges, **f64), torch.arange(len(self.bucket_edges) + 1, **long),
+                torch.tensor(self.extra_dst, **long), torch.tensor(self.extra_src, **long),
             )
         return t
 
     def run(self, values: list[torch.Tensor], n: torch.Tensor, layout: tuple) -> CorrectionStats:
-        gather, hit_idx, hit_thr, hit_sign, all_idx, max_idx, min_idx, edges, bucket_ids = self._tensors(n.device)
+        gather, hit_idx, hit_thr, hit_sign, all_idx, max_idx, min_idx, edges, bucket_ids, extra_dst, extra_src = self._tensors(n.device)
         stacks = [torch.stack([values[i] for i in g]).double() for g in self.groups]
         X = stacks[0] if len(stacks) == 1 else torch.cat(stacks)  # (K, B) float64, rows in plan order
         B = X.shape[1]
@@ -336,8 +350,12 @@ class _ReducePlan:
         W = torch.stack(cols, -1)  # (B, 3)
         if self.bucket_edges:
             bucket = torch.bucketize(n, edges, right=True)
-            W = torch.cat([W, (bucket.unsqueeze(-1) == bucket_ids).double() * W[:, :1]], -1)
-        sums = (torch.cat(parts) @ W).flatten().index_select(0, gather)
+            in_bucket = (bucket.unsqueeze(-1) == bucket_ids).double() * W[:, :1]
+            W = torch.cat([W, in_bucket, in_bucket * n.unsqueeze(-1)], -1)
+        table = (torch.cat(parts) @ W).flatten()
+        sums = table.index_select(0, gather)
+        if len(extra_dst):
+            sums.index_add_(0, extra_dst, table.index_select(0, extra_src))
         if B:
             maxs = torch.where(row_valid, X.index_select(0, max_idx), -math.inf).amax(-1)
             mins = torch.where(row_valid, X.index_select(0, min_idx), math.inf).amin(-1)
@@ -376,7 +394,7 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
         w = _token_weights(p, upper, lower)
         row_w = _rowsum(w)
         rows.add("is_w", row_w, "sum", bucket=True)  # per-row sums of W and W^2 (also for the length slices)
-        rows.add("is_w2", p.sq_rowsum(w, row_w), "sum", bucket=True)
+        rows.add_sq("is_w2", p.sq_rowsum(w, row_w), bucket=True)
         if bounds.is_icepop:
             rows.add("is_w", w.amax(-1) if w.numel() else row_w, "max")  # W >= 0, 0 off-valid
             rows.add("is_w", p.valid_min_rows(w) if w.numel() else row_w, "min")
@@ -488,7 +506,7 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, toke
             csum = _rowsum(clamped)
             rows.add(pre + "sum", row_sum, "sum")
             rows.add(pre + "csum", -csum if k1 else csum, "sum")
-            rows.add(pre + "csum2", p.sq_rowsum(clamped, csum), "sum")
+            rows.add_sq(pre + "csum2", p.sq_rowsum(clamped, csum))
             if k1:  # k1 = -x: extrema from those of x
                 _x_range(p, rows)
             else:  # k2, k3 >= 0 and 0 outside valid tokens
@@ -581,7 +599,7 @@ def compute_rollout_correction(
     p = _prepare(log_probs, rollout_log_probs, response_mask, rows)
     row_r = _rowsum(p.ratio)
     rows.add("r", row_r, "sum")
-    rows.add("r2", p.sq_rowsum(p.ratio, row_r), "sum")
+    rows.add_sq("r2", p.sq_rowsum(p.ratio, row_r))
     # k2/k3 (B, T) tensors only where an option tests tokens, takes a row max or needs k2 sums; k3 row sums
     # (always needed by the off-policy metrics) go through the scratch buffer.
     needed = {sp.stat for sp in config.rs_specs if sp.stat != "k1" and (sp.is_token_level or sp.level == "seq_max" or sp.stat == "k2")}
