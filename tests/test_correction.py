@@ -225,6 +225,32 @@ def test_weight_statistics_are_precise_when_engines_nearly_agree(threshold):
     assert out.metrics[P + "rollout_is_std"] == pytest.approx(ref_std, rel=1e-3)
 
 
+@pytest.mark.parametrize("scale", [1e-4, 1e-3, 3e-2])
+def test_kl_and_k3_are_precise_on_long_float32_rows(scale):
+    # 4096-token rows summed in float32 (cascade summation) and k3 = expm1(x) - x in float32 must match a
+    # float64 evaluation; exp(x) - 1 - x in float32 would be off by 10% at scale 1e-4 and 0.2% at 1e-3.
+    g = torch.Generator().manual_seed(1)
+    roll = -torch.rand(4, 4096, generator=g) * 3
+    old = (roll.double() + torch.randn(4, 4096, generator=g, dtype=torch.float64) * scale).float()
+    m = compute_rollout_correction(old, roll, torch.ones(4, 4096), RolloutCorrectionConfig()).metrics
+    l = old.double() - roll.double()
+    assert m[P + "kl"] == pytest.approx(-l.mean().item(), rel=1e-5)
+    assert m[P + "k3_kl"] == pytest.approx((torch.expm1(l) - l).mean().item(), rel=1e-5)
+
+
+def test_weight_std_combines_rows_with_different_means():
+    # Rows whose weights sit at 0.6, 1.0 and 1.7 with a 1e-4 spread inside each row: the per-row two-pass
+    # sums of squares must combine into the exact batch variance (between-row + within-row parts).
+    g = torch.Generator().manual_seed(2)
+    roll = -torch.rand(3, 2048, generator=g) * 3
+    shift = torch.tensor([[math.log(0.6)], [0.0], [math.log(1.7)]], dtype=torch.float64)
+    old = (roll.double() + shift + torch.randn(3, 2048, generator=g, dtype=torch.float64) * 1e-4).float()
+    m = compute_rollout_correction(old, roll, torch.ones(3, 2048), RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=5.0)).metrics
+    std, ess = _ref_std_ess(torch.exp(old.double() - roll.double()))
+    assert m[P + "rollout_is_std"] == pytest.approx(std, rel=1e-6)
+    assert m[P + "rollout_is_eff_sample_size"] == pytest.approx(ess, rel=1e-6)
+
+
 def test_small_weights_keep_relative_precision():
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
     out = compute_rollout_correction(torch.tensor([[-17.0, -16.5]]), torch.zeros(1, 2), torch.ones(1, 2), cfg)
@@ -278,3 +304,12 @@ def test_compiled_matches_eager():
         torch.testing.assert_close(got.weights, ref.weights)
         assert torch.equal(got.response_mask, ref.response_mask)
         assert got.metrics == pytest.approx(ref.metrics, rel=1e-5, abs=1e-6)
+    # k3 when the engines nearly agree: inductor lowers expm1 to exp(x) - 1, so the compiled path must not
+    # evaluate it in float32 (that would be off by ~10% here).
+    g = torch.Generator().manual_seed(1)
+    roll = -torch.rand(4, 512, generator=g) * 3
+    old = (roll.double() + torch.randn(4, 512, generator=g, dtype=torch.float64) * 1e-4).float()
+    got, ref = fn(old, roll, torch.ones(4, 512)).metrics, compute_rollout_correction(old, roll, torch.ones(4, 512), cfg).metrics
+    l = old.double() - roll.double()
+    assert got[P + "k3_kl"] == pytest.approx((torch.expm1(l) - l).mean().item(), rel=1e-4)
+    assert got[P + "k3_kl"] == pytest.approx(ref[P + "k3_kl"], rel=1e-4)

@@ -458,12 +458,23 @@ def _token_statistic(stat: str, p: _Prepared) -> torch.Tensor:
     2.4e-7, so k3 by that much relative to |x|/2)."""
     if stat == "k2":
         return torch.mul(p.x, p.x).mul_(0.5)
+    if torch.compiler.is_compiling():
+        return _k3_compiled(p.x)
     return torch.expm1(p.x).sub_(p.x)
 
 
 def _k3_rowsum(p: _Prepared) -> torch.Tensor:
     """(B,) row sums of k3 = expm1(x) - x (as ``_token_statistic``), through the scratch buffer."""
+    if torch.compiler.is_compiling():
+        return _k3_compiled(p.x).sum(-1)
     return torch.expm1(p.x, out=p.scratch).sub_(p.x).sum(-1)
+
+
+def _k3_compiled(x: torch.Tensor) -> torch.Tensor:
+    """k3 under torch.compile: inductor's vectorised CPU code lowers expm1 to ``exp(x) - 1``, which cancels
+    for small x in float32; in float64 (fused, so free of memory traffic) the cancellation is harmless."""
+    x64 = x.double()
+    return (torch.expm1(x64) - x64).float()
 
 
 def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, token_stats: dict) -> torch.Tensor:
