@@ -290,6 +290,35 @@ def test_rollout_log_probs_to_tensor_refuses_non_right_padded_masks():
         rollout_log_probs_to_tensor([[-0.1], [-0.2]], torch.tensor([[1, 0], [0, 1]]))
 
 
+def test_k3_formula_used_under_compile_is_precise():
+    # The series / exp branch used inside torch.compile, evaluated eagerly over the whole clamp range.
+    from trl_rollout_corr.correction import _k3_compiled
+
+    x = torch.cat([torch.linspace(-20, 20, 4001), torch.linspace(-0.6, 0.6, 4001), torch.tensor([0.0, 1e-6, -1e-6, 0.5, -0.5])])
+    x64 = x.double()
+    ref = torch.expm1(x64) - x64
+    got = _k3_compiled(x).double()
+    nz = ref > 0
+    assert ((got[nz] - ref[nz]).abs() / ref[nz]).max().item() < 3e-6
+    assert got[~nz].abs().max().item() == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [
+    dict(rollout_is="sequence", rollout_is_threshold="0.5_2.0", rollout_rs="seq_max_k2,token_k3,seq_mean_k1", rollout_rs_threshold="0.3,0.5,0.8_1.25"),
+])
+def test_compiled_matches_eager_other_options(kwargs):
+    from trl_rollout_corr.correction import compiled_rollout_correction
+
+    cfg = RolloutCorrectionConfig(**kwargs)
+    old, roll, mask = OLD.float().clone(), ROLL.float(), MASK
+    old[1, 0] = float("nan")
+    got, ref = compiled_rollout_correction(cfg)(old, roll, mask), compute_rollout_correction(old, roll, mask, cfg)
+    torch.testing.assert_close(got.weights, ref.weights)
+    assert torch.equal(got.response_mask, ref.response_mask)
+    assert got.metrics == pytest.approx(ref.metrics, rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.slow
 def test_compiled_matches_eager():
     from trl_rollout_corr.correction import compiled_rollout_correction
