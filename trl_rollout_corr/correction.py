@@ -188,9 +188,9 @@ def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_
     seq_l = _rowsum(diff).double()
     n_row = vf.sum(-1)
     rows.set_rows(n_row)
-    # training / rollout row sums over valid tokens (chk is a work-dtype scratch buffer)
+    # training row sums over valid tokens, summed directly so that they stay exact whatever the rollout engine
+    # reports (e.g. -1e8 for a filtered token); the rollout row sums follow as train - l (chk: scratch).
     rows.add("train_row_sum", _rowsum(_zero_invalid(lp, vf, out=chk)))
-    rows.add("rollout_row_sum", _rowsum(_zero_invalid(rlp, vf, out=chk)))
     x = (diff if work == torch.float32 else diff.float()).clamp_(-SAFETY_BOUND, SAFETY_BOUND)
     scratch = chk if work == torch.float32 else torch.empty_like(x)
     ratio = torch.exp(x).mul_(vf)
@@ -203,10 +203,16 @@ def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_
 
 
 def _x_range(p: _Prepared, rows: "_RowTable") -> None:
-    """Adds the max/min of x over valid tokens (``x_max``, ``x_min``) once (x -/+ _BIG off valid, no where)."""
+    """Adds the max/min of x over valid tokens (``x_max``, ``x_min``) once (x -/+ _BIG off valid, no where).
+
+    While the ratio R = exp(x) (> 0 at valid tokens, 0 elsewhere) is still there, the max is log max R
+    (one pass instead of four; off by at most an ulp of R, ~1e-7 nats)."""
     if not p._has_x_range:
         p._has_x_range = True
-        if p.x.numel():
+        if p.x.numel() and p.ratio is not None:
+            rows.add("x", p.ratio.amax(-1).double().log_(), "max")  # -inf on rows without a valid token
+            rows.add("x", p.valid_min_rows(p.x), "min")
+        elif p.x.numel():
             rows.add("x", torch.mul(p.vf, _BIG, out=p.scratch).sub_(_BIG).add_(p.x).amax(-1), "max")
             rows.add("x", p.valid_min_rows(p.x), "min")
         else:
@@ -402,8 +408,10 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
     nd = rows.n
     n1 = nd.clamp(min=1)
     if config.rollout_is == "token":
-        rows.add("is_high", _compare_valid(p.ratio, ">", upper, p).sum(-1), "sum")  # ratio is 0 off valid
-        rows.add("is_low", _compare_valid(p.ratio, "<", lower_m, p).sum(-1), "sum")
+        rows.add("is_high", _count_valid(p.ratio, ">", upper, p), "sum")  # ratio is 0 off valid
+        rows.add("is_low", _count_valid(p.ratio, "<", lower_m, p), "sum")
+        if not bounds.is_icepop:
+            _x_range(p, rows)  # before the TIS clamp consumes the ratio
         w = _token_weights(p, upper, lower)
         row_w = _rowsum(w)
         rows.add("is_w", row_w, "sum", bucket=True)  # per-row sums of W and W^2 (also for the length slices)
@@ -411,8 +419,6 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
         if bounds.is_icepop:
             rows.add("is_w", w.amax(-1) if w.numel() else row_w, "max")  # W >= 0, 0 off-valid
             rows.add("is_w", p.valid_min_rows(w) if w.numel() else row_w, "min")
-        else:
-            _x_range(p, rows)
         row_mean_w = row_w / n1
         row_mean_r = rows.col("r") / n1
         batch_total = (row_w.sum(), nd.sum())
@@ -448,6 +454,16 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
         w = torch.mul(p.vf, seq_w.float().unsqueeze(-1))
     # 0 at padding (w is 0 there); the neutral weight 1 at invalid tokens (mask 1, NaN/inf log-prob): + (mask - valid).
     return w.add_(torch.sub(_mask_float(p.response_mask, p.scratch), p.vf, out=p.scratch))
+
+
+def _count_valid(t: torch.Tensor, op: str, threshold: float, p: _Prepared) -> torch.Tensor:
+    """(B,) number of valid tokens with ``t > threshold`` / ``t < threshold`` for a zero-off-valid ``t``:
+    where the comparison holds at 0, the off-valid tokens (exactly T - n per row) are subtracted from the
+    row count instead of masking the (B, T) comparison."""
+    hit = (torch.gt if op == ">" else torch.lt)(t, threshold, out=p.scratch).sum(-1)
+    if (0.0 > threshold) if op == ">" else (0.0 < threshold):
+        return hit.sub_(t.shape[-1]).add_(p.n_row)
+    return hit
 
 
 def _compare_valid(t: torch.Tensor, op: str, threshold: float, p: _Prepared, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -645,8 +661,9 @@ def _offpolicy_stats(p: _Prepared, rows: _RowTable) -> None:
     rows.add("l", p.seq_l, "sum", bucket=True)
     rows.add("k3", p.stat_rowsum("k3", None), "sum", bucket=True)  # k3 is 0 outside valid tokens
     n1 = rows.n.clamp(min=1)
-    mean_roll = rows.col("rollout_row_sum") / n1  # mean log mu per row
-    mean_train = rows.col("train_row_sum") / n1  # mean log pi_train per row
+    train = rows.col("train_row_sum")
+    mean_train = train / n1  # mean log pi_train per row
+    mean_roll = (train - p.seq_l) / n1  # mean log mu per row
     d = -p.seq_l / n1  # mean(log mu - log pi_train) per row
     rows.add("train_log_ppl", -mean_train, "sum")
     rows.add("train_ppl", torch.exp((-mean_train).clamp(max=700.0)), "sum")
