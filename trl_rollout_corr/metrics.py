@@ -140,7 +140,8 @@ class CorrectionStats:
         mx = dict(zip(self.max_names, values[a:b]))
         mn = dict(zip(self.min_names, values[b:]))
         metrics = _finalize(s, mx, mn, dict(self.layout))
-        return {prefix + k: _finite(v) for k, v in metrics.items()}
+        isfinite = math.isfinite
+        return {prefix + k: v if isfinite(v) else _finite(v) for k, v in metrics.items()}
 
 
 # ---------------------------------------------------------------------- formulas (host side, float64)
