@@ -251,6 +251,52 @@ def test_weight_std_combines_rows_with_different_means():
     assert m[P + "rollout_is_eff_sample_size"] == pytest.approx(ess, rel=1e-6)
 
 
+def _nearly_agreeing(rows, cols, spread, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    lp64 = -torch.rand(rows, cols, generator=g, dtype=torch.float64) * 3
+    roll = (lp64 + torch.randn(rows, cols, generator=g, dtype=torch.float64) * spread).float()
+    return lp64.float(), roll
+
+
+def test_chi2_and_sequence_spread_are_precise_when_engines_nearly_agree():
+    tis = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)
+    # chi2 = E[R^2] - 1 ~ 4e-9 here, below the rounding of float32 R itself (~6e-8): it must come from
+    # E = expm1(x) (float32 R, or float32 row sums of it, are off by 100% or more).
+    lp, roll = _nearly_agreeing(16, 2048, 1e-5)
+    r = torch.exp(lp.double() - roll.double())
+    m = compute_rollout_correction(lp, roll, torch.ones(16, 2048), tis).metrics
+    assert m[P + "chi2_token"] == pytest.approx((r * r).mean().item() - 1, rel=3e-3)
+    # the spread of per-row mean weights is ~1.6e-6 here: float32 row sums (~6e-8 relative) are off by
+    # 1.3e-3; the compensated row sums must be as good as float64 sums of the float32 weights (1.3e-4)
+    lp, roll = _nearly_agreeing(2, 8192, 1e-4)
+    r = torch.exp(lp.double() - roll.double())
+    m = compute_rollout_correction(lp, roll, torch.ones(2, 8192), tis).metrics
+    assert m[P + "rollout_is_seq_std"] == pytest.approx(r.mean(-1).std().item(), rel=5e-4)
+
+
+def test_extreme_log_prob_on_one_side_leaves_the_other_perplexity_exact():
+    g = torch.Generator().manual_seed(0)
+    lp = -torch.rand(4, 16, generator=g) * 3
+    roll = lp + torch.randn(4, 16, generator=g) * 0.1
+    lp[0, 3] = -1e9
+    m = compute_rollout_correction(lp, roll, torch.ones(4, 16), RolloutCorrectionConfig()).metrics
+    assert m[P + "rollout_log_ppl"] == pytest.approx((-roll.double().mean(-1)).mean().item(), rel=1e-6)
+    # float32 row sums of two -3.4e38 log-probs overflow: the extrema saturate, they are not reported as 0
+    lp[0, 4] = lp[0, 3] = torch.finfo(torch.float32).min
+    m = compute_rollout_correction(lp, roll, torch.ones(4, 16), RolloutCorrectionConfig()).metrics
+    assert m[P + "log_ppl_diff_max"] > 1e300 and m[P + "kl"] > 1e300
+
+
+def test_float64_inputs_give_float64_k1_extrema_and_k3():
+    g = torch.Generator().manual_seed(1)
+    roll = -torch.rand(4, 4096, generator=g, dtype=torch.float64) * 3
+    lp = roll + torch.randn(4, 4096, generator=g, dtype=torch.float64) * 1e-6
+    x = (lp - roll).float().double()
+    m = compute_rollout_correction(lp, roll, torch.ones(4, 4096), RolloutCorrectionConfig(rollout_rs="token_k1,token_k3", rollout_rs_threshold="0.5_2,0.5")).metrics
+    assert m[P + "rollout_rs_token_k1_min"] == pytest.approx(-x.max().item(), rel=1e-9)
+    assert m[P + "rollout_rs_token_k3_max"] == pytest.approx((torch.expm1(x) - x).max().item(), rel=1e-9)
+
+
 def test_small_weights_keep_relative_precision():
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
     out = compute_rollout_correction(torch.tensor([[-17.0, -16.5]]), torch.zeros(1, 2), torch.ones(1, 2), cfg)
@@ -342,3 +388,9 @@ def test_compiled_matches_eager():
     l = old.double() - roll.double()
     assert got[P + "k3_kl"] == pytest.approx((torch.expm1(l) - l).mean().item(), rel=1e-4)
     assert got[P + "k3_kl"] == pytest.approx(ref[P + "k3_kl"], rel=1e-4)
+    # weight spread ~1e-4: the compiled row moments must keep the variance (a float32 row sum would give 0)
+    lp, roll = _nearly_agreeing(2, 8192, 1e-4)
+    tis = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)
+    w = torch.exp(lp.double() - roll.double())
+    got = compiled_rollout_correction(tis)(lp, roll, torch.ones(2, 8192)).metrics
+    assert got[P + "rollout_is_std"] == pytest.approx(w.std(unbiased=False).item(), rel=1e-4)

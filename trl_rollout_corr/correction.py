@@ -93,7 +93,7 @@ def _check_inputs(log_probs, rollout_log_probs, response_mask) -> None:
 # is 0 there, so are k1, k2, k3 and the masked ratio R), so masked sums need no mask pass. Each (B, T)
 # quantity is reduced to a (B,) row vector by a float32 row sum (cascade summation: ~1e-7 of the row's
 # sum of |terms|, below the rounding of float32 log-probs); rows are combined in float64. Sums of squares
-# go through a per-row two-pass identity (``sq_rowsum``) so that variances E[w^2] - E[w]^2 of weights near
+# go through a compensated per-row two-pass (``row_moments``) so that variances E[w^2] - E[w]^2 of weights near
 # 1 stay exact, and k3 is expm1(x) - x (no cancellation). All row vectors go into a ``_RowTable`` whose
 # reductions (sums, maxima, counts over valid rows) run as one matrix product and a few gathers, so the
 # cost does not grow with the number of metrics. No (B, T) float64 tensor is formed for float32 inputs:
@@ -128,23 +128,45 @@ class _Prepared:
     seq_l: torch.Tensor  # (B,) float64 sum of l over valid tokens (unclamped)
     n1: torch.Tensor  # (B,) float32 max(n_row, 1)
     n1_64: torch.Tensor  # (B,) float64 max(n_row, 1)
+    n_row64: torch.Tensor  # (B,) float64 n_row
+    exact_inputs: bool  # both log-prob inputs are float64 (l is formed in float64)
     scratch: torch.Tensor  # (B, T) float32 work buffer (never returned)
     _has_x_range: bool = False
     _stat_rowsums: Optional[dict] = None
+    _spare: Optional[torch.Tensor] = None
+    _spare_taken: bool = False
 
-    def sq_rowsum(self, t: torch.Tensor, row_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row sums of t**2 for a zero-off-valid (B, T) t whose row sums are ``row_sum``, as ``(M2, m)``:
-        ``sum_t t^2 = M2 + n * m^2`` per row (``_RowTable.add_sq`` adds the two in float64).
+    def spare(self) -> torch.Tensor:
+        """A second (B, T) float32 work buffer, allocated once; ``take_spare`` hands it over for good."""
+        if self._spare is None:
+            self._spare = torch.empty_like(self.x)
+        return self._spare
 
-        Two-pass per row: ``M2 = sum (t - c)^2`` over valid tokens with the row mean ``c = S / n`` (float32),
-        ``m = S / n`` in float64. The float32 sum of small squared deviations keeps the variance
-        ``E[t^2] - E[t]^2`` exact even when every t is ~1 +- 1e-4 (float32 squares of t would lose it)."""
-        if torch.compiler.is_compiling():  # one fused pass: the float64 square costs no memory traffic there
-            m = row_sum.double() / self.n1_64
-            return t.double().square().sum(-1) - m * m * self.n1_64, m
-        c = torch.div(row_sum, self.n1).unsqueeze(-1)
-        m2 = torch.addcmul(t, self.vf, c.to(t.dtype), value=-1.0, out=self.scratch if t.dtype == self.scratch.dtype else None)
-        return m2.square_().sum(-1), row_sum.double().div_(self.n1_64)
+    def take_spare(self) -> torch.Tensor:
+        """The spare buffer (or a fresh one) to keep, e.g. as a returned mask; it is never used here again."""
+        buf, self._spare, self._spare_taken = self.spare(), None, True
+        return buf
+
+    def row_moments(self, t: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Exact per-row sum and sum of squares of a zero-off-valid (B, T) float32 t.
+
+        Returns ``(S, (M2, m))``: ``S`` (B,) float64 row sums, ``m = S / n`` (float64 row means) and ``M2``
+        (B,) the float32 sum over valid tokens of ``(t - c)^2``, with c the float32 row mean, so that
+        ``sum t^2 = M2 + n m^2`` to float64 rounding (``_RowTable.add_sq`` adds the two).
+
+        Compensated two-pass: with ``c = fl(S32 / n)`` and ``d = t - c`` at valid tokens, ``S = n c + sum d``
+        recovers the float32 row sum's rounding (sum d is a sum of small deviations), and ``sum d^2`` keeps
+        the variance ``E[t^2] - E[t]^2`` exact when every t is ~1 +- 1e-4 (float32 squares of t would lose
+        it; so would a float32 S, whose ~6e-8 relative error is larger than such a variance). The dropped
+        term ``n (m - c)^2`` is ~1e-15 of ``n c^2``."""
+        s32 = t.sum(-1)
+        c = torch.div(s32, self.n1)
+        compiling = torch.compiler.is_compiling()
+        d = torch.addcmul(t, self.vf, c.unsqueeze(-1), value=-1.0, out=None if compiling else self.scratch)
+        ds = d.sum(-1)
+        m2 = (d * d).sum(-1) if compiling else d.square_().sum(-1)
+        s64 = torch.addcmul(ds.double(), c.double(), self.n_row64)
+        return s64, (m2, s64 / self.n1_64)
 
     def stat_rowsum(self, stat: str, t: torch.Tensor) -> torch.Tensor:
         """(B,) row sums of the token statistic ``stat`` (``t``; ``k1x``: x), computed once."""
@@ -166,7 +188,7 @@ def _rowsum(t: torch.Tensor) -> torch.Tensor:
     |terms| over the row (a 4096-token row of log ratios ~ +-0.03: ~1e-5 nats, less than the float32
     rounding of the log-probs themselves). Rows are then combined in float64 (``_RowTable``). A float64
     accumulation here would cost a (B, T) float64 copy (fresh pages: ~8x the floor at (256, 4096)).
-    Squares never go through here: see ``_Prepared.sq_rowsum``."""
+    Sums whose variance is taken go through ``_Prepared.row_moments`` instead."""
     return t.sum(-1)
 
 
@@ -191,30 +213,30 @@ def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_
     seq_l = _rowsum(diff).double()
     n_row = vf.sum(-1)
     rows.set_rows(n_row)
-    # training row sums over valid tokens, summed directly so that they stay exact whatever the rollout engine
-    # reports (e.g. -1e8 for a filtered token); the rollout row sums follow as train - l (chk: scratch).
+    # training / rollout row sums over valid tokens, each summed directly so that an extreme value on one side
+    # (a rollout engine's -1e8 for a filtered token) cannot swamp the other (chk is a work-dtype scratch buffer)
     rows.add("train_row_sum", _rowsum(_zero_invalid(lp, vf, out=chk)))
+    rows.add("rollout_row_sum", _rowsum(_zero_invalid(rlp, vf, out=chk)))
     x = (diff if work == torch.float32 else diff.float()).clamp_(-SAFETY_BOUND, SAFETY_BOUND)
     scratch = chk if work == torch.float32 else torch.empty_like(x)
     ratio = torch.exp(x).mul_(vf)
     n1 = n_row.clamp(min=1)
     p = _Prepared(response_mask=response_mask, vf=vf, x=x, ratio=ratio, n_row=n_row, row_valid=n_row > 0,
-                  seq_l=seq_l, n1=n1, n1_64=n1.double(), scratch=scratch)
+                  seq_l=seq_l, n1=n1, n1_64=n1.double(), n_row64=rows.n, exact_inputs=work == torch.float64,
+                  scratch=scratch)
     rows.add("n_tok", n_row, "sum", bucket=True)
     rows.add("n_seq", p.row_valid, "sum", bucket=True)
     return p
 
 
 def _x_range(p: _Prepared, rows: "_RowTable") -> None:
-    """Adds the max/min of x over valid tokens (``x_max``, ``x_min``) once (x -/+ _BIG off valid, no where).
-
-    While the ratio R = exp(x) (> 0 at valid tokens, 0 elsewhere) is still there, the max is log max R
-    (one pass instead of four; off by at most an ulp of R, ~1e-7 nats)."""
+    """Adds the max/min of x over valid tokens (``x_max``, ``x_min``) once (x -/+ _BIG off valid, no where)."""
     if not p._has_x_range:
         p._has_x_range = True
-        if p.x.numel() and p.ratio is not None:
-            rows.add("x", p.ratio.amax(-1).double().log_(), "max")  # -inf on rows without a valid token
-            rows.add("x", p.valid_min_rows(p.x), "min")
+        if p.x.numel() and not p._spare_taken:  # one shared penalty (0 at valid, -_BIG elsewhere) in the spare
+            pen = torch.sub(p.vf, 1.0, out=p.spare()).mul_(_BIG)
+            rows.add("x", torch.add(p.x, pen, out=p.scratch).amax(-1), "max")
+            rows.add("x", torch.sub(p.x, pen, out=p.scratch).amin(-1), "min")
         elif p.x.numel():
             rows.add("x", torch.mul(p.vf, _BIG, out=p.scratch).sub_(_BIG).add_(p.x).amax(-1), "max")
             rows.add("x", p.valid_min_rows(p.x), "min")
@@ -414,15 +436,15 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
         rows.add("is_high", _count_valid(p.ratio, ">", upper, p), "sum")  # ratio is 0 off valid
         rows.add("is_low", _count_valid(p.ratio, "<", lower_m, p), "sum")
         if not bounds.is_icepop:
-            _x_range(p, rows)  # before the TIS clamp consumes the ratio
+            _x_range(p, rows)
         w = _token_weights(p, upper, lower)
-        row_w = _rowsum(w)
+        row_w, w_sq = p.row_moments(w)
         rows.add("is_w", row_w, "sum", bucket=True)  # per-row sums of W and W^2 (also for the length slices)
-        rows.add_sq("is_w2", p.sq_rowsum(w, row_w), bucket=True)
+        rows.add_sq("is_w2", w_sq, bucket=True)
         if bounds.is_icepop:
             rows.add("is_w", w.amax(-1) if w.numel() else row_w, "max")  # W >= 0, 0 off-valid
             rows.add("is_w", p.valid_min_rows(w) if w.numel() else row_w, "min")
-        row_mean_w = row_w / n1
+        row_mean_w = w_sq[1]
         row_mean_r = rows.col("r") / n1
         batch_total = (row_w.sum(), nd.sum())
     else:
@@ -483,23 +505,41 @@ def _compare_valid(t: torch.Tensor, op: str, threshold: float, p: _Prepared, out
 
 # ---------------------------------------------------------------------- RS masks
 def _token_statistic(stat: str, p: _Prepared) -> torch.Tensor:
-    """(B, T) float32 k2/k3 per token from x = clamp(l); 0 outside valid tokens (k1 = -x is never materialised).
+    """(B, T) k2 per token from x = clamp(l); 0 outside valid tokens (k1 = -x is never materialised; k3
+    comes from ``_expm1_stats``)."""
+    return torch.mul(p.x, p.x).mul_(0.5)
+
+
+def _expm1_stats(p: _Prepared, keep_k3: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Row statistics of E = expm1(x) = R - 1 and of k3 = E - x (both 0 outside valid tokens).
+
+    Returns ``(sum E, sum E^2, sum k3, k3)``: three (B,) float64 vectors and the (B, T) k3 tensor when
+    ``keep_k3`` (token-level k3 options), else None. ``sum R = n + sum E`` and ``sum R^2 = n + 2 sum E + sum
+    E^2`` then carry E's relative precision (~6e-8), so chi2 = E[R^2] - 1 stays exact when R ~ 1 +- 1e-5
+    (float32 R itself is only known to ~6e-8 absolute, more than such a chi2).
 
     k3 = expm1(x) - x: the subtraction is exact for |x| < 1 (Sterbenz), so the relative error is that of
-    expm1 alone, ~1.2e-7 / |x|, below what float32 log-probs determine (an ulp of log pi ~ -3 moves x by
-    2.4e-7, so k3 by that much relative to |x|/2)."""
-    if stat == "k2":
-        return torch.mul(p.x, p.x).mul_(0.5)
+    expm1 alone, ~1.2e-7 / |x|, about what float32 log-probs of magnitude ~1 determine (an ulp of log pi ~
+    -3 moves x by 2.4e-7, so k3 by 4.8e-7 / |x| relative). Float64 inputs get a float64 E and k3."""
     if torch.compiler.is_compiling():
-        return _k3_compiled(p.x)
-    return torch.expm1(p.x).sub_(p.x)
+        k3 = _k3_compiled(p.x)
+        e = k3 + p.x
+    elif p.exact_inputs:
+        k3 = _k3_float64(p.x)
+        e = k3 + p.x.double()
+    else:
+        e = torch.expm1(p.x, out=None if keep_k3 else p.scratch)
+        e_row, e2_row = e.sum(-1), torch.mul(e, e, out=p.spare()).sum(-1)
+        k3 = e.sub_(p.x)
+        return e_row.double(), e2_row.double(), k3.sum(-1).double(), k3 if keep_k3 else None
+    return e.sum(-1).double(), (e * e).sum(-1).double(), k3.sum(-1).double(), k3 if keep_k3 else None
 
 
-def _k3_rowsum(p: _Prepared) -> torch.Tensor:
-    """(B,) row sums of k3 = expm1(x) - x (as ``_token_statistic``), through the scratch buffer."""
-    if torch.compiler.is_compiling():
-        return _k3_compiled(p.x).sum(-1)
-    return torch.expm1(p.x, out=p.scratch).sub_(p.x).sum(-1)
+def _k3_float64(x: torch.Tensor) -> torch.Tensor:
+    """k3 in float64 for float64 inputs, whose log ratios are known far better than float32's expm1 (~6e-8
+    relative) can render k3 ~ x^2 / 2 when |x| ~ 1e-6."""
+    x64 = x.double()
+    return torch.expm1(x64).sub_(x64)
 
 
 def _k3_compiled(x: torch.Tensor) -> torch.Tensor:
@@ -528,7 +568,7 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, toke
         k1 = spec.stat == "k1"
         if spec.is_token_level:
             t = None if k1 else token_stats[spec.stat]
-            rej = torch.empty_like(p.x)  # rejected tokens (0/1); becomes the keep mask for the first option
+            rej = p.take_spare()  # rejected tokens (0/1); becomes the keep mask for the first option
             high = _compare_valid(p.x, "<", -hi, p, out=rej) if k1 else _compare_valid(t, ">", hi, p, out=rej)
             high_rows = high.sum(-1)
             rows.add(pre + "high", high_rows, "sum")
@@ -551,10 +591,10 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, toke
                 clamped = torch.clamp(t, clamp_lo, hi, out=p.scratch if t.dtype == torch.float32 else torch.empty_like(t))
             if not clamp_lo <= 0.0 <= hi:
                 clamped.mul_(p.vf)
-            csum = _rowsum(clamped)
+            csum, csum_sq = p.row_moments(clamped)
             rows.add(pre + "sum", row_sum, "sum")
             rows.add(pre + "csum", -csum if k1 else csum, "sum")
-            rows.add_sq(pre + "csum2", p.sq_rowsum(clamped, csum))
+            rows.add_sq(pre + "csum2", csum_sq)
             if k1:  # k1 = -x: extrema from those of x
                 _x_range(p, rows)
             else:  # k2, k3 >= 0 and 0 outside valid tokens
@@ -645,14 +685,15 @@ def compute_rollout_correction(
         raise ValueError(f"length_buckets must be increasing positive token counts, got {tuple(length_buckets)}.")
     rows = _RowTable(edges)
     p = _prepare(log_probs, rollout_log_probs, response_mask, rows)
-    row_r = _rowsum(p.ratio)
-    rows.add("r", row_r, "sum")
-    rows.add_sq("r2", p.sq_rowsum(p.ratio, row_r))
-    # k2/k3 (B, T) tensors only where an option tests tokens, takes a row max or needs k2 sums; k3 row sums
-    # (always needed by the off-policy metrics) go through the scratch buffer.
+    # k2/k3 (B, T) tensors only where an option tests tokens, takes a row max or needs k2 sums; E = R - 1 and
+    # k3 row sums (always needed by the off-policy metrics) go through the scratch buffer.
     needed = {sp.stat for sp in config.rs_specs if sp.stat != "k1" and (sp.is_token_level or sp.level == "seq_max" or sp.stat == "k2")}
-    token_stats = {stat: _token_statistic(stat, p) for stat in needed}
-    p._stat_rowsums = {"k3": _rowsum(token_stats["k3"]) if "k3" in token_stats else _k3_rowsum(p)}
+    e_row, e2_row, k3_row, k3_tok = _expm1_stats(p, keep_k3="k3" in needed)
+    n64 = p.n_row64
+    rows.add("r", n64 + e_row, "sum")  # sum of R over valid tokens
+    rows.add("r2", n64 + 2.0 * e_row + e2_row, "sum")  # sum of R^2
+    token_stats = {stat: (k3_tok if stat == "k3" else _token_statistic(stat, p)) for stat in needed}
+    p._stat_rowsums = {"k3": k3_row}
     weights = _importance_weights(p, config, rows, all_reduce) if config.is_enabled else None
     keep = _rejection_keep(p, config.rs_specs, rows, token_stats) if config.rs_enabled else p.vf
     _offpolicy_stats(p, rows)
@@ -664,9 +705,8 @@ def _offpolicy_stats(p: _Prepared, rows: _RowTable) -> None:
     rows.add("l", p.seq_l, "sum", bucket=True)
     rows.add("k3", p.stat_rowsum("k3", None), "sum", bucket=True)  # k3 is 0 outside valid tokens
     n1 = rows.n.clamp(min=1)
-    train = rows.col("train_row_sum")
-    mean_train = train / n1  # mean log pi_train per row
-    mean_roll = (train - p.seq_l) / n1  # mean log mu per row
+    mean_roll = rows.col("rollout_row_sum") / n1  # mean log mu per row
+    mean_train = rows.col("train_row_sum") / n1  # mean log pi_train per row
     d = -p.seq_l / n1  # mean(log mu - log pi_train) per row
     rows.add("train_log_ppl", -mean_train, "sum")
     rows.add("train_ppl", torch.exp((-mean_train).clamp(max=700.0)), "sum")

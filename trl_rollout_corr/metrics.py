@@ -157,9 +157,14 @@ def _finite(v: float) -> float:
     return float(v)
 
 
-def _ext(v: float) -> float:
-    """An extremum of an empty set is reported as 0."""
-    return 0.0 if math.isinf(v) else v
+def _max(v: float) -> float:
+    """A maximum; that of an empty set (-inf) is reported as 0 (+inf is a real, saturated value)."""
+    return 0.0 if v == -math.inf else v
+
+
+def _min(v: float) -> float:
+    """A minimum; that of an empty set (+inf) is reported as 0 (-inf is a real, saturated value)."""
+    return 0.0 if v == math.inf else v
 
 
 def _pop_std(sum_x: float, sum_x2: float, n: float) -> float:
@@ -199,7 +204,7 @@ def _finalize(s: dict, mx: dict, mn: dict, layout: dict) -> dict[str, float]:
         if level == "token":
             sum_r, sum_r2 = s["r"], r2
             if icepop:
-                w_max, w_min = _ext(mx["is_w_max"]), _ext(mn["is_w_min"])
+                w_max, w_min = _max(mx["is_w_max"]), _min(mn["is_w_min"])
             else:  # min(exp(x), U) is monotone in x
                 w_max = min(_exp_or_zero(mx["x_max"]), upper) if n_tok > 0 else 0.0
                 w_min = min(_exp_or_zero(mn["x_min"]), upper) if n_tok > 0 else 0.0
@@ -219,7 +224,7 @@ def _finalize(s: dict, mx: dict, mn: dict, layout: dict) -> dict[str, float]:
         m["rollout_is_eff_sample_size_raw"] = _ess(sum_r, sum_r2, n_tok)
         m["rollout_is_seq_mean"] = _div(s["is_seq"], n_seq)
         m["rollout_is_seq_std"] = _unbiased_std(s["is_seq"], s["is_seq2"], n_seq)
-        seq_max, seq_min = _ext(mx["is_seq_max"]), _ext(mn["is_seq_min"])
+        seq_max, seq_min = _max(mx["is_seq_max"]), _min(mn["is_seq_min"])
         m["rollout_is_seq_max"] = seq_max
         m["rollout_is_seq_min"] = seq_min
         m["rollout_is_seq_max_deviation"] = max(abs(seq_max - 1.0), abs(seq_min - 1.0)) if n_seq > 0 else 0.0
@@ -236,14 +241,14 @@ def _finalize(s: dict, mx: dict, mn: dict, layout: dict) -> dict[str, float]:
         p = f"rollout_rs_{option}_"
         m[p + "mean"] = _div(s[p + "sum"], n_tok)
         if is_token and stat == "k1":  # k1 = -x: extrema from those of x
-            m[p + "max"] = -_ext(mn["x_min"])
-            m[p + "min"] = -_ext(mx["x_max"])
+            m[p + "max"] = -_min(mn["x_min"])
+            m[p + "min"] = -_max(mx["x_max"])
         elif is_token:
-            m[p + "max"] = _ext(mx[p + "max"])
-            m[p + "min"] = _ext(mn[p + "min"])
+            m[p + "max"] = _max(mx[p + "max"])
+            m[p + "min"] = _min(mn[p + "min"])
         else:
-            m[p + "max"] = _ext(mx[p + "seq_max"])
-            m[p + "min"] = _ext(mn[p + "seq_min"])
+            m[p + "max"] = _max(mx[p + "seq_max"])
+            m[p + "min"] = _min(mn[p + "seq_min"])
         high = s[p + "high"] if is_token else s[p + "seq_high"]
         low = (s[p + "low"] if is_token else s[p + "seq_low"]) if stat == "k1" else 0.0
         m[p + "fraction_high"] = _div(high, n_tok if is_token else n_seq)
@@ -251,7 +256,7 @@ def _finalize(s: dict, mx: dict, mn: dict, layout: dict) -> dict[str, float]:
         m[p + "std"] = _pop_std(s[p + "csum"], s[p + "csum2"], n_tok)
         m[p + "seq_mean"] = _div(s[p + "seq"], n_seq)
         m[p + "seq_std"] = _unbiased_std(s[p + "seq"], s[p + "seq2"], n_seq)
-        smax, smin = _ext(mx[p + "seq_max"]), _ext(mn[p + "seq_min"])
+        smax, smin = _max(mx[p + "seq_max"]), _min(mn[p + "seq_min"])
         m[p + "seq_max"] = smax
         m[p + "seq_min"] = smin
         m[p + "seq_max_deviation"] = max(abs(smax), abs(smin)) if n_seq > 0 else 0.0
@@ -274,8 +279,8 @@ def _finalize(s: dict, mx: dict, mn: dict, layout: dict) -> dict[str, float]:
     m["rollout_log_ppl"] = _div(s["roll_log_ppl"], n_seq)
     m["log_ppl_diff"] = _div(s["d"], n_seq)
     m["log_ppl_abs_diff"] = _div(s["abs_d"], n_seq)
-    m["log_ppl_diff_max"] = _ext(mx["d_max"])
-    m["log_ppl_diff_min"] = _ext(mn["d_min"])
+    m["log_ppl_diff_max"] = _max(mx["d_max"])
+    m["log_ppl_diff_min"] = _min(mn["d_min"])
     m["ppl_ratio"] = _div(s["exp_d"], n_seq)
     m["chi2_token"] = _div(r2, n_tok) - 1.0 if n_tok > 0 else 0.0
     m["chi2_seq"] = _div(s["seq_r2"], n_seq) - 1.0 if n_seq > 0 else 0.0
