@@ -297,6 +297,13 @@ def test_float64_inputs_give_float64_k1_extrema_and_k3():
     assert m[P + "rollout_rs_token_k3_max"] == pytest.approx((torch.expm1(x) - x).max().item(), rel=1e-9)
 
 
+def test_sequence_k1_band_edge_is_compared_in_float64():
+    # float32 x = 2.30258512 is just above log(10) = 2.30258509: the sequence ratio 10.0000003 is outside
+    # [0.1, 10] (a float32 comparison against the rounded bound would keep it)
+    out = compute_rollout_correction(torch.tensor([[2.302585092994046]]), torch.zeros(1, 1), torch.ones(1, 1), RolloutCorrectionConfig(rollout_rs="seq_sum_k1", rollout_rs_threshold="0.1_10"))
+    assert out.response_mask.item() == 0.0
+
+
 def test_small_weights_keep_relative_precision():
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
     out = compute_rollout_correction(torch.tensor([[-17.0, -16.5]]), torch.zeros(1, 2), torch.ones(1, 2), cfg)

@@ -169,11 +169,11 @@ class _Prepared:
         return s64, (m2, s64 / self.n1_64)
 
     def stat_rowsum(self, stat: str, t: torch.Tensor) -> torch.Tensor:
-        """(B,) row sums of the token statistic ``stat`` (``t``; ``k1x``: x), computed once."""
+        """(B,) float64 row sums of the token statistic ``stat`` (``t``; ``k1x``: x), computed once."""
         if self._stat_rowsums is None:
             self._stat_rowsums = {}
         if stat not in self._stat_rowsums:
-            self._stat_rowsums[stat] = _rowsum(t)
+            self._stat_rowsums[stat] = _rowsum(t).double()  # float64: band edges compare in float64
         return self._stat_rowsums[stat]
 
     def valid_min_rows(self, t: torch.Tensor) -> torch.Tensor:
