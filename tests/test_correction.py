@@ -304,6 +304,18 @@ def test_sequence_k1_band_edge_is_compared_in_float64():
     assert out.response_mask.item() == 0.0
 
 
+@pytest.mark.parametrize("cfg", [RolloutCorrectionConfig(), RolloutCorrectionConfig.decoupled_token_is(), RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="0.5_2.0,0.01")])
+def test_returned_tensors_do_not_alias_internal_buffers(cfg):
+    first = compute_rollout_correction(OLD, ROLL, MASK, cfg)
+    mask, weights = first.response_mask.clone(), None if first.weights is None else first.weights.clone()
+    metrics = first.metrics
+    compute_rollout_correction(OLD * 3 - 1, ROLL, 1 - MASK, cfg)  # a second call must not touch the first's outputs
+    assert torch.equal(first.response_mask, mask) and first.metrics == metrics
+    if weights is not None:
+        assert torch.equal(first.weights, weights)
+    assert compute_rollout_correction(OLD, ROLL, MASK, cfg).metrics == metrics
+
+
 def test_small_weights_keep_relative_precision():
     cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
     out = compute_rollout_correction(torch.tensor([[-17.0, -16.5]]), torch.zeros(1, 2), torch.ones(1, 2), cfg)
