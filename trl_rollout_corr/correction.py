@@ -130,6 +130,7 @@ class _Prepared:
     n1_64: torch.Tensor  # (B,) float64 max(n_row, 1)
     n_row64: torch.Tensor  # (B,) float64 n_row
     exact_inputs: bool  # both log-prob inputs are float64 (l is formed in float64)
+    n_masked: torch.Tensor  # (B,) float32 tokens with mask > 0 per row (valid + invalid)
     scratch: torch.Tensor  # (B, T) float32 work buffer (never returned)
     _has_x_range: bool = False
     _stat_rowsums: Optional[dict] = None
@@ -192,10 +193,12 @@ def _rowsum(t: torch.Tensor) -> torch.Tensor:
     return t.sum(-1)
 
 
-def _zero_invalid(t: torch.Tensor, vf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """t at valid tokens, 0 elsewhere (t may hold NaN/inf off-valid; vf is 0 wherever it does)."""
+def _zero_invalid(t: torch.Tensor, vf: torch.Tensor, out: torch.Tensor, all_finite: bool = False) -> torch.Tensor:
+    """t at valid tokens, 0 elsewhere (t may hold NaN/inf off-valid, unless ``all_finite``; vf is 0 there)."""
     if torch.compiler.is_compiling():  # inductor's CPU nan_to_num falls back to scalar code; where is vectorised
         return torch.where(vf > 0, t, 0.0)
+    if all_finite:
+        return torch.mul(t, vf, out=out)
     return torch.nan_to_num(t, 0.0, 0.0, 0.0, out=out).mul_(vf)
 
 
@@ -207,23 +210,27 @@ def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_
     diff = lp - rlp  # fresh; becomes l (and x in place) for float32 work
     chk = torch.sub(diff, diff)  # 0 where diff is finite, NaN for NaN/+-inf in either input
     vf = _mask_float(response_mask, torch.empty(diff.shape, dtype=torch.float32, device=diff.device))
-    rows.add("n_masked", vf.sum(-1), "sum_all")
-    vf.mul_(torch.eq(chk, 0, out=chk))  # valid = mask > 0 and finite log ratio
-    diff = _zero_invalid(diff, vf, out=diff)  # zero outside the valid tokens, finite everywhere
+    n_masked = vf.sum(-1)
+    rows.add("n_masked", n_masked, "sum_all")
+    finite = torch.eq(chk, 0, out=chk)  # 1.0 where l (so both log-probs) is finite, padding included
+    vf.mul_(finite)  # valid = mask > 0 and finite log ratio
+    # On CPU a host-side check is free: when every entry is finite, zeroing needs no nan_to_num pass.
+    all_finite = diff.device.type == "cpu" and not torch.compiler.is_compiling() and bool(finite.all())
+    diff = _zero_invalid(diff, vf, out=diff, all_finite=all_finite)  # zero outside the valid tokens, finite everywhere
     seq_l = _rowsum(diff).double()
     n_row = vf.sum(-1)
     rows.set_rows(n_row)
     # training / rollout row sums over valid tokens, each summed directly so that an extreme value on one side
     # (a rollout engine's -1e8 for a filtered token) cannot swamp the other (chk is a work-dtype scratch buffer)
-    rows.add("train_row_sum", _rowsum(_zero_invalid(lp, vf, out=chk)))
-    rows.add("rollout_row_sum", _rowsum(_zero_invalid(rlp, vf, out=chk)))
+    rows.add("train_row_sum", _rowsum(_zero_invalid(lp, vf, out=chk, all_finite=all_finite)))
+    rows.add("rollout_row_sum", _rowsum(_zero_invalid(rlp, vf, out=chk, all_finite=all_finite)))
     x = (diff if work == torch.float32 else diff.float()).clamp_(-SAFETY_BOUND, SAFETY_BOUND)
     scratch = chk if work == torch.float32 else torch.empty_like(x)
     ratio = torch.exp(x).mul_(vf)
     n1 = n_row.clamp(min=1)
     p = _Prepared(response_mask=response_mask, vf=vf, x=x, ratio=ratio, n_row=n_row, row_valid=n_row > 0,
                   seq_l=seq_l, n1=n1, n1_64=n1.double(), n_row64=rows.n, exact_inputs=work == torch.float64,
-                  scratch=scratch)
+                  scratch=scratch, n_masked=n_masked)
     rows.add("n_tok", n_row, "sum", bucket=True)
     rows.add("n_seq", p.row_valid, "sum", bucket=True)
     return p
@@ -478,6 +485,8 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
     if config.rollout_is == "sequence":
         w = torch.mul(p.vf, seq_w.float().unsqueeze(-1))
     # 0 at padding (w is 0 there); the neutral weight 1 at invalid tokens (mask 1, NaN/inf log-prob): + (mask - valid).
+    if p.vf.device.type == "cpu" and not torch.compiler.is_compiling() and torch.equal(p.n_masked, p.n_row):
+        return w  # no invalid token (a host-side check, free on CPU; skips three (B, T) passes)
     return w.add_(torch.sub(_mask_float(p.response_mask, p.scratch), p.vf, out=p.scratch))
 
 
