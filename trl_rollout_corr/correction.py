@@ -834,7 +834,7 @@ def compiled_rollout_correction(
     """``compute_rollout_correction`` for one config, compiled with ``torch.compile`` (inductor).
 
     The eager function makes ~40 passes over the (B, T) inputs plus ~150 small row-level operations;
-    inductor fuses them into a handful of loops (same results to float rounding; ~1.5-2x faster than eager
+    inductor fuses them into a handful of loops (same results to float rounding; about 2x faster than eager
     on CPU, see ``benchmarks/RESULTS.md``). The first call compiles (10-30 s on CPU); shapes are dynamic, so
     new (B, T) do not recompile. Compiled functions are cached per (config, length_buckets, compile options).
 
