@@ -135,7 +135,6 @@ class _Prepared:
     _has_x_range: bool = False
     _stat_rowsums: Optional[dict] = None
     _spare: Optional[torch.Tensor] = None
-    _spare_taken: bool = False
 
     def spare(self) -> torch.Tensor:
         """A second (B, T) float32 work buffer, allocated once; ``take_spare`` hands it over for good."""
@@ -144,8 +143,8 @@ class _Prepared:
         return self._spare
 
     def take_spare(self) -> torch.Tensor:
-        """The spare buffer (or a fresh one) to keep, e.g. as a returned mask; it is never used here again."""
-        buf, self._spare, self._spare_taken = self.spare(), None, True
+        """The spare buffer (a fresh one once taken) to keep, e.g. as the returned mask; not used here again."""
+        buf, self._spare = self.spare(), None
         return buf
 
     def row_moments(self, t: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -237,16 +236,15 @@ def _prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_
 
 
 def _x_range(p: _Prepared, rows: "_RowTable") -> None:
-    """Adds the max/min of x over valid tokens (``x_max``, ``x_min``) once (x -/+ _BIG off valid, no where)."""
+    """Adds the max/min of x over valid tokens (``x_max``, ``x_min``) once (x -/+ _BIG off valid, no where).
+
+    Runs before RS takes the spare buffer, which holds the shared penalty (0 at valid, -_BIG elsewhere)."""
     if not p._has_x_range:
         p._has_x_range = True
-        if p.x.numel() and not p._spare_taken:  # one shared penalty (0 at valid, -_BIG elsewhere) in the spare
+        if p.x.numel():
             pen = torch.sub(p.vf, 1.0, out=p.spare()).mul_(_BIG)
             rows.add("x", torch.add(p.x, pen, out=p.scratch).amax(-1), "max")
             rows.add("x", torch.sub(p.x, pen, out=p.scratch).amin(-1), "min")
-        elif p.x.numel():
-            rows.add("x", torch.mul(p.vf, _BIG, out=p.scratch).sub_(_BIG).add_(p.x).amax(-1), "max")
-            rows.add("x", p.valid_min_rows(p.x), "min")
         else:
             rows.add("x", p.seq_l, "max")
             rows.add("x", p.seq_l, "min")
@@ -286,7 +284,7 @@ class _RowTable:
         return idx
 
     def add_sq(self, name: str, sq: tuple[torch.Tensor, torch.Tensor], bucket: bool = False) -> None:
-        """Register the row sums of squares returned by ``_Prepared.sq_rowsum`` as the ``sum`` ``name``."""
+        """Register the row sums of squares returned by ``_Prepared.row_moments`` as the ``sum`` ``name``."""
         m2, mean = sq
         self.add(name, m2, "sum", bucket=bucket, plus_wsq=self.add(name + "_rowmean", mean))
 
@@ -437,8 +435,7 @@ def _importance_weights(p: _Prepared, config: RolloutCorrectionConfig, rows: _Ro
     bounds = config.is_bounds
     upper, lower = bounds.upper, bounds.lower
     lower_m = lower if lower is not None else 1.0 / upper
-    nd = rows.n
-    n1 = nd.clamp(min=1)
+    nd, n1 = rows.n, p.n1_64
     if config.rollout_is == "token":
         rows.add("is_high", _count_valid(p.ratio, ">", upper, p), "sum")  # ratio is 0 off valid
         rows.add("is_low", _count_valid(p.ratio, "<", lower_m, p), "sum")
@@ -569,7 +566,9 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, toke
     k1 = -x is handled through x: ``k1 > hi <=> x < -hi``, ``clamp(k1, lo, hi) = -clamp(x, -hi, -lo)``."""
     keep: Optional[torch.Tensor] = None
     keep_row: Optional[torch.Tensor] = None
-    n1 = p.n_row.clamp(min=1)
+    n1 = p.n1
+    if any(spec.stat == "k1" and spec.is_token_level for spec in specs):
+        _x_range(p, rows)  # k1 = -x: token k1 extrema are those of x (before the spare becomes a mask)
     for spec in specs:
         pre = f"rollout_rs_{spec.option}_"
         lo, hi = spec.stat_bounds
@@ -604,9 +603,7 @@ def _rejection_keep(p: _Prepared, specs: Sequence[RSSpec], rows: _RowTable, toke
             rows.add(pre + "sum", row_sum, "sum")
             rows.add(pre + "csum", -csum if k1 else csum, "sum")
             rows.add_sq(pre + "csum2", csum_sq)
-            if k1:  # k1 = -x: extrema from those of x
-                _x_range(p, rows)
-            else:  # k2, k3 >= 0 and 0 outside valid tokens
+            if not k1:  # k2, k3 >= 0 and 0 outside valid tokens (k1 extrema: _x_range above)
                 rows.add(pre[:-1], t.amax(-1) if t.numel() else row_sum, "max")  # -> {pre}max
                 if not t.numel():
                     tmin = row_sum
@@ -713,7 +710,7 @@ def compute_rollout_correction(
 def _offpolicy_stats(p: _Prepared, rows: _RowTable) -> None:
     rows.add("l", p.seq_l, "sum", bucket=True)
     rows.add("k3", p.stat_rowsum("k3", None), "sum", bucket=True)  # k3 is 0 outside valid tokens
-    n1 = rows.n.clamp(min=1)
+    n1 = p.n1_64
     mean_roll = rows.col("rollout_row_sum") / n1  # mean log mu per row
     mean_train = rows.col("train_row_sum") / n1  # mean log pi_train per row
     d = -p.seq_l / n1  # mean(log mu - log pi_train) per row
