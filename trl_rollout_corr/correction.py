@@ -25,6 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .config import RolloutCorrectionConfig, RSSpec
+from .engines.alignment import check_aligned
 from .metrics import CorrectionStats
 
 SAFETY_BOUND = 20.0  # |log ratio| clamp before exponentiation, in nats (as verl)
@@ -755,7 +756,7 @@ def rollout_log_probs_to_tensor(
             mask row is not right-padded (the message names the row; nothing is padded or truncated silently).
     """
     if len(per_row) != completion_mask.shape[0]:
-        raise ValueError(f"Got behaviour log-probs for {len(per_row)} rows but the batch has {completion_mask.shape[0]}.")
+        check_aligned([0] * completion_mask.shape[0], per_row)  # raises: the row counts differ
     ones = completion_mask != 0
     lengths = ones.sum(-1)
     prefix = torch.arange(ones.shape[1], device=ones.device).unsqueeze(0) < lengths.unsqueeze(-1)
@@ -766,15 +767,9 @@ def rollout_log_probs_to_tensor(
             "can only be laid out for right-padded completions (nothing is shifted silently)."
         )
     lengths = lengths.tolist()
+    check_aligned(lengths, per_row)
     out = torch.zeros(completion_mask.shape, dtype=torch.float32)
     for i, (row, n) in enumerate(zip(per_row, lengths)):
-        if row is None:
-            raise ValueError(f"Row {i}: the rollout engine returned no log-probs; request them (vLLM logprobs=0).")
-        if len(row) != n:
-            raise ValueError(
-                f"Row {i}: {len(row)} behaviour log-probs for {n} completion tokens; the rollout engine's "
-                "log-probs must align token for token with the completion (nothing is padded or truncated)."
-            )
         if n:
             out[i, :n] = torch.tensor([float("nan") if v is None else float(v) for v in row], dtype=torch.float32)
     return out.to(completion_mask.device)
@@ -855,3 +850,29 @@ def compiled_rollout_correction(
 
         _COMPILED[key] = torch.compile(run, **compile_kwargs)
     return _COMPILED[key]
+
+
+def make_correction_fn(
+    config: RolloutCorrectionConfig, *, compile: bool = False, length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS
+) -> Callable[..., RolloutCorrectionOutput]:
+    """The correction for one config as ``fn(log_probs, rollout_log_probs, response_mask, all_reduce=None)``.
+
+    Args:
+        config: a validated ``RolloutCorrectionConfig``.
+        compile: run it through ``torch.compile`` (``compiled_rollout_correction``: same values, faster on large
+            batches; the first call compiles).
+        length_buckets: as ``compute_rollout_correction``.
+
+    Returns:
+        A callable returning ``RolloutCorrectionOutput``; the one signature the trainer and the losses use.
+    """
+    if compile:
+        return compiled_rollout_correction(config, length_buckets=length_buckets)
+    buckets = tuple(length_buckets)
+
+    def correction_fn(log_probs, rollout_log_probs, response_mask, all_reduce=None):
+        return compute_rollout_correction(
+            log_probs, rollout_log_probs, response_mask, config, all_reduce=all_reduce, length_buckets=buckets
+        )
+
+    return correction_fn
