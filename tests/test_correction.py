@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction
-from trl_rollout_corr.correction import rollout_log_probs_to_tensor
+from trl_rollout_corr.engines.alignment import rollout_log_probs_to_tensor
 from vectors import VECTORS, tensor
 
 OLD, ROLL, MASK = tensor("old_log_prob"), tensor("rollout_log_prob"), tensor("response_mask")
@@ -357,7 +357,7 @@ def test_rollout_log_probs_to_tensor_refuses_non_right_padded_masks():
 
 def test_k3_formula_used_under_compile_is_precise():
     # The series / exp branch used inside torch.compile, evaluated eagerly over the whole clamp range.
-    from trl_rollout_corr.correction import _k3_compiled
+    from trl_rollout_corr.correction.workspace import k3_compiled as _k3_compiled
 
     x = torch.cat([torch.linspace(-20, 20, 4001), torch.linspace(-0.6, 0.6, 4001), torch.tensor([0.0, 1e-6, -1e-6, 0.5, -0.5])])
     x64 = x.double()

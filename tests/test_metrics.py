@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from trl_rollout_corr import CorrectionStats, RolloutCorrectionConfig, compute_rollout_correction
+from trl_rollout_corr import PRESETS, CorrectionStats, RolloutCorrectionConfig, compute_rollout_correction
+from trl_rollout_corr.correction.stats import StatView
 
 CONFIGS = [
     RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True,
@@ -106,3 +107,55 @@ def test_ess_hand_values():
     assert m["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(16 / 18)
     assert m["rollout_corr/rollout_is_std"] == pytest.approx(math.sqrt(2 - 16 / 9))
     assert m["rollout_corr/kl"] == pytest.approx(-math.log(2) / 3)
+
+
+class _Recorder(dict):
+    """A stats table that remembers which stored names a finaliser read."""
+
+    def __init__(self, items):
+        super().__init__(items)
+        self.read = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+NAME_CONFIGS = [RolloutCorrectionConfig.from_preset(name) for name in PRESETS] + [
+    RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.9_1.1", rollout_is_batch_normalize=True,
+                            rollout_rs="token_k1,token_k2,token_k3,seq_max_k3,seq_sum_k2",
+                            rollout_rs_threshold="0.8_1.3,0.01,0.02,0.05,0.3"),
+    RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="0.5_2", rollout_is_batch_normalize=True,
+                            rollout_rs="seq_mean_k2,seq_max_k2,seq_sum_k1,seq_sum_k3,seq_mean_k1",
+                            rollout_rs_threshold="0.01,0.04,0.5_1.5,0.2,0.9_1.1"),
+]
+
+
+@pytest.mark.parametrize("buckets", [(), (3, 8)])
+@pytest.mark.parametrize("cfg", NAME_CONFIGS, ids=lambda c: f"{c.rollout_is}-{c.rollout_rs}-{c.bypass_mode}")
+def test_each_family_finalises_exactly_what_it_gathered(cfg, buckets):
+    """Every statistic a family registers is read by its finaliser, and nothing else is read."""
+    old, roll, mask = _batch()
+    st = compute_rollout_correction(old, roll, mask, cfg, length_buckets=buckets).stats
+    host = st.to_vector().tolist()
+    a, b = len(st.sum_names), len(st.sum_names) + len(st.max_names)
+    view = StatView({}, {}, {})
+    view._sums = _Recorder(zip(st.sum_names, host[:a]))
+    view._maxs = _Recorder(zip(st.max_names, host[a:b]))
+    view._mins = _Recorder(zip(st.min_names, host[b:]))
+    st.layout.finalize(view)
+    assert view._sums.read == set(st.sum_names)
+    assert view._maxs.read == set(st.max_names)
+    assert view._mins.read == set(st.min_names)
+
+
+def test_stat_view_reads_through_the_stored_name_rule():
+    from trl_rollout_corr.correction.stats import Kind, stat_name
+
+    sums = {stat_name("a", Kind.SUM): 1.0, stat_name("a", Kind.SQ): 2.0, stat_name("a", Kind.SUM, 1): 3.0,
+            stat_name("a", Kind.WSQ, 1): 4.0}
+    view = StatView(sums, {stat_name("a", Kind.MAX): 5.0}, {stat_name("a", Kind.MIN): 6.0})
+    assert (view.sum("a"), view.sq("a"), view.sum("a", 1), view.sq("a", 1)) == (1.0, 2.0, 3.0, 4.0)
+    assert (view.max("a"), view.min("a")) == (5.0, 6.0)
+    with pytest.raises(KeyError, match="'b'.*not gathered"):
+        view.sum("b")

@@ -1,12 +1,11 @@
 """trl-rollout-corr: rollout correction (IS weights, rejection sampling, diagnostics) for TRL's GRPO.
 
-The math (``config``, ``correction``, ``metrics``, ``losses``) imports nothing from TRL; the trainer
+The math (``config``, the ``correction`` package, ``losses``) imports nothing from TRL; the trainer
 (``trl_rollout_corr.trainer``) is imported lazily so that the core works with torch alone.
 """
 
-from .config import ISBounds, RolloutCorrectionConfig, RSSpec, PRESETS
-from .correction import RolloutCorrectionOutput, compute_rollout_correction
-from .metrics import CorrectionStats
+from .config import PRESETS, ISBounds, RolloutCorrectionConfig, RSSpec
+from .correction import CorrectionStats, RolloutCorrectionOutput, compute_rollout_correction
 
 __all__ = [
     "CorrectionStats",

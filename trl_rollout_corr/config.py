@@ -18,21 +18,10 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from .correction.rejection import RS_OPTIONS  # the RS option table lives with the RS math
+
 IS_LEVELS = ("token", "sequence")
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
-RS_OPTIONS = (
-    "token_k1",
-    "token_k2",
-    "token_k3",
-    "seq_sum_k1",
-    "seq_sum_k2",
-    "seq_sum_k3",
-    "seq_mean_k1",
-    "seq_mean_k2",
-    "seq_mean_k3",
-    "seq_max_k2",
-    "seq_max_k3",
-)
 
 ThresholdSpec = Union[float, int, str, tuple, list, None]
 
@@ -53,6 +42,11 @@ class ISBounds:
     def is_icepop(self) -> bool:
         """True when the spec is a band ``[L, U]`` (IcePop: weights outside are zeroed)."""
         return self.lower is not None
+
+    @property
+    def lower_or_reciprocal(self) -> float:
+        """The lower ratio bound used for "below" counts: L for a band, 1/U for truncation (TIS)."""
+        return self.lower if self.lower is not None else 1.0 / self.upper
 
 
 @dataclass(frozen=True)

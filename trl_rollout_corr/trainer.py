@@ -50,7 +50,7 @@ from .config import PRESETS, RolloutCorrectionConfig
 from .correction import compiled_rollout_correction, compute_rollout_correction, ratio_decomposition
 from .engines.transformers_generate import capture_generate_log_probs
 from .losses import bypass_policy_loss
-from .metrics import CorrectionStats
+from .correction import CorrectionStats
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,33 @@
+"""The statistics every family reads: valid tokens, valid rows and masked tokens.
+
+They are the denominators of every ``rollout_corr/*`` metric; their own metrics are ``num_valid_tokens``,
+``num_valid_seqs`` and ``invalid_token_fraction`` (masked tokens whose log-prob is NaN/inf, over masked tokens).
+A token is valid when its mask is > 0 and both log-probs are finite; a row is valid when it has a valid token.
+"""
+
+from __future__ import annotations
+
+from .reduce import RowTable
+from .stats import Kind, StatView, div
+from .workspace import Workspace
+
+N_TOK = "n_tok"  # valid tokens (also per length bucket)
+N_SEQ = "n_seq"  # valid rows (also per length bucket)
+N_MASKED = "n_masked"  # tokens with mask > 0, valid or not
+
+
+def collect(ws: Workspace, rows: RowTable) -> None:
+    """Register the counts (valid tokens and rows also per length bucket)."""
+    rows.add(N_MASKED, ws.n_masked, Kind.SUM_ALL)
+    rows.add(N_TOK, ws.n_row, Kind.SUM, bucket=True)
+    rows.add(N_SEQ, ws.row_valid, Kind.SUM, bucket=True)
+
+
+def finalize(v: StatView) -> dict[str, float]:
+    """``num_valid_tokens``, ``num_valid_seqs``, ``invalid_token_fraction``."""
+    n_tok = v.sum(N_TOK)
+    return {
+        "num_valid_tokens": n_tok,
+        "num_valid_seqs": v.sum(N_SEQ),
+        "invalid_token_fraction": div(v.sum(N_MASKED) - n_tok, v.sum(N_MASKED)),
+    }

@@ -1,0 +1,225 @@
+"""Rejection sampling (RS): the keep mask and its ``rollout_corr/rollout_rs_*`` metrics.
+
+Per-token statistics of ``x = clamp(l, -20, 20)``: ``k1 = -x``, ``k2 = x^2 / 2``, ``k3 = exp(x) - 1 - x``
+(J. Schulman, "Approximating KL Divergence", 2020). An option is a level and a statistic (``RS_OPTIONS``):
+``token_*`` tests each valid token; ``seq_sum_*`` / ``seq_mean_*`` / ``seq_max_*`` test the row's sum / mean / max
+over its valid tokens, and a failing row loses every token. k2/k3 keep ``stat <= U``; k1 keeps the ratio band the
+user wrote, ``L <= r <= U`` on the token ratio, the row's product (``seq_sum``) or its geometric mean
+(``seq_mean``) (deliberate difference: verl keeps ``[1/U, 1/L]``). Several options combine with AND; a NaN
+statistic rejects. RS never changes IS weights. Metric names follow verl's ``rollout_corr_helper`` (0.9.x).
+
+To add a sequence level, add it to ``LEVELS`` (the statistics it supports) and ``_ROW_VALUES`` (its per-row value),
+and its needs to ``needs``: config validation, the mask and the metrics follow.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .reduce import RowTable
+from .stats import Kind, StatView, div, max_or_zero, min_or_zero, pop_std, unbiased_std
+from .workspace import Workspace
+
+# level -> the statistics it supports (seq_max of the signed k1 would let padding zeros win: not offered)
+LEVELS = {
+    "token": ("k1", "k2", "k3"),
+    "seq_sum": ("k1", "k2", "k3"),
+    "seq_mean": ("k1", "k2", "k3"),
+    "seq_max": ("k2", "k3"),
+}
+RS_OPTIONS = tuple(f"{level}_{stat}" for level, stats in LEVELS.items() for stat in stats)
+
+# per-row value of a sequence level, (B,) (k2, k3 >= 0 and 0 off valid: a row max needs no mask)
+_ROW_VALUES = {
+    "seq_sum": lambda ws, stat: ws.stat_row_sum(stat),
+    "seq_mean": lambda ws, stat: ws.stat_row_sum(stat) / ws.n1,
+    "seq_max": lambda ws, stat: _row_max(ws.token_stat(stat)),
+}
+
+# statistics shared by every option (per option they are prefixed "rollout_rs_{option}_")
+KEPT = "rs_kept"  # kept tokens per row (also per length bucket)
+KEPT_MINUS_N = "rs_kept_minus_n"  # < 0 on rows that lost a token
+REJECTED_SEQS = "rs_rejected_seqs"
+
+
+def needs(specs: Sequence) -> dict[str, bool]:
+    """The ``workspace.Needs`` flags these options require."""
+    flags = dict(x_range=False, k2_tokens=False, k3_tokens=False, k1_row_sum=False, k2_row_sum=False)
+    for spec in specs:
+        if spec.stat == "k1":
+            flags["k1_row_sum"] = True
+            flags["x_range"] |= spec.is_token_level  # token k1 extrema are those of x
+        elif spec.stat == "k2":
+            flags["k2_tokens"] = True
+            flags["k2_row_sum"] |= spec.level != "seq_max"
+        elif spec.is_token_level or spec.level == "seq_max":  # k3 row sums are always prepared
+            flags["k3_tokens"] = True
+    return flags
+
+
+def rejection_mask(ws: Workspace, specs: Sequence, rows: RowTable) -> torch.Tensor:
+    """(B, T) float32 0/1 keep mask over valid tokens, every option combined (AND); registers the statistics.
+
+    Args:
+        ws: the call's workspace (its spare buffer becomes the mask).
+        specs: the parsed options (``RSSpec``), in the user's order.
+        rows: the call's row table.
+    """
+    keep: Optional[torch.Tensor] = None
+    keep_row: Optional[torch.Tensor] = None
+    for spec in specs:
+        if spec.is_token_level:
+            keep = _token_option(ws, spec, rows, keep)
+        else:
+            bad = _sequence_option(ws, spec, rows)
+            keep_row = ~bad if keep_row is None else keep_row & ~bad
+    if keep is None:
+        keep = ws.valid.clone() if keep_row is not None else ws.valid
+    if keep_row is not None:
+        keep.mul_(keep_row.to(keep.dtype).unsqueeze(-1))
+    kept_rows = keep.sum(-1)
+    rows.add(KEPT, kept_rows, Kind.SUM, bucket=True)
+    rows.add(KEPT_MINUS_N, kept_rows - ws.n_row, lt=(REJECTED_SEQS, 0.0))
+    return keep
+
+
+def _token_option(ws: Workspace, spec, rows: RowTable, keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """Test every valid token; returns the keep mask so far (the first option's becomes the mask buffer).
+
+    k1 = -x is handled through x: ``k1 > hi <=> x < -hi``, ``clamp(k1, lo, hi) = -clamp(x, -hi, -lo)``."""
+    pre = f"rollout_rs_{spec.option}_"
+    lo, hi = spec.stat_bounds
+    clamp_lo = lo if lo is not None else 0.0
+    k1 = spec.stat == "k1"
+    t = None if k1 else ws.token_stat(spec.stat)
+    rej = ws.take_spare()  # rejected tokens (0/1); becomes the keep mask for the first option
+    high = _compare_valid(ws.x, "<", -hi, ws, out=rej) if k1 else _compare_valid(t, ">", hi, ws, out=rej)
+    high_rows = high.sum(-1)
+    rows.add(pre + "high", high_rows, Kind.SUM)
+    if lo is not None:
+        low = _compare_valid(ws.x, ">", -lo, ws) if k1 else _compare_valid(t, "<", lo, ws)  # in scratch
+        low_rows = low.sum(-1)
+        rows.add(pre + "low", low_rows, Kind.SUM)
+        rej.add_(low)  # high and low are disjoint
+        high_rows = high_rows + low_rows
+    rows.add(pre + "rejected_rows", high_rows, gt=(pre + "rejected_seqs", 0.0))
+    if keep is None:
+        keep = torch.sub(ws.valid, rej, out=rej)
+    else:
+        keep.addcmul_(keep, rej, value=-1.0)  # keep * (1 - rej)
+    row_sum = ws.stat_row_sum(spec.stat)
+    if k1:
+        clamped = torch.clamp(ws.x, -hi, -clamp_lo, out=ws.scratch)  # = -clamp(k1, lo, hi)
+        rows.add(pre + "x", ws.x_max_rows, Kind.MAX)
+        rows.add(pre + "x", ws.x_min_rows, Kind.MIN)
+    else:
+        out = ws.scratch if t.dtype == torch.float32 else torch.empty_like(t)
+        clamped = torch.clamp(t, clamp_lo, hi, out=out)
+    if not clamp_lo <= 0.0 <= hi:
+        clamped.mul_(ws.valid)
+    csum, csum_sq = ws.row_moments(clamped)
+    rows.add(pre + "sum", row_sum, Kind.SUM)
+    rows.add(pre + "csum", -csum if k1 else csum, Kind.SUM)
+    rows.add_sq(pre + "csum", csum_sq)
+    if not k1:  # k2, k3 >= 0 and 0 outside valid tokens (k1 extrema: those of x)
+        rows.add(pre + "tok", t.amax(-1) if t.numel() else row_sum, Kind.MAX)
+        rows.add(pre + "tok", _valid_min(ws, t, row_sum), Kind.MIN)
+    _add_row_values(rows, pre, row_sum / ws.n1, lo, hi)
+    return keep
+
+
+def _sequence_option(ws: Workspace, spec, rows: RowTable) -> torch.Tensor:
+    """Test every valid row's statistic; returns the (B,) bool rows it rejects."""
+    pre = f"rollout_rs_{spec.option}_"
+    lo, hi = spec.stat_bounds
+    row_values = _ROW_VALUES[spec.level](ws, spec.stat)
+    in_band = row_values <= hi
+    if lo is not None:
+        in_band = in_band & (row_values >= lo)
+    bad = ws.row_valid & ~in_band  # a NaN statistic is never in band: rejected
+    rows.add(pre + "sum", row_values, Kind.WSUM)
+    rows.add(pre + "csum", row_values.clamp(lo if lo is not None else 0.0, hi), Kind.WSUM, Kind.WSQ)
+    rows.add(pre + "rejected", bad, Kind.WSUM)
+    rows.add(pre + "rejected_seqs", bad, Kind.SUM)
+    _add_row_values(rows, pre, row_values, lo, hi)
+    return bad
+
+
+def _add_row_values(rows: RowTable, pre: str, row_values: torch.Tensor, lo: Optional[float], hi: float) -> None:
+    """The per-row value of an option (token options: the row mean), for the ``seq_*`` metrics."""
+    rows.add(pre + "seq", row_values, Kind.SUM, Kind.SQ, Kind.MAX, Kind.MIN, gt=(pre + "seq_high", hi),
+             lt=(pre + "seq_low", lo) if lo is not None else None)
+
+
+def _row_max(t: torch.Tensor) -> torch.Tensor:
+    return t.amax(-1) if t.numel() else t.sum(-1)
+
+
+def _valid_min(ws: Workspace, t: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
+    """(B,) min of a zero-off-valid k2/k3 over valid tokens."""
+    if not t.numel():
+        return row_sum
+    if t.dtype == torch.float32:
+        return ws.valid_min_rows(t)
+    return torch.where(ws.valid > 0, t, float("inf")).amin(-1)
+
+
+def _compare_valid(t: torch.Tensor, op: str, threshold: float, ws: Workspace,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(B, T) float32 0/1: ``t > threshold`` or ``t < threshold`` at valid tokens, for a zero-off-valid ``t``
+    (restricting to valid tokens is free when the comparison is False at 0). Written into ``out`` (default:
+    ``scratch``)."""
+    out = ws.scratch if out is None else out
+    if op == ">":
+        hit = torch.gt(t, threshold, out=out)
+        return hit.mul_(ws.valid) if 0.0 > threshold else hit
+    hit = torch.lt(t, threshold, out=out)
+    return hit.mul_(ws.valid) if 0.0 < threshold else hit
+
+
+# ---------------------------------------------------------------------- metrics
+def finalize(v: StatView, layout, n_tok: float, n_seq: float) -> dict[str, float]:
+    """Per-option ``rollout_rs_{option}_*`` metrics and the combined masked fractions (verl's names)."""
+    m: dict[str, float] = {}
+    for spec in layout.rs_specs:
+        m.update(_finalize_option(v, spec, n_tok, n_seq))
+    m["rollout_rs_masked_fraction"] = div(n_tok - v.sum(KEPT), n_tok)
+    m["rollout_rs_seq_masked_fraction"] = div(v.count(REJECTED_SEQS), n_seq)
+    return m
+
+
+def _finalize_option(v: StatView, spec, n_tok: float, n_seq: float) -> dict[str, float]:
+    p = f"rollout_rs_{spec.option}_"
+    k1, is_token = spec.stat == "k1", spec.is_token_level
+    m = {p + "mean": div(v.sum(p + "sum"), n_tok)}
+    if is_token and k1:  # k1 = -x: extrema from those of x
+        m[p + "max"], m[p + "min"] = -min_or_zero(v.min(p + "x")), -max_or_zero(v.max(p + "x"))
+    elif is_token:
+        m[p + "max"], m[p + "min"] = max_or_zero(v.max(p + "tok")), min_or_zero(v.min(p + "tok"))
+    else:
+        m[p + "max"], m[p + "min"] = max_or_zero(v.max(p + "seq")), min_or_zero(v.min(p + "seq"))
+    high = v.sum(p + "high") if is_token else v.count(p + "seq_high")
+    low = (v.sum(p + "low") if is_token else v.count(p + "seq_low")) if k1 else 0.0
+    m[p + "fraction_high"] = div(high, n_tok if is_token else n_seq)
+    m[p + "fraction_low"] = div(low, n_tok if is_token else n_seq)
+    m[p + "std"] = pop_std(v.sum(p + "csum"), v.sq(p + "csum"), n_tok)
+    m[p + "seq_mean"] = div(v.sum(p + "seq"), n_seq)
+    m[p + "seq_std"] = unbiased_std(v.sum(p + "seq"), v.sq(p + "seq"), n_seq)
+    smax, smin = max_or_zero(v.max(p + "seq")), min_or_zero(v.min(p + "seq"))
+    m[p + "seq_max"] = smax
+    m[p + "seq_min"] = smin
+    m[p + "seq_max_deviation"] = max(abs(smax), abs(smin)) if n_seq > 0 else 0.0
+    m[p + "seq_fraction_high"] = div(v.count(p + "seq_high"), n_seq)
+    if k1:
+        m[p + "seq_fraction_low"] = div(v.count(p + "seq_low"), n_seq)
+    rejected = high + low if is_token else v.sum(p + "rejected")
+    m[p + "masked_fraction"] = div(rejected, n_tok)
+    m[p + "seq_masked_fraction"] = div(v.count(p + "rejected_seqs"), n_seq)
+    return m
+
+
+def finalize_bucket(v: StatView, j: int, n_j: float) -> dict[str, float]:
+    """``len_{lo}_{hi}/rs_masked_fraction`` of length bucket ``j`` (n_j valid tokens)."""
+    return {"rs_masked_fraction": div(n_j - v.sum(KEPT, j), n_j)}
