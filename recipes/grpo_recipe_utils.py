@@ -162,8 +162,8 @@ def greedy_accuracy(llm: Any, task: ReasoningGymTask, max_tokens: int = 64) -> E
     from vllm import SamplingParams
 
     t0 = time.perf_counter()
-    outs = llm.chat([task.messages(i) for i in range(task.size)], SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                    use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outs = llm.chat([task.messages(i) for i in range(task.size)], params, use_tqdm=False)
     texts = [o.outputs[0].text for o in outs]
     scores = [task.score(t, i) for i, t in enumerate(texts)]
     n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -336,9 +336,12 @@ def model_card_section(correction: dict, engine: dict, task: dict, evaluation: O
     lines += ["", "| task | value |", "|---|---|"]
     lines += [f"| `{k}` | `{v}` |" for k, v in task.items()]
     if evaluation:
-        lines += ["", "Greedy accuracy on the held-out problems:", "", "| | accuracy | correct / total |", "|---|---|---|"]
+        lines += ["", "Greedy accuracy on the held-out problems:", "", "| | accuracy | correct / total |",
+                  "|---|---|---|"]
         for name, res in evaluation.items():
-            lines.append(f"| {name} | {res['accuracy']:.3f} ± {res['stderr']:.3f} | {res['correct']} / {res['total']} |")
+            lines.append(
+                f"| {name} | {res['accuracy']:.3f} ± {res['stderr']:.3f} | {res['correct']} / {res['total']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -348,8 +351,8 @@ def write_model_card(trainer: Any, output_dir: str | Path, section: str, dataset
     try:
         trainer.create_model_card(dataset_name=dataset_name, tags=["trl-rollout-corr", "rollout-correction"])
     except Exception as exc:  # offline / template problems must not lose the run
-        path.write_text(f"---\ntags: [trl, grpo, trl-rollout-corr]\n---\n# Model trained with GRPO + rollout correction\n"
-                        f"(TRL model card unavailable: {type(exc).__name__})\n")
+        path.write_text("---\ntags: [trl, grpo, trl-rollout-corr]\n---\n# Model trained with GRPO + rollout "
+                        f"correction\n(TRL model card unavailable: {type(exc).__name__})\n")
     text = path.read_text() if path.exists() else ""
     path.write_text(text + section)
     return path

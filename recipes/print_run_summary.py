@@ -1,4 +1,4 @@
-"""Print the outcome of one run of ``recipes/grpo_rollout_corr.py`` from its output folder (``make demo`` ends with it).
+"""Print the outcome of one run of ``recipes/grpo_rollout_corr.py`` from its output folder (``make demo`` ends so).
 
     python recipes/print_run_summary.py outputs/demo
 
@@ -32,7 +32,8 @@ def summary_lines(results: dict, out_dir: str | Path) -> list[str]:
     if before and after:
         line = (
             f"{PREFIX} greedy accuracy on {before['total']} held-out problems: before {before['accuracy']:.3f} "
-            f"({before['correct']}/{before['total']}), after {after['accuracy']:.3f} ({after['correct']}/{after['total']})"
+            f"({before['correct']}/{before['total']}), after {after['accuracy']:.3f} "
+            f"({after['correct']}/{after['total']})"
         )
         improvement = results.get("improvement")
         if improvement:

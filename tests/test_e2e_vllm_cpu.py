@@ -33,7 +33,8 @@ def _vllm_importable() -> bool:
 
 
 def _load_recipe():
-    spec = importlib.util.spec_from_file_location("grpo_rollout_corr_recipe", ROOT / "recipes" / "grpo_rollout_corr.py")
+    path = ROOT / "recipes" / "grpo_rollout_corr.py"
+    spec = importlib.util.spec_from_file_location("grpo_rollout_corr_recipe", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up in sys.modules
     spec.loader.exec_module(module)

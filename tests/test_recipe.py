@@ -26,7 +26,8 @@ ACCELERATE = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
 
 
 def _recipe():
-    spec = importlib.util.spec_from_file_location("grpo_rollout_corr_recipe_t", ROOT / "recipes" / "grpo_rollout_corr.py")
+    path = ROOT / "recipes" / "grpo_rollout_corr.py"
+    spec = importlib.util.spec_from_file_location("grpo_rollout_corr_recipe_t", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -115,7 +116,8 @@ def test_model_card_section_records_correction_and_engine():
         {"before": {"accuracy": 0.1, "stderr": 0.02, "correct": 13, "total": 128},
          "after": {"accuracy": 0.3, "stderr": 0.04, "correct": 38, "total": 128}},
     )
-    for needle in ("`rollout_is` | `token`", "`rollout_dtype` | `bfloat16`", "processed_logprobs", "13 / 128", "38 / 128"):
+    for needle in ("`rollout_is` | `token`", "`rollout_dtype` | `bfloat16`", "processed_logprobs", "13 / 128",
+                   "38 / 128"):
         assert needle in text
 
 
