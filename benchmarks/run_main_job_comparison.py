@@ -52,7 +52,8 @@ def summarize(out: Path) -> dict:
         return statistics.fmean(vals) if vals else None
 
     later = steps[1:] or steps  # step 1 includes one-off warm-up
-    trainer_only = [r["step_time"] - r.get("rollout/vllm_generate_s", 0.0) - r.get("rollout/vllm_sync_s", 0.0) for r in later]
+    trainer_only = [r["step_time"] - r.get("rollout/vllm_generate_s", 0.0) - r.get("rollout/vllm_sync_s", 0.0)
+                    for r in later]
     return {
         "steps": len(steps),
         "step_time": mean("step_time", later),
@@ -74,15 +75,17 @@ def fmt(x, spec=".4f"):
 
 
 def report(out_root: Path) -> str:
-    rows = {name: summarize(out_root / config) for name, config in RUNS if (out_root / config / "results.json").exists()}
-    lines = [BEGIN, "", f"### Main job, three runs side by side (`benchmarks/run_main_job_comparison.py`)", "",
-             "Same data (reasoning-gym chain_sum, 2 terms, 1-2 digits; train seed 42, 128 held-out problems with seed "
-             "1,000,000), same seed and optimisation; SmolLM2-135M-Instruct, vLLM CPU bf16 rollouts, float32 training, "
-             "1 torch thread, shared 2-core machine (1-min load average before/after each run given). Step times are "
-             "means over steps 2..N (step 1 has one-off warm-up); *trainer* = step - vLLM generate - weight sync.", "",
-             "| run | steps | step time (s) | trainer time (s) | vLLM generate (s) | greedy acc before | greedy acc after "
-             "| after - before (paired s.e.) | mean rollout_corr/kl | mean k3_kl | mean ESS | mean RS rejected fraction "
-             "| reward first/last quarter | load before/after |",
+    rows = {name: summarize(out_root / config) for name, config in RUNS
+            if (out_root / config / "results.json").exists()}
+    lines = [BEGIN, "", "### Main job, three runs side by side (`benchmarks/run_main_job_comparison.py`)", "",
+             "Same data (reasoning-gym chain_sum, 2 terms, 1-2 digits; train seed 42, 128 held-out problems with "
+             "seed 1,000,000), same seed and optimisation; SmolLM2-135M-Instruct, vLLM CPU bf16 rollouts, float32 "
+             "training, 1 torch thread, shared 2-core machine (1-min load average before/after each run given). Step "
+             "times are means over steps 2..N (step 1 has one-off warm-up); *trainer* = step - vLLM generate - weight "
+             "sync.", "",
+             "| run | steps | step time (s) | trainer time (s) | vLLM generate (s) | greedy acc before "
+             "| greedy acc after | after - before (paired s.e.) | mean rollout_corr/kl | mean k3_kl | mean ESS "
+             "| mean RS rejected fraction | reward first/last quarter | load before/after |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in rows.items():
         b, a = s["before"] or {}, s["after"] or {}
@@ -92,13 +95,14 @@ def report(out_root: Path) -> str:
         load_txt = f"{load[0][0]:.1f} / {load[1][0]:.1f}" if load[0] else "n/a"
         lines.append(
             f"| {name} | {s['steps']} | {fmt(s['step_time'], '.1f')} | {fmt(s['trainer_time'], '.1f')} | "
-            f"{fmt(s['generate_time'], '.1f')} | {acc(b)} | {acc(a)} | {imp(s['improvement'])} | {fmt(s['kl'], '.2e')} | {fmt(s['k3_kl'], '.2e')} | "
-            f"{fmt(s['ess'])} | {fmt(s['rs_frac'])} | {fmt(s['reward_first'], '.3f')} / {fmt(s['reward_last'], '.3f')} "
-            f"| {load_txt} |")
+            f"{fmt(s['generate_time'], '.1f')} | {acc(b)} | {acc(a)} | {imp(s['improvement'])} | "
+            f"{fmt(s['kl'], '.2e')} | {fmt(s['k3_kl'], '.2e')} | {fmt(s['ess'])} | {fmt(s['rs_frac'])} | "
+            f"{fmt(s['reward_first'], '.3f')} / {fmt(s['reward_last'], '.3f')} | {load_txt} |")
     if "bypass" in rows and "decoupled" in rows:
         d, b = rows["decoupled"], rows["bypass"]
         lines += ["", f"Bypass / decoupled step time: **{b['step_time'] / d['step_time']:.2f}x** (whole step), "
-                      f"**{b['trainer_time'] / d['trainer_time']:.2f}x** (trainer part; bypass skips the pi_old forward)."]
+                      f"**{b['trainer_time'] / d['trainer_time']:.2f}x** (trainer part; bypass skips the pi_old "
+                      "forward)."]
     lines += ["", END]
     return "\n".join(lines)
 
@@ -128,7 +132,8 @@ def main() -> None:
             if args.only and config not in args.only.split(","):
                 continue
             meta = run(config, out_root / config, shlex.split(args.extra))
-            print(f"<<< {name}: {meta['wall_s']:.0f}s, load {meta['load_before'][0]:.1f} -> {meta['load_after'][0]:.1f}", flush=True)
+            print(f"<<< {name}: {meta['wall_s']:.0f}s, load {meta['load_before'][0]:.1f} -> "
+                  f"{meta['load_after'][0]:.1f}", flush=True)
     text = report(out_root)
     print(text)
     if not args.no_write:

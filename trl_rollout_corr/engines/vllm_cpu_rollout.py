@@ -1,0 +1,252 @@
+"""A TRL ``rollout_func`` that drives the in-process vLLM CPU engine of ``engines/vllm_cpu.py`` from ``GRPOTrainer``.
+
+``VLLMCPURollout`` plugs the engine into ``GRPOTrainer(rollout_func=...)`` (TRL 1.16's public hook, so TRL's own
+GPU-oriented vLLM colocate path is not used on CPU): it syncs the trainer's weights whenever the optimizer step
+changed, samples with the trainer's generation settings and returns the sampled tokens' processed log-probs as
+``logprobs`` (mu, token for token with ``completion_ids``).
+
+This is the module of the engine that knows TRL. What it relies on, all in TRL 1.16 and pinned by
+``tests/test_vllm_cpu.py``:
+
+* the ``rollout_func(prompts, trainer)`` contract of ``GRPOTrainer._generate`` (returns ``prompt_ids``,
+  ``completion_ids``, ``logprobs``);
+* ``GRPOTrainer._tokenize_prompts(prompts) -> (prompt_ids, images, multimodal_fields)``, called so that prompts are
+  tokenised exactly as TRL's own generation paths do (``tokenize``);
+* public trainer attributes: ``state.global_step``, ``accelerator``, ``model``, ``args.generation_kwargs``,
+  ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_completion_length``;
+* ``GRPOTrainer._metrics`` for the two timing metrics (``log_trl_metric``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional, Union
+
+import torch
+
+from .vllm_cpu import build_cpu_llm, resolve_rollout_dtype, sampled_log_probs_batch, sync_weights
+
+
+class VLLMCPURollout:
+    """A TRL ``rollout_func`` that samples with an in-process vLLM CPU engine and returns mu token for token.
+
+    TRL 1.16 calls ``rollout_func(prompts, trainer)`` from ``GRPOTrainer._generate`` with the prompts of this
+    process's generation batch (each prompt already repeated ``num_generations`` times by TRL's sampler) and
+    expects ``{"prompt_ids", "completion_ids", "logprobs"}``, one row per prompt, ``logprobs[i]`` one float per
+    token of ``completion_ids[i]`` (TRL turns it into ``sampling_per_token_logps``; ``RolloutCorrGRPOTrainer`` uses
+    it as ``rollout_log_probs``). This class:
+
+    * owns the engine (``build_cpu_llm``: explicit rollout dtype, ``processed_logprobs``);
+    * before sampling, loads the trainer's current weights (``sync_weights``) whenever ``trainer.state.global_step``
+      differs from the step of the last sync (always on the first call), so every rollout uses the current policy;
+    * tokenises through TRL's own ``GRPOTrainer._tokenize_prompts`` (chat template with
+      ``add_generation_prompt=True``, the trainer's tools, ``chat_template`` and ``chat_template_kwargs``; plain
+      text through the tokenizer);
+    * samples one completion per row with the trainer's settings (``temperature``, ``top_p``, ``top_k``,
+      ``min_p``, ``repetition_penalty``, ``max_completion_length``, ``args.generation_kwargs``), like TRL's own
+      colocate mode (duplicate prompts share their KV blocks through vLLM's prefix cache);
+    * returns the sampled tokens' processed log-probs (the distribution that actually sampled them), checked to
+      align with the completions (``engines.alignment.check_aligned``).
+
+    Build it BEFORE the trainer: in-process vLLM re-seeds Python's, NumPy's and torch's global RNGs with
+    ``seed`` while it starts; ``Trainer.__init__`` seeds them again with ``args.seed`` afterwards (measured in
+    ``tests/test_e2e_vllm_cpu.py``). Single process per engine: with several ranks each builds its own
+    (DDP / ZeRO-1/2 work: the unwrapped module holds full weights); ZeRO-3 / FSDP are refused at sync time.
+
+    Args:
+        model: local model directory the engine starts from (normally the trainer's initial checkpoint).
+        dtype: rollout dtype, ``"bfloat16"`` or ``"float32"`` (``"auto"`` is refused).
+        max_model_len, seed, kv_cache_gib, max_num_seqs, **llm_kwargs: see ``build_cpu_llm``.
+
+    Attributes:
+        llm: the ``vllm.LLM``.
+        startup_seconds, sync_seconds, generate_seconds: wall time of engine start-up, of all weight syncs and of
+            all ``generate`` calls, in seconds.
+        num_syncs: weight syncs so far; last_synced_step: the optimizer step of the last sync (None before any).
+
+    Raises:
+        ValueError: an invalid ``dtype`` (see ``resolve_rollout_dtype``).
+    """
+
+    logprobs_mode = "processed_logprobs"
+
+    def __init__(
+        self,
+        model: Union[str, os.PathLike],
+        dtype: Union[str, torch.dtype] = "bfloat16",
+        *,
+        max_model_len: int = 1024,
+        seed: int = 0,
+        kv_cache_gib: int = 1,
+        max_num_seqs: Optional[int] = None,
+        **llm_kwargs: Any,
+    ) -> None:
+        self.model_path = str(model)
+        self.dtype = resolve_rollout_dtype(dtype)
+        self.seed = seed
+        self.max_model_len = max_model_len
+        t0 = time.perf_counter()
+        self.llm = build_cpu_llm(
+            model, self.dtype, max_model_len=max_model_len, seed=seed, kv_cache_gib=kv_cache_gib,
+            max_num_seqs=max_num_seqs, **llm_kwargs,
+        )
+        self.startup_seconds = time.perf_counter() - t0
+        self.last_synced_step: Optional[int] = None
+        self.num_syncs = 0
+        self.sync_seconds = 0.0
+        self.generate_seconds = 0.0
+
+    # -------------------------------------------------------------- description recorded with every run
+    def describe(self) -> dict[str, Any]:
+        """What produced mu, for run configs and model cards."""
+        import vllm
+
+        return {
+            "rollout_engine": "vllm_cpu",
+            "rollout_engine_version": f"vllm {vllm.__version__}",
+            "rollout_dtype": str(self.dtype).removeprefix("torch."),
+            "rollout_logprobs_mode": self.logprobs_mode,
+            "rollout_weight_sync": "model_runner.reload_weights (in process), every optimizer step",
+            "rollout_max_model_len": self.max_model_len,
+            "rollout_seed": self.seed,
+        }
+
+    # -------------------------------------------------------------- the rollout_func contract
+    def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
+        """Sample one completion per prompt with the trainer's current weights (TRL's ``rollout_func`` contract).
+
+        Args:
+            prompts: this process's generation batch, conversational (lists of messages) or plain text.
+            trainer: the calling ``GRPOTrainer`` (TRL passes itself).
+
+        Returns:
+            ``{"prompt_ids", "completion_ids", "logprobs"}``: B lists of token ids, B lists of token ids, and B lists
+            of log mu per completion token (nats).
+
+        Raises:
+            ValueError: a prompt has at least ``max_model_len`` tokens (raise ``rollout_max_model_len``), or the
+                engine's log-probs do not align with its completions.
+            NotImplementedError: ZeRO-3 / FSDP (see ``sync_from``), or multimodal prompts (see ``tokenize``).
+        """
+        step = int(trainer.state.global_step)
+        if self.last_synced_step != step:
+            self.sync_from(trainer)
+            self.last_synced_step = step
+        prompt_ids = self.tokenize(prompts, trainer)
+        too_long = [i for i, ids in enumerate(prompt_ids) if len(ids) >= self.max_model_len]
+        if too_long:
+            raise ValueError(
+                f"Prompt rows {too_long[:5]} have >= max_model_len={self.max_model_len} tokens; raise "
+                "rollout_max_model_len."
+            )
+        t0 = time.perf_counter()
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompt_ids], self.sampling_params(trainer), use_tqdm=False
+        )
+        elapsed = time.perf_counter() - t0
+        self.generate_seconds += elapsed
+        completions = [out.outputs[0] for out in outputs]
+        logprobs = sampled_log_probs_batch(completions)
+        log_trl_metric(trainer, "rollout/vllm_generate_s", elapsed)
+        return {
+            "prompt_ids": [list(ids) for ids in prompt_ids],
+            "completion_ids": [list(c.token_ids) for c in completions],
+            "logprobs": logprobs,
+        }
+
+    def sync_from(self, trainer: Any) -> float:
+        """Load the trainer's current (unwrapped) weights into the engine; returns the seconds it took.
+
+        Raises:
+            NotImplementedError: the trainer shards its weights (FSDP, DeepSpeed ZeRO-3): the engine needs full
+                weights from the unwrapped model.
+            ValueError, RuntimeError: from ``sync_weights``.
+        """
+        ds = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+        if getattr(trainer, "is_fsdp_enabled", False) or (ds is not None and getattr(ds, "zero_stage", 0) == 3):
+            raise NotImplementedError(
+                "VLLMCPURollout syncs full weights from the unwrapped model: ZeRO-3 / FSDP are not supported; use "
+                "DDP or ZeRO-1/2."
+            )
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        seconds = sync_weights(self.llm, model)
+        self.num_syncs += 1
+        self.sync_seconds += seconds
+        log_trl_metric(trainer, "rollout/vllm_sync_s", seconds)
+        return seconds
+
+    @staticmethod
+    def tokenize(prompts: list, trainer: Any) -> list[list[int]]:
+        """Prompt ids exactly as TRL builds them: ``GRPOTrainer._tokenize_prompts(prompts)`` (TRL 1.16).
+
+        TRL hands a ``rollout_func`` untokenised prompts and leaves "chat templating at the backend boundary" to it
+        (``GRPOTrainer._generate``). Rather than copy TRL's tokenisation (chat template, tools per environment, the
+        trainer's ``chat_template`` and ``chat_template_kwargs``, a transformers 5.3 padding workaround), this calls
+        the trainer's own method, whose signature and three-value return are pinned in ``tests/test_vllm_cpu.py``.
+
+        Raises:
+            TypeError: ``trainer`` has no ``_tokenize_prompts`` (not a TRL 1.16 ``GRPOTrainer``).
+            NotImplementedError: the prompts carry images or other multimodal inputs (this engine is text-only).
+        """
+        tokenize_prompts = getattr(trainer, "_tokenize_prompts", None)
+        if tokenize_prompts is None:
+            raise TypeError(
+                f"VLLMCPURollout tokenises through GRPOTrainer._tokenize_prompts (TRL 1.16), which "
+                f"{type(trainer).__name__} lacks: pass it as rollout_func to a trl GRPOTrainer (>=1.16,<1.17)."
+            )
+        prompt_ids, images, multimodal_fields = tokenize_prompts(prompts)
+        if images is not None or multimodal_fields:
+            raise NotImplementedError(
+                "VLLMCPURollout is text-only: these prompts carry images or multimodal fields "
+                f"({sorted(multimodal_fields) or 'images'}); use TRL's own vLLM path (use_vllm=True) for VLMs."
+            )
+        return [list(ids) for ids in prompt_ids]
+
+    @staticmethod
+    def sampling_params(trainer: Any, **overrides: Any):
+        """``SamplingParams`` from the trainer's generation settings (as TRL's colocate mode builds them).
+
+        Raises:
+            ValueError: ``generation_kwargs`` or ``overrides`` set ``logprobs`` to anything but 0 (the sampled
+                token's log-prob is the only one this engine returns).
+        """
+        from vllm import SamplingParams
+
+        kwargs = {
+            "n": 1,
+            "temperature": trainer.temperature,
+            "top_p": trainer.top_p,
+            "top_k": trainer.top_k,
+            "min_p": 0.0 if trainer.min_p is None else trainer.min_p,
+            "repetition_penalty": trainer.repetition_penalty,
+            "max_tokens": trainer.max_completion_length,
+            "logprobs": 0,
+        }
+        generation_kwargs = getattr(trainer.args, "generation_kwargs", None) or {}
+        kwargs.update(generation_kwargs)
+        kwargs.update(overrides)
+        if kwargs.get("logprobs") != 0:
+            raise ValueError("VLLMCPURollout needs logprobs=0 (the sampled token's log-prob only).")
+        return SamplingParams(**kwargs)
+
+
+def log_trl_metric(trainer: Any, key: str, value: float) -> None:
+    """Append ``value`` to the trainer's metric ``key`` for the current mode; TRL averages it at the next ``log()``.
+
+    The one place that writes into a TRL internal: ``GRPOTrainer._metrics``, set in ``__init__`` as
+    ``{"train": defaultdict(list), "eval": defaultdict(list)}``; ``GRPOTrainer.log`` averages each list (NaNs
+    dropped), prefixes ``eval_`` in evaluation and clears it (TRL 1.16; pinned in ``tests/test_vllm_cpu.py``).
+    The mode is chosen as TRL's own ``_generate`` does (``model.training``). A trainer without ``_metrics`` (not a
+    ``GRPOTrainer``) is skipped silently: the timings are also kept on ``VLLMCPURollout``.
+
+    Args:
+        trainer: the ``GRPOTrainer``.
+        key: metric name, e.g. ``rollout/vllm_generate_s``.
+        value: the value, in the metric's unit (seconds for the two timings).
+    """
+    metrics = getattr(trainer, "_metrics", None)
+    if metrics is None:
+        return
+    mode = "train" if trainer.model.training else "eval"
+    metrics[mode][key].append(float(value))
