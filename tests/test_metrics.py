@@ -9,6 +9,8 @@ import torch
 from trl_rollout_corr import PRESETS, CorrectionStats, RolloutCorrectionConfig, compute_rollout_correction
 from trl_rollout_corr.correction.stats import StatView
 
+pytestmark = pytest.mark.unit  # pure math: `make test-fast`
+
 CONFIGS = [
     RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True,
                             rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="0.5_2.0,0.01"),
