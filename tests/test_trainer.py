@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tiny_model import bf16_generate_trainer_class, make_tiny_model, make_tiny_model_dir, prompt_dataset, reward_len  # noqa: E402
+from tiny_model import bf16_generate_trainer_class, make_tiny_model_dir, prompt_dataset, reward_len  # noqa: E402
 
 BF16GenerateTrainer = bf16_generate_trainer_class()
 
@@ -21,10 +21,7 @@ import trl  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_rollout_corr import compute_rollout_correction  # noqa: E402
-from trl_rollout_corr.engines.transformers_generate import (  # noqa: E402
-    behaviour_log_probs_from_scores,
-    capture_generate_log_probs,
-)
+from trl_rollout_corr.engines.transformers_generate import capture_generate_log_probs  # noqa: E402
 from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # noqa: E402
 
 torch.set_num_threads(1)
@@ -288,67 +285,6 @@ def test_bypass_runs_one_forward_fewer_per_generation_batch(num_iterations, llam
     # one loss forward per micro-batch (GA=1: one per step), plus pi_old once per generation batch in decoupled mode
     assert counts["bypass_ppo_clip"] == max_steps
     assert counts["decoupled_token_is"] == max_steps + generation_batches
-
-
-# ---------------------------------------------------------------------------------------------- transformers.generate
-def test_generate_log_probs_match_processed_distribution():
-    """log mu from processed scores == log_softmax(top-k of logits / T) recomputed from a full forward."""
-    model, tok = make_tiny_model("llama", seed=3)
-    model.eval()
-    prompt = torch.tensor([[tok.bos_token_id, 5, 6, 7], [tok.bos_token_id, 9, 9, 10]])
-    temperature, top_k = 0.7, 5
-    torch.manual_seed(0)
-    with capture_generate_log_probs(model) as capture:
-        seqs = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
-                              temperature=temperature, top_k=top_k, top_p=1.0, max_new_tokens=6,
-                              pad_token_id=tok.pad_token_id, eos_token_id=[])
-    assert "generate" not in vars(model)  # the shadow is removed
-    assert torch.is_tensor(seqs) and seqs.shape == (2, 10)
-    log_mu = capture.log_probs[0]
-    with torch.no_grad():
-        logits = model(input_ids=seqs).logits[:, 3:-1].float() / temperature
-    kth = logits.topk(top_k, dim=-1).values[..., -1:]
-    expected = torch.log_softmax(logits.masked_fill(logits < kth, -float("inf")), dim=-1)
-    expected = expected.gather(-1, seqs[:, 4:].unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(log_mu, expected, atol=2e-5, rtol=0)
-    # lists cut to each completion, checked token for token
-    rows = capture.completion_log_probs([seqs[0, 4:7].tolist(), seqs[1, 4:].tolist()])
-    assert [len(r) for r in rows] == [3, 6]
-    with pytest.raises(ValueError, match="Row 1"):
-        capture.completion_log_probs([seqs[0, 4:7].tolist(), (seqs[1, 4:] + 1).tolist()])
-    with pytest.raises(ValueError, match="Row 0"):
-        capture.completion_log_probs([seqs[0, 4:].tolist() + [1], seqs[1, 4:].tolist()])
-
-
-def test_streaming_recorder_equals_output_scores_reference():
-    """The O(B*V) recorder gives bit-for-bit the values of log_softmax(output_scores) for every sampling transform."""
-    model, tok = make_tiny_model("qwen2", seed=5)
-    model.eval()
-    prompt = torch.tensor([[tok.bos_token_id, 5, 6, 7], [tok.bos_token_id, 9, 9, 10], [tok.bos_token_id, 3, 4, 4]])
-    torch.manual_seed(1)
-    with capture_generate_log_probs(model) as capture:
-        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=0.7,
-                             top_k=10, top_p=0.8, min_p=0.05, repetition_penalty=1.3, max_new_tokens=7,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                             output_scores=True, return_dict_in_generate=True)
-    assert not torch.is_tensor(out)  # the caller's return_dict_in_generate is respected
-    reference = behaviour_log_probs_from_scores(out.scores, out.sequences, prompt_length=4)
-    torch.testing.assert_close(capture.log_probs[0], reference, atol=0, rtol=0)
-    assert torch.isfinite(reference[:, 0]).all()
-    assert "_get_logits_processor" not in vars(model) and "generate" not in vars(model)
-
-
-def test_generate_log_probs_from_scores_by_hand():
-    scores = (torch.tensor([[0.0, math.log(3.0), -float("inf")]]), torch.tensor([[math.log(2.0), 0.0, 0.0]]))
-    seqs = torch.tensor([[7, 1, 0]])
-    out = behaviour_log_probs_from_scores(scores, seqs, prompt_length=1)
-    torch.testing.assert_close(out, torch.tensor([[math.log(0.75), math.log(0.5)]]))
-
-
-def test_greedy_generation_is_refused():
-    model, tok = make_tiny_model("llama", seed=3)
-    with capture_generate_log_probs(model), pytest.raises(ValueError, match="do_sample=True"):
-        model.generate(input_ids=torch.tensor([[2, 5]]), do_sample=False, max_new_tokens=2)
 
 
 def _engine_rollout_func(shift: int = 0):
