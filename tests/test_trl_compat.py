@@ -1,0 +1,235 @@
+"""trl_compat: the TRL 1.16 formulas the trainer mirrors, tested directly (hand-computed values)."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+
+from trl_rollout_corr import trl_compat
+
+# TRL's defaults for one reward function (GRPOConfig: scale_rewards="group", sum_then_normalize, weights 1).
+ONE_REWARD = dict(
+    reward_weights=torch.ones(1), multi_objective_aggregation="sum_then_normalize", scale_rewards="group"
+)
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+@pytest.mark.unit
+def test_group_advantages_exclude_rows_from_the_baseline():
+    rewards = torch.tensor([[1.0], [0.0], [1.0], [5.0], [2.0], [2.0], [0.0], [4.0]])
+    excluded = torch.tensor([False, False, False, True, False, False, False, False])
+    adv = trl_compat.group_advantages(rewards, excluded, num_generations=4, **ONE_REWARD)
+    # group 0 without row 3: rewards [1, 0, 1], mean 2/3, unbiased std 0.577350
+    std0 = math.sqrt(((1 / 3) ** 2 * 2 + (2 / 3) ** 2) / 2)
+    expected0 = [(1 - 2 / 3) / (std0 + 1e-4), (0 - 2 / 3) / (std0 + 1e-4), (1 - 2 / 3) / (std0 + 1e-4), 0.0]
+    torch.testing.assert_close(adv[:4], torch.tensor(expected0), atol=1e-6, rtol=0)
+    # the baseline equals that of the group without the row at all
+    alone = trl_compat.group_advantages(torch.tensor([[1.0], [0.0], [1.0]]), torch.zeros(3, dtype=torch.bool),
+                                        num_generations=3, **ONE_REWARD)
+    torch.testing.assert_close(adv[:3], alone)
+    # group 1 untouched: rewards [2, 2, 0, 4], mean 2, std sqrt(8/3)
+    std1 = math.sqrt(8 / 3)
+    torch.testing.assert_close(adv[4:], torch.tensor([0.0, 0.0, -2 / (std1 + 1e-4), 2 / (std1 + 1e-4)]),
+                               atol=1e-6, rtol=0)
+
+    # through advantages_after_rejection (one process) with and without keeping the row in the baseline
+    def after(advantages, rejected, keep):
+        return trl_compat.advantages_after_rejection(
+            advantages, rejected, rewards, keep_rejected_in_baseline=keep, process_index=0, num_generations=4,
+            **ONE_REWARD).local
+
+    trl_adv = trl_compat.group_advantages(rewards, torch.zeros(8, dtype=torch.bool), num_generations=4, **ONE_REWARD)
+    torch.testing.assert_close(after(trl_adv, excluded, False), adv)
+    kept = after(trl_adv, excluded, True)
+    assert kept[3] == 0.0
+    torch.testing.assert_close(kept[:3], trl_adv[:3])  # verl: rejected row still shapes the baseline
+    # nothing rejected anywhere: TRL's advantages are returned as they are
+    assert after(trl_adv, torch.zeros(8, dtype=torch.bool), False) is trl_adv
+
+
+@pytest.mark.unit
+def test_group_advantages_other_settings_by_hand():
+    rewards = torch.tensor([[1.0], [3.0], [float("nan")], [0.0], [2.0], [4.0]])  # row 2: no reward function scored it
+    none = torch.zeros(6, dtype=torch.bool)
+    # scale_rewards="none": centred only; the unscorable row is out of its group's mean and gets 0
+    adv = trl_compat.group_advantages(rewards, none, reward_weights=torch.ones(1), num_generations=3,
+                                      multi_objective_aggregation="sum_then_normalize", scale_rewards="none")
+    torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0, 0.0, -2.0, 0.0, 2.0]))
+    # scale_rewards="batch" with row 5 excluded: mean per group, std over the batch's 4 remaining scored rows
+    excluded = torch.tensor([False, False, False, False, False, True])
+    adv = trl_compat.group_advantages(rewards, excluded, reward_weights=torch.ones(1), num_generations=3,
+                                      multi_objective_aggregation="sum_then_normalize", scale_rewards="batch")
+    std = torch.tensor([1.0, 3.0, 0.0, 2.0]).std().item()  # unbiased, as TRL's nanstd
+    expected = torch.tensor([-1.0, 1.0, 0.0, -1.0, 1.0, 0.0]) / (std + 1e-4)
+    expected[2] = 0.0
+    torch.testing.assert_close(adv, expected)
+    # normalize_then_sum, two functions with weights (1, 2), one group of two rows
+    two = torch.tensor([[0.0, 1.0], [2.0, 3.0]])
+    adv = trl_compat.group_advantages(two, torch.zeros(2, dtype=torch.bool), reward_weights=torch.tensor([1.0, 2.0]),
+                                      num_generations=2, multi_objective_aggregation="normalize_then_sum",
+                                      scale_rewards="group")
+    z = 1 / (math.sqrt(2) + 1e-4)  # each function: (x - mean) / (std + eps) = -+1/sqrt(2) scaled
+    summed = torch.tensor([-3 * z, 3 * z])
+    torch.testing.assert_close(adv, summed / (summed.std() + 1e-4))
+    with pytest.raises(ValueError, match="scale_rewards"):
+        trl_compat.group_advantages(rewards, none, reward_weights=torch.ones(1), num_generations=3,
+                                    multi_objective_aggregation="sum_then_normalize", scale_rewards="rank")
+    with pytest.raises(ValueError, match="multi_objective_aggregation"):
+        trl_compat.group_advantages(rewards, none, reward_weights=torch.ones(1), num_generations=3,
+                                    multi_objective_aggregation="max", scale_rewards="group")
+
+
+@pytest.mark.unit
+def test_advantages_after_rejection_slices_this_process_rows():
+    # 2 processes x 4 rows, one group of 4 per process; process 1's row 5 (global) is rejected
+    rewards = torch.tensor([[1.0], [0.0], [1.0], [5.0], [2.0], [2.0], [0.0], [4.0]])
+    rejected = torch.zeros(8, dtype=torch.bool)
+    rejected[5] = True
+    trl_adv = trl_compat.group_advantages(rewards, torch.zeros(8, dtype=torch.bool), num_generations=4, **ONE_REWARD)
+    out = {}
+    for rank in (0, 1):
+        out[rank] = trl_compat.advantages_after_rejection(
+            trl_adv[4 * rank : 4 * rank + 4], rejected, rewards, keep_rejected_in_baseline=False,
+            process_index=rank, num_generations=4, **ONE_REWARD)
+    full = trl_compat.group_advantages(rewards, rejected, num_generations=4, **ONE_REWARD)
+    torch.testing.assert_close(torch.cat([out[0].local, out[1].local]), full)
+    torch.testing.assert_close(out[0].all_processes, full)
+    torch.testing.assert_close(out[0].local, trl_adv[:4])  # the other group is untouched
+    assert out[1].local[1] == 0.0
+    # without rewards (unknown), only the rejected row is zeroed
+    blind = trl_compat.advantages_after_rejection(trl_adv[4:], rejected, None, keep_rejected_in_baseline=False,
+                                                  process_index=1, num_generations=4, **ONE_REWARD)
+    assert blind.all_processes is None and blind.local.tolist() == [trl_adv[4].item(), 0.0, *trl_adv[6:].tolist()]
+
+
+@pytest.mark.unit
+def test_replace_logged_advantages_rewrites_the_last_batch():
+    logged = collections.deque([9.0, 1.0, 2.0, 3.0], maxlen=5)
+    trl_compat.replace_logged_advantages(logged, torch.tensor([0.5, 0.0, -0.5]))
+    assert list(logged) == [9.0, 0.5, 0.0, -0.5]
+    short = [1.0]
+    trl_compat.replace_logged_advantages(short, torch.tensor([0.5, 0.0]))
+    assert short == [0.5, 0.0]
+
+
+@pytest.mark.unit
+def test_trl_computes_old_log_probs_rule():
+    def rule(ga, spg, iters, vllm=False, vllm_is=False):
+        return trl_compat.trl_computes_old_log_probs(
+            gradient_accumulation_steps=ga, steps_per_generation=spg, num_iterations=iters, use_vllm=vllm,
+            vllm_importance_sampling_correction=vllm_is)
+
+    assert not rule(1, 1, 1) and not rule(4, 2, 2) and not rule(2, 1, 2)
+    assert rule(1, 2, 1) and rule(1, 1, 2) and rule(2, 4, 1)  # data reused after an optimizer step
+    assert rule(1, 1, 1, vllm=True, vllm_is=True) and not rule(1, 1, 1, vllm=True, vllm_is=False)
+
+
+# ---------------------------------------------------------------------------------------------- loss inputs
+@pytest.mark.unit
+def test_loss_mask_and_forward_inputs():
+    batch = dict(prompt_ids=torch.tensor([[1, 2]]), prompt_mask=torch.tensor([[0, 1]]),
+                 completion_ids=torch.tensor([[3, 4, 5]]), completion_mask=torch.tensor([[1, 1, 0]]),
+                 pixel_values=torch.zeros(1, 3), unrelated=1)
+    assert trl_compat.loss_mask(batch).tolist() == [[1, 1, 0]]
+    assert trl_compat.loss_mask({**batch, "tool_mask": torch.tensor([[1, 0, 1]])}).tolist() == [[1, 0, 0]]
+    fwd = trl_compat.prompt_completion_inputs(batch)
+    assert fwd.input_ids.tolist() == [[1, 2, 3, 4, 5]] and fwd.attention_mask.tolist() == [[0, 1, 1, 1, 0]]
+    assert fwd.logits_to_keep == 3 and list(fwd.multimodal) == ["pixel_values"]
+
+
+def _trl_clipped_loss(log_ratio, advantages, eps=0.2):
+    """TRL's grpo per-token loss, -min(r A, clip(r) A), written out."""
+    ratio = torch.exp(log_ratio)
+    return -torch.min(ratio * advantages, ratio.clamp(1 - eps, 1 + eps) * advantages)
+
+
+@pytest.mark.unit
+def test_inject_rs_mask_and_is_weights():
+    batch = dict(advantages=torch.tensor([1.0, -0.5]), completion_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+                 rollout_rs_mask=torch.tensor([[0, 1, 1], [1, 0, 0]]),
+                 rollout_is_weights=torch.tensor([[2.0, 1.5, 0.0], [1.2, 0.25, 1.0]]))
+    out = trl_compat.inject_rs_mask_and_is_weights(batch)
+    assert out["tool_mask"] is batch["rollout_rs_mask"] and out["completion_mask"] is batch["completion_mask"]
+    torch.testing.assert_close(out["advantages"], torch.tensor([[2.0, 1.5, 0.0], [-0.6, -0.125, -0.5]]))
+    assert batch["advantages"].shape == (2,) and "tool_mask" not in batch  # the input is not modified
+    assert trl_compat.loss_mask(out).tolist() == [[0, 1, 1], [1, 0, 0]]
+    # W * loss(A) == loss(W * A) for TRL's clipped loss and W >= 0 (W = 0: IcePop outside the band)
+    log_ratio = torch.tensor([[0.5, -0.5, 0.1], [0.3, -0.3, 0.0]])
+    weights, adv2d = batch["rollout_is_weights"], batch["advantages"].unsqueeze(1)
+    torch.testing.assert_close(_trl_clipped_loss(log_ratio, out["advantages"]),
+                               weights * _trl_clipped_loss(log_ratio, adv2d))
+    # without IS weights only the mask changes
+    plain = trl_compat.inject_rs_mask_and_is_weights({k: v for k, v in batch.items() if k != "rollout_is_weights"})
+    assert plain["advantages"] is batch["advantages"]
+    with pytest.raises(KeyError):
+        trl_compat.inject_rs_mask_and_is_weights({"advantages": torch.zeros(1)})
+
+
+# ---------------------------------------------------------------------------------------------- loss aggregation
+@pytest.mark.unit
+def test_per_token_kl_by_hand():
+    lp = torch.tensor([[-1.0, -2.0, 0.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -2.0, float("nan")]])  # NaN at a padded position never leaks
+    keep = torch.tensor([[True, True, False]])
+    kl = trl_compat.per_token_kl(lp, ref, keep)
+    torch.testing.assert_close(kl.detach(), torch.tensor([[math.exp(-0.5) + 0.5 - 1, 0.0, 0.0]]))
+    old = torch.tensor([[-1.0 - math.log(2.0), -2.0, float("nan")]])  # ratio pi_theta / pi_old = [2, 1]
+    corrected = trl_compat.per_token_kl(lp, ref, keep, bias_correction_old_log_probs=old)
+    torch.testing.assert_close(corrected.detach(), kl.detach() * torch.tensor([[2.0, 1.0, 1.0]]))
+    corrected.sum().backward()
+    assert torch.isfinite(lp.grad).all()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("loss_type, expected", [
+    ("grpo", ((1 + 2) / 2 + 4 / 1) / 2 / 2),  # mean over rows of the row token means, / accumulation
+    ("bnpo", (1 + 2 + 4) / 3 / 2),  # token mean over the micro-batch, / accumulation
+    ("dr_grpo", (1 + 2 + 4) / (2 * 4) / 2),  # sum / (B * max_completion_length), / accumulation
+    ("dapo", (1 + 2 + 4) / (10 / 2 * 2 / 4)),  # sum / (global tokens / processes * accumulation / steps_per_gen)
+])
+def test_aggregate_loss_per_loss_type(loss_type, expected):
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, float("nan")]])  # NaN outside the mask never leaks
+    keep = torch.tensor([[True, True, False], [True, False, False]])
+    loss = trl_compat.aggregate_loss(per_token, keep, loss_type, accumulation_steps=2, max_completion_length=4,
+                                     num_items_in_batch=torch.tensor(10.0), num_processes=2, steps_per_generation=4)
+    assert loss.item() == pytest.approx(expected)
+
+
+@pytest.mark.unit
+def test_aggregate_loss_edge_cases():
+    empty = torch.zeros(2, 3, dtype=torch.bool)
+    loss = trl_compat.aggregate_loss(torch.ones(2, 3), empty, "grpo", accumulation_steps=1, max_completion_length=3)
+    assert loss.item() == 0.0  # counts clamp at 1: an all-rejected micro-batch has loss 0, not NaN
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        trl_compat.aggregate_loss(torch.ones(2, 3), empty, "dapo", accumulation_steps=1, max_completion_length=3)
+    with pytest.raises(ValueError, match="supports loss_type in"):
+        trl_compat.aggregate_loss(torch.ones(2, 3), empty, "cispo", accumulation_steps=1, max_completion_length=3)
+
+
+@pytest.mark.unit
+def test_global_masked_mean():
+    values = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])
+    keep = torch.tensor([[True, True, False], [True, False, False]])
+    assert trl_compat.global_masked_mean(values, keep) == pytest.approx(2.0)
+    # two ranks with the same tokens: the sums double, the mean does not change
+    assert trl_compat.global_masked_mean(values, keep, reduce_sum=lambda t: 2 * t) == pytest.approx(2.0)
+    other_rank = torch.tensor([10.0, 1.0])  # a rank holding one token of value 10
+    assert trl_compat.global_masked_mean(values, keep, reduce_sum=lambda t: t + other_rank) == pytest.approx(4.0)
+    assert trl_compat.global_masked_mean(values, torch.zeros_like(keep)) == 0.0
+
+
+@pytest.mark.unit
+def test_check_vllm_server_logprobs():
+    class Client:
+        def __init__(self, mode):
+            self.mode = mode
+
+        def get_server_info(self):
+            return {"model_config": {"logprobs_mode": self.mode}}
+
+    trl_compat.check_vllm_server_logprobs(Client("processed_logprobs"))
+    with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs"):
+        trl_compat.check_vllm_server_logprobs(Client("raw_logprobs"))
