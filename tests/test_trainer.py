@@ -425,9 +425,9 @@ def test_decoupled_loss_equals_hand_computed_value(llama_dir, tmp_path):
     # row0: t1 -min(1.1, 1.1)*1.5 = -1.65, t2 -min(.7, .8)*.8 = -.56 -> mean -1.105
     # row1 (A=-.5): t0 -min(-.45, -.45)*1.2 = .54 -> mean .54 ; grpo loss = mean over rows = -.2825
     assert loss.item() == pytest.approx(-0.2825, abs=1e-5)
-    # gradient: equal to that of the reference decoupled loss (losses.decoupled_policy_loss: W times the clipped
+    # gradient: equal to that of the reference decoupled loss (oracles.decoupled_policy_loss: W times the clipped
     # PPO loss) aggregated as TRL's grpo
-    from trl_rollout_corr.losses import decoupled_policy_loss
+    from oracles import decoupled_policy_loss
 
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(trainer._compute_loss(trainer.model, inputs), params)

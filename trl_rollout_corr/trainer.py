@@ -49,7 +49,7 @@ from trl.trainer.utils import nanstd
 from .config import PRESETS, RolloutCorrectionConfig
 from .correction import compiled_rollout_correction, compute_rollout_correction, ratio_decomposition
 from .engines.transformers_generate import capture_generate_log_probs
-from .losses import bypass_policy_loss
+from .losses import PPOClip, bypass_policy_loss
 from .metrics import CorrectionStats
 
 logger = logging.getLogger(__name__)
@@ -578,8 +578,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         out = bypass_policy_loss(
             per_token_logps, inputs["rollout_log_probs"], inputs["advantages"], mask, self.rollout_correction,
-            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, all_reduce=self._rc_all_reduce_sum(),
-            correction_fn=self._rc_correction_fn,
+            correction_fn=self._rc_correction_fn, clip=PPOClip(self.epsilon_low, self.epsilon_high),
+            all_reduce=self._rc_all_reduce_sum(),
         )
         self._rc_add_stats(mode, out.correction.stats)
         keep = out.mask
