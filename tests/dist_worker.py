@@ -1,9 +1,10 @@
-"""Multi-rank worker for ``tests/test_trainer.py::test_two_ranks_match_one_rank`` (not collected by pytest).
+"""Multi-rank worker for ``tests/test_distributed.py`` (not collected by pytest).
 
 Recipe (CPU, real DDP over gloo; ``accelerate launch --cpu`` and torchrun without ``use_cpu=True`` give independent
 single-process runs instead)::
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/dist_worker.py OUT.json MODEL_DIR [deepspeed]
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 \
+        tests/dist_worker.py OUT.json MODEL_DIR [deepspeed]
 
 with ``use_cpu=True`` in the ``RolloutCorrGRPOConfig``. Each rank writes ``OUT.json.rank<k>``. With ``deepspeed`` the
 trainers get a ZeRO-2 ``deepspeed=`` config (a real ``DeepSpeedEngine`` on 2 CPU ranks; ``pip install deepspeed``).
@@ -26,11 +27,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from tiny_model import prompt_dataset, reward_len  # noqa: E402
-
-from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction  # noqa: E402
-from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # noqa: E402
+from tiny_model import prompt_dataset, reward_len  # tests/ is on sys.path: this file runs as a script from there
+from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction
+from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
 CASES = {
     "token_is_bn_rs": dict(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True,

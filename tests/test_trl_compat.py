@@ -1,19 +1,137 @@
-"""trl_compat: the TRL 1.16 formulas the trainer mirrors, tested directly (hand-computed values)."""
+"""trl_compat: the TRL 1.16 formulas the trainer mirrors, tested directly (hand-computed values) and pinned to
+TRL's source and signatures (the ``test_trl_coupling_*`` tests fail loudly when the pinned TRL changes)."""
 
 from __future__ import annotations
 
 import collections
+import inspect
 import math
 
 import pytest
 import torch
+import trl
+from trl import GRPOTrainer
 
+from tiny_model import reward_len
 from trl_rollout_corr import trl_compat
+from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
 
 # TRL's defaults for one reward function (GRPOConfig: scale_rewards="group", sum_then_normalize, weights 1).
 ONE_REWARD = dict(
     reward_weights=torch.ones(1), multi_objective_aggregation="sum_then_normalize", scale_rewards="group"
 )
+
+
+# ---------------------------------------------------------------------------------------------- TRL coupling pins
+def test_trl_coupling_version_and_signatures():
+    assert trl.__version__.startswith("1.16."), "trainer.py's coupling block is written against trl 1.16"
+    sig = {name: list(inspect.signature(getattr(GRPOTrainer, name)).parameters) for name in (
+        "_generate_single_turn", "_generate", "_calculate_rewards", "_get_per_token_logps_and_entropies",
+        "_generate_and_score_completions", "_compute_loss", "log")}
+    assert sig["_generate_single_turn"] == [
+        "self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"]
+    assert sig["_calculate_rewards"] == ["self", "inputs", "prompts", "completions", "completion_ids_list"]
+    assert sig["_get_per_token_logps_and_entropies"][:5] == [
+        "self", "model", "input_ids", "attention_mask", "logits_to_keep"]
+    assert sig["_compute_loss"] == ["self", "model", "inputs"]
+    src_gen = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    src_loss = inspect.getsource(GRPOTrainer._compute_loss)
+    src_single = inspect.getsource(GRPOTrainer._generate_single_turn)
+    # (a)/(b): behaviour log-probs arrive as _generate()'s 5th value and become sampling_per_token_logps
+    assert 'output["sampling_per_token_logps"] = sampling_per_token_logps' in src_gen
+    assert "unwrapped_model.generate(" in src_single
+    # (c): TRL's own pi_old rule, reproduced by _trl_computes_old_log_probs
+    assert "self.args.gradient_accumulation_steps % generate_every != 0" in src_gen
+    assert src_gen.index("old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies") < src_gen.index(
+        "ref_per_token_logps, _, _ = self._get_per_token_logps_and_entropies")
+    # (d): rewards gathered, NaN rows excluded from the baseline, local slice by process index
+    assert "self._calculate_rewards(inputs, prompts, completions, completion_ids_list)" in src_gen
+    assert "advantages = torch.nan_to_num(advantages, nan=0.0)" in src_gen
+    # (e): tool_mask enters only the loss mask; (B, T) advantages accepted; homogeneous clipped loss
+    assert 'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]' in src_loss
+    assert "if advantages.dim() == 1:" in src_loss
+    assert "per_token_loss = -torch.min(per_token_loss1, per_token_loss2)" in src_loss
+    assert src_loss.count("tool_mask") == 2  # both on that one line
+    # transformers: the behaviour-log-prob recorder is appended to the list _get_logits_processor returns
+    from transformers.generation.utils import GenerationMixin
+
+    assert "generation_config" in inspect.signature(GenerationMixin._get_logits_processor).parameters
+
+
+@pytest.mark.parametrize("setting", [
+    dict(scale_rewards="group"), dict(scale_rewards="batch"), dict(scale_rewards="none"),
+    dict(multi_objective_aggregation="normalize_then_sum"),
+])
+def test_trl_coupling_advantage_formula_matches_trl(setting, llama_dir, tmp_path, make_trainer):
+    """With nothing rejected, our RS-aware advantage formula reproduces TRL's advantages exactly."""
+    seen = []
+
+    class Spy(RolloutCorrGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            seen.append((out["advantages"].clone(), self._rc_rewards.clone()))
+            return out
+
+    def reward_digits(completions, **kwargs):
+        return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+    trainer = make_trainer(llama_dir, tmp_path, trainer_cls=Spy, reward_funcs=[reward_len, reward_digits],
+                           rollout_corr_preset="decoupled_token_is", max_steps=2, **setting)
+    trainer.train()
+    for advantages, rewards in seen:
+        ours = trainer._rc_group_advantages(rewards, torch.zeros(rewards.size(0), dtype=torch.bool), 4)
+        torch.testing.assert_close(ours, advantages, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_trl_coupling_bypass_aggregation_matches_trl_loss(loss_type, llama_dir, tmp_path, make_trainer, loss_inputs):
+    """Bypass ppo_clip without IS/RS == TRL's own loss with old_per_token_logps := mu (incl. beta KL,
+    bias-corrected)."""
+    trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="bypass_ppo_clip", loss_type=loss_type, beta=0.04,
+                           gradient_accumulation_steps=2)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    inputs, logp, log_direct = loss_inputs(trainer, [[3.0, 1.1, 0.7], [0.9, 1.3, 1.0]], [1.0, -0.5])
+    mu = logp - log_direct
+    inputs.update(rollout_log_probs=mu, ref_per_token_logps=logp + torch.tensor([[0.1, -0.2, 0.3], [0.05, 0.0, 0.0]]))
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    ours = trainer._compute_loss(trainer.model, inputs)
+    grads_ours = torch.autograd.grad(ours, params)
+    theirs = GRPOTrainer._compute_loss(trainer, trainer.model, {**inputs, "old_per_token_logps": mu})
+    grads_theirs = torch.autograd.grad(theirs, params)
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
+    for a, b in zip(grads_ours, grads_theirs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_fully_rejected_row_gets_zero_advantage_and_leaves_baseline(llama_dir, tmp_path, make_trainer):
+    trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="decoupled_k3_rs")
+    rewards = torch.tensor([[1.0], [0.0], [1.0], [5.0], [2.0], [2.0], [0.0], [4.0]])
+    excluded = torch.tensor([False, False, False, True, False, False, False, False])
+    adv = trainer._rc_group_advantages(rewards, excluded, num_generations=4)
+    # group 0 without row 3: rewards [1, 0, 1], mean 2/3, unbiased std 0.577350
+    std0 = math.sqrt(((1 / 3) ** 2 * 2 + (2 / 3) ** 2) / 2)
+    expected0 = [(1 - 2 / 3) / (std0 + 1e-4), (0 - 2 / 3) / (std0 + 1e-4), (1 - 2 / 3) / (std0 + 1e-4), 0.0]
+    torch.testing.assert_close(adv[:4], torch.tensor(expected0), atol=1e-6, rtol=0)
+    # the baseline equals that of the group without the row at all
+    alone = trainer._rc_group_advantages(torch.tensor([[1.0], [0.0], [1.0]]), torch.zeros(3, dtype=torch.bool), 3)
+    torch.testing.assert_close(adv[:3], alone)
+    # group 1 untouched: rewards [2, 2, 0, 4], mean 2, std sqrt(8/3)
+    std1 = math.sqrt(8 / 3)
+    torch.testing.assert_close(adv[4:], torch.tensor([0.0, 0.0, -2 / (std1 + 1e-4), 2 / (std1 + 1e-4)]),
+                               atol=1e-6, rtol=0)
+
+    # through _rc_advantages (local slice, single rank) with and without keeping the row in the baseline
+    trainer._rc_rewards = rewards
+    trl_adv = trainer._rc_group_advantages(rewards, torch.zeros(8, dtype=torch.bool), 4)
+    torch.testing.assert_close(trainer._rc_advantages(trl_adv, excluded, "train"), adv)
+    trainer.args.rs_keep_rejected_in_baseline = True
+    kept = trainer._rc_advantages(trl_adv, excluded, "train")
+    assert kept[3] == 0.0
+    torch.testing.assert_close(kept[:3], trl_adv[:3])  # verl: rejected row still shapes the baseline
+    trainer.args.rs_keep_rejected_in_baseline = False
+    # nothing rejected anywhere: TRL's advantages are returned as they are
+    assert trainer._rc_advantages(trl_adv, torch.zeros(8, dtype=torch.bool), "train") is trl_adv
 
 
 # ---------------------------------------------------------------------------------------------- advantages
