@@ -3,11 +3,16 @@ trainer takes its args."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import pickle
+
 import pytest
 import torch
 from trl import GRPOConfig
 
 from tiny_model import prompt_dataset, reward_len
+from trl_rollout_corr.config import CORRECTION_FIELDS, RolloutCorrectionArguments, RolloutCorrectionConfig
 from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
 
@@ -108,3 +113,32 @@ def test_plain_grpo_config_is_refused(llama_dir, tmp_path):
     with pytest.raises(TypeError, match="RolloutCorrGRPOConfig"):
         RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8),
                                args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+
+
+
+# ---------------------------------------------------------------------------------------------- config layout
+def test_trainer_config_inherits_the_flat_correction_fields(tmp_path, make_args):
+    assert issubclass(RolloutCorrGRPOConfig, RolloutCorrectionArguments)
+    assert issubclass(RolloutCorrGRPOConfig, GRPOConfig)
+    names = [f.name for f in dataclasses.fields(RolloutCorrGRPOConfig)]
+    assert names[0] == "output_dir"  # TrainingArguments' fields keep their positions
+    assert RolloutCorrGRPOConfig(str(tmp_path), use_cpu=True, report_to=[]).output_dir == str(tmp_path)
+    assert [n for n in names if n in CORRECTION_FIELDS] == list(CORRECTION_FIELDS)
+    args = make_args(tmp_path, rollout_corr_preset="bypass_pg_is", rollout_is_threshold="3")
+    assert args.rollout_correction() == args.resolve() and args.rollout_correction().is_bounds.upper == 3.0
+    # TRL/Trainer deep-copy and pickle the args: the frozen core config is rebuilt from the flat fields each time
+    for again in (copy.deepcopy(args), pickle.loads(pickle.dumps(args))):
+        assert again.rollout_correction() == args.rollout_correction()
+        assert {k: getattr(again, k) for k in CORRECTION_FIELDS} == {k: getattr(args, k) for k in CORRECTION_FIELDS}
+
+
+def test_trainer_takes_args_by_position_or_keyword(llama_dir, tmp_path, make_args):
+    args = make_args(tmp_path, rollout_corr_preset="decoupled_token_is")
+    positional = RolloutCorrGRPOTrainer(llama_dir, reward_len, args, prompt_dataset(8))
+    assert positional.rollout_correction == args.rollout_correction()
+    with pytest.raises(TypeError, match="RolloutCorrGRPOConfig"):
+        RolloutCorrGRPOTrainer(llama_dir, reward_len, GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+    with pytest.raises(TypeError, match="RolloutCorrGRPOConfig"):
+        RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8))
+    with pytest.raises(TypeError):  # not a GRPOTrainer argument at all: refused by the signature, as GRPOTrainer does
+        RolloutCorrGRPOTrainer(model=llama_dir, args=args, not_an_argument=1)

@@ -130,7 +130,7 @@ def test_ratio_quantiles_are_exact_order_statistics(llama_dir, tmp_path, make_tr
     trainer.model.train()
     values = torch.arange(1.0, 102.0)  # ratios 1..101 in three micro-batches
     for part in (values[:10], values[10:60], values[60:]):
-        trainer._rc_record_ratios({"engine": part.log()})
+        trainer.rollout_corr_metrics.add_log_ratios("train", {"engine": part.log()})
     logs = {}
     trainer.log(logs)
     assert logs["rollout_corr/engine_ratio_mean"] == pytest.approx(51.0)
@@ -368,10 +368,10 @@ def test_bypass_losses_equal_hand_computed_values(llama_dir, tmp_path, make_trai
     trainer.loss_type = "dapo"
     assert trainer._compute_loss(trainer.model, inputs).item() == pytest.approx(
         (-1.1 - 0.7 + 0.45 + 0.65) / 5, abs=1e-5)
-    trainer._rc_stats["train"] = None
+    trainer.rollout_corr_metrics.flush("train")
     trainer.loss_type = "grpo"
     trainer._compute_loss(trainer.model, inputs)
-    metrics = trainer._rc_stats["train"].finalize()
+    metrics = trainer.rollout_corr_metrics.flush("train")
     assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1 / 5)
     # IS weights are computed for metrics only (not multiplied in): mean of min(R, 2) over the 5 valid tokens
     assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx((2 + 1.1 + 0.7 + 0.9 + 1.3) / 5, abs=1e-5)

@@ -24,7 +24,7 @@ ONE_REWARD = dict(
 
 # ---------------------------------------------------------------------------------------------- TRL coupling pins
 def test_trl_coupling_version_and_signatures():
-    assert trl.__version__.startswith("1.16."), "trainer.py's coupling block is written against trl 1.16"
+    assert trl.__version__.startswith("1.16."), "trainer.py and trl_compat.py are written against trl 1.16"
     sig = {name: list(inspect.signature(getattr(GRPOTrainer, name)).parameters) for name in (
         "_generate_single_turn", "_generate", "_calculate_rewards", "_get_per_token_logps_and_entropies",
         "_generate_and_score_completions", "_compute_loss", "log")}
@@ -58,18 +58,75 @@ def test_trl_coupling_version_and_signatures():
     assert "generation_config" in inspect.signature(GenerationMixin._get_logits_processor).parameters
 
 
+def test_trl_coupling_formulas_mirrored_in_trl_compat():
+    """The TRL source lines behind each trl_compat function (see its module header)."""
+    src_gen = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    src_loss = inspect.getsource(GRPOTrainer._compute_loss)
+    # group_advantages: unscorable rows NaN, the two aggregations, TRL's std epsilon, the per-process slice
+    assert "unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)" in src_gen
+    assert 'if self.multi_objective_aggregation == "sum_then_normalize":' in src_gen
+    assert 'elif self.multi_objective_aggregation == "normalize_then_sum":' in src_gen
+    assert "advantages = advantages / (std_rewards + 1e-4)" in src_gen and trl_compat.ADVANTAGE_STD_EPS == 1e-4
+    assert "self.accelerator.process_index * len(prompts)," in src_gen
+    # replace_logged_advantages: the completions table gets the gathered advantages once per generation batch
+    assert src_gen.count('self._logs["advantages"].extend(all_process_advantages.tolist())') == 1
+    # prompt_completion_inputs / MULTIMODAL_FORWARD_KEYS: what _compute_loss passes to the log-prob forward
+    assert "input_ids = torch.cat([prompt_ids, completion_ids], dim=1)" in src_loss
+    assert "attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)" in src_loss
+    forward_params = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters
+    for key in trl_compat.MULTIMODAL_FORWARD_KEYS:
+        assert key in forward_params and f'{key}=inputs.get("{key}")' in src_loss, key
+    # per_token_kl: k3 to pi_ref, bias-corrected by the policy ratio
+    assert "torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1" in src_loss
+    assert "per_token_kl = per_token_kl * coef_1" in src_loss
+    # aggregate_loss: the four normalisers and the accumulation scaling
+    assert "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()" in src_loss
+    assert "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)" in src_loss
+    assert "loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * self.max_completion_length)" in src_loss
+    assert 'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes' in src_loss
+    assert "normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation" in (
+        src_loss)
+    # global_masked_mean: token-level sums reduced across processes
+    assert "local_sum, local_count = (x * mask).sum(), mask.sum().float()" in src_loss
+    assert 'totals = self.accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")' in src_loss
+    # SUPPORTED_LOSS_TYPES["decoupled"]: every one of them is a branch of TRL's loss
+    for loss_type in trl_compat.SUPPORTED_LOSS_TYPES["decoupled"]:
+        assert f'"{loss_type}"' in src_loss, loss_type
+    # check_vllm_server_logprobs: the client method it calls
+    from trl.generation.vllm_client import VLLMClient
+
+    assert "get_server_info" in vars(VLLMClient)
+
+
+def test_trl_coupling_trainer_signature_and_our_names_do_not_shadow_trl():
+    """The trainer binds its arguments to GRPOTrainer.__init__'s signature; its own private names are not TRL's."""
+    params = list(inspect.signature(GRPOTrainer.__init__).parameters)
+    assert params[:4] == ["self", "model", "reward_funcs", "args"]
+    hooks = {"__init__", "_generate_single_turn", "_generate", "_calculate_rewards",
+             "_get_per_token_logps_and_entropies", "_generate_and_score_completions", "_compute_loss", "log"}
+    ours = set(vars(RolloutCorrGRPOTrainer)) - hooks - {"__module__", "__qualname__", "__doc__", "__firstlineno__",
+                                                         "__static_attributes__"}
+    assert ours and not [name for name in ours if hasattr(GRPOTrainer, name)]
+    assert hooks <= set(vars(RolloutCorrGRPOTrainer)) and all(hasattr(GRPOTrainer, name) for name in hooks)
+
+
 @pytest.mark.parametrize("setting", [
     dict(scale_rewards="group"), dict(scale_rewards="batch"), dict(scale_rewards="none"),
     dict(multi_objective_aggregation="normalize_then_sum"),
 ])
 def test_trl_coupling_advantage_formula_matches_trl(setting, llama_dir, tmp_path, make_trainer):
-    """With nothing rejected, our RS-aware advantage formula reproduces TRL's advantages exactly."""
-    seen = []
+    """With nothing rejected, group_advantages reproduces TRL's advantages exactly (bit for bit)."""
+    rewards_seen, advantages_seen = [], []
 
     class Spy(RolloutCorrGRPOTrainer):
+        def _calculate_rewards(self, *args):
+            rewards = super()._calculate_rewards(*args)
+            rewards_seen.append(rewards.clone())
+            return rewards
+
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
-            seen.append((out["advantages"].clone(), self._rc_rewards.clone()))
+            advantages_seen.append(out["advantages"].clone())
             return out
 
     def reward_digits(completions, **kwargs):
@@ -78,8 +135,13 @@ def test_trl_coupling_advantage_formula_matches_trl(setting, llama_dir, tmp_path
     trainer = make_trainer(llama_dir, tmp_path, trainer_cls=Spy, reward_funcs=[reward_len, reward_digits],
                            rollout_corr_preset="decoupled_token_is", max_steps=2, **setting)
     trainer.train()
-    for advantages, rewards in seen:
-        ours = trainer._rc_group_advantages(rewards, torch.zeros(rewards.size(0), dtype=torch.bool), 4)
+    assert len(rewards_seen) == len(advantages_seen) == 2
+    for advantages, rewards in zip(advantages_seen, rewards_seen):
+        ours = trl_compat.group_advantages(
+            rewards, torch.zeros(rewards.size(0), dtype=torch.bool), reward_weights=trainer.reward_weights,
+            num_generations=4, multi_objective_aggregation=trainer.multi_objective_aggregation,
+            scale_rewards=trainer.scale_rewards,
+        )
         torch.testing.assert_close(ours, advantages, atol=0, rtol=0)
 
 
@@ -104,39 +166,9 @@ def test_trl_coupling_bypass_aggregation_matches_trl_loss(loss_type, llama_dir, 
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-def test_fully_rejected_row_gets_zero_advantage_and_leaves_baseline(llama_dir, tmp_path, make_trainer):
-    trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="decoupled_k3_rs")
-    rewards = torch.tensor([[1.0], [0.0], [1.0], [5.0], [2.0], [2.0], [0.0], [4.0]])
-    excluded = torch.tensor([False, False, False, True, False, False, False, False])
-    adv = trainer._rc_group_advantages(rewards, excluded, num_generations=4)
-    # group 0 without row 3: rewards [1, 0, 1], mean 2/3, unbiased std 0.577350
-    std0 = math.sqrt(((1 / 3) ** 2 * 2 + (2 / 3) ** 2) / 2)
-    expected0 = [(1 - 2 / 3) / (std0 + 1e-4), (0 - 2 / 3) / (std0 + 1e-4), (1 - 2 / 3) / (std0 + 1e-4), 0.0]
-    torch.testing.assert_close(adv[:4], torch.tensor(expected0), atol=1e-6, rtol=0)
-    # the baseline equals that of the group without the row at all
-    alone = trainer._rc_group_advantages(torch.tensor([[1.0], [0.0], [1.0]]), torch.zeros(3, dtype=torch.bool), 3)
-    torch.testing.assert_close(adv[:3], alone)
-    # group 1 untouched: rewards [2, 2, 0, 4], mean 2, std sqrt(8/3)
-    std1 = math.sqrt(8 / 3)
-    torch.testing.assert_close(adv[4:], torch.tensor([0.0, 0.0, -2 / (std1 + 1e-4), 2 / (std1 + 1e-4)]),
-                               atol=1e-6, rtol=0)
-
-    # through _rc_advantages (local slice, single rank) with and without keeping the row in the baseline
-    trainer._rc_rewards = rewards
-    trl_adv = trainer._rc_group_advantages(rewards, torch.zeros(8, dtype=torch.bool), 4)
-    torch.testing.assert_close(trainer._rc_advantages(trl_adv, excluded, "train"), adv)
-    trainer.args.rs_keep_rejected_in_baseline = True
-    kept = trainer._rc_advantages(trl_adv, excluded, "train")
-    assert kept[3] == 0.0
-    torch.testing.assert_close(kept[:3], trl_adv[:3])  # verl: rejected row still shapes the baseline
-    trainer.args.rs_keep_rejected_in_baseline = False
-    # nothing rejected anywhere: TRL's advantages are returned as they are
-    assert trainer._rc_advantages(trl_adv, torch.zeros(8, dtype=torch.bool), "train") is trl_adv
-
-
 # ---------------------------------------------------------------------------------------------- advantages
 @pytest.mark.unit
-def test_group_advantages_exclude_rows_from_the_baseline():
+def test_fully_rejected_row_gets_zero_advantage_and_leaves_baseline():
     rewards = torch.tensor([[1.0], [0.0], [1.0], [5.0], [2.0], [2.0], [0.0], [4.0]])
     excluded = torch.tensor([False, False, False, True, False, False, False, False])
     adv = trl_compat.group_advantages(rewards, excluded, num_generations=4, **ONE_REWARD)
