@@ -4,14 +4,14 @@ Three rollout/trainer numerics on the plain transformers.generate path (1 GRPO s
 tokens, temperature 1, no top-p/top-k):
 
 * fp32/fp32: float32 generate, float32 trainer (bf16=False)          -> expect |kl| ~ 1e-7
-* bf16/fp32: generate with a bf16 copy of the weights, float32 trainer -> the engine mismatch
+* bf16/fp32: generate with a bf16 copy of the weights (rollout_generate_dtype="bfloat16"), float32 trainer
+  -> the engine mismatch
 * trl-default: TRL's default bf16=True (accelerate autocasts generate AND the trainer forward to bf16)
 
 Usage: python benchmarks/trainer_mismatch_smollm2.py [models/SmolLM2-135M-Instruct]
 """
 
 import json
-from pathlib import Path
 import sys
 import time
 
@@ -25,25 +25,21 @@ KEYS = ("kl", "k3_kl", "log_ppl_abs_diff", "rollout_is_mean", "rollout_is_std", 
         "rollout_rs_masked_fraction", "engine_ratio_p01", "engine_ratio_p99", "num_valid_tokens")
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from tiny_model import bf16_generate_trainer_class  # noqa: E402  (the same bf16-rollout trainer the tests use)
-
-BF16Rollout = bf16_generate_trainer_class()
-
-
 def reward(completions, **kwargs):
     return [float(len(set(c[0]["content"].split()))) for c in completions]  # conversational completions
 
 
-def run(name, cls, bf16):
+def run(name, bf16, generate_dtype=None):
     torch.manual_seed(0)
     prompts = [[{"role": "user", "content": q}] for q in ("What is 12 + 35?", "Name three colours.")]
     args = RolloutCorrGRPOConfig(
         output_dir=f"/tmp/smollm2_{name}", use_cpu=True, bf16=bf16, per_device_train_batch_size=8, num_generations=4,
         max_completion_length=64, max_steps=1, logging_steps=1, report_to=[], save_strategy="no", seed=0,
         disable_tqdm=True, rollout_corr_preset="decoupled_k3_rs_token_tis", gradient_checkpointing=False,
+        rollout_generate_dtype=generate_dtype,
     )
-    trainer = cls(model=MODEL, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts * 4}))
+    dataset = Dataset.from_dict({"prompt": prompts * 4})
+    trainer = RolloutCorrGRPOTrainer(model=MODEL, reward_funcs=reward, args=args, train_dataset=dataset)
     t0 = time.perf_counter()
     trainer.train()
     log = [h for h in trainer.state.log_history if "loss" in h][0]
@@ -53,9 +49,9 @@ def run(name, cls, bf16):
 if __name__ == "__main__":
     torch.set_num_threads(2)
     results = {
-        "fp32/fp32": run("fp32", RolloutCorrGRPOTrainer, False),
-        "bf16/fp32": run("bf16", BF16Rollout, False),
-        "trl-default (bf16 autocast both)": run("default", RolloutCorrGRPOTrainer, True),
+        "fp32/fp32": run("fp32", bf16=False),
+        "bf16/fp32": run("bf16", bf16=False, generate_dtype="bfloat16"),
+        "trl-default (bf16 autocast both)": run("default", bf16=True),
     }
     print(json.dumps(results, indent=1))
 

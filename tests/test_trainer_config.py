@@ -132,6 +132,12 @@ def test_trainer_config_inherits_the_flat_correction_fields(tmp_path, make_args)
         assert {k: getattr(again, k) for k in CORRECTION_FIELDS} == {k: getattr(args, k) for k in CORRECTION_FIELDS}
 
 
+def test_rollout_generate_dtype_is_validated(tmp_path, make_args):
+    assert make_args(tmp_path, rollout_generate_dtype="bfloat16").rollout_generate_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="rollout_generate_dtype must be one of"):
+        make_args(tmp_path, rollout_generate_dtype="bf16")
+
+
 def test_trainer_takes_args_by_position_or_keyword(llama_dir, tmp_path, make_args):
     args = make_args(tmp_path, rollout_corr_preset="decoupled_token_is")
     positional = RolloutCorrGRPOTrainer(llama_dir, reward_len, args, prompt_dataset(8))
@@ -142,3 +148,11 @@ def test_trainer_takes_args_by_position_or_keyword(llama_dir, tmp_path, make_arg
         RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8))
     with pytest.raises(TypeError):  # not a GRPOTrainer argument at all: refused by the signature, as GRPOTrainer does
         RolloutCorrGRPOTrainer(model=llama_dir, args=args, not_an_argument=1)
+
+
+def test_rollout_generate_dtype_with_a_rollout_func_is_refused(llama_dir, tmp_path, make_args, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    args = make_args(tmp_path, rollout_corr_preset="decoupled_token_is", rollout_generate_dtype="bfloat16")
+    with pytest.raises(ValueError, match="rollout_func"):
+        RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, args=args, train_dataset=prompt_dataset(8),
+                               rollout_func=lambda prompts, trainer: {})

@@ -10,12 +10,10 @@ import torch
 from trl import GRPOTrainer
 
 from oracles import decoupled_policy_loss
-from tiny_model import bf16_generate_trainer_class, prompt_dataset, reward_len
+from tiny_model import prompt_dataset, reward_len
 from trl_rollout_corr import compute_rollout_correction
 from trl_rollout_corr.engines.transformers_generate import capture_generate_log_probs
 from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
-
-BF16GenerateTrainer = bf16_generate_trainer_class()
 
 
 def cfg_is_bypass(overrides) -> bool:
@@ -191,7 +189,7 @@ def test_real_mismatch_shows_in_metrics(how, llama_dir, tmp_path, make_trainer, 
         trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="decoupled_token_is", repetition_penalty=2.0,
                                max_steps=2)
     else:
-        trainer = make_trainer(llama_dir, tmp_path, trainer_cls=BF16GenerateTrainer,
+        trainer = make_trainer(llama_dir, tmp_path, rollout_generate_dtype="bfloat16",
                                rollout_corr_preset="decoupled_token_is", max_steps=2)
     trainer.train()
     for log in step_logs(trainer):

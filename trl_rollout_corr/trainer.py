@@ -58,7 +58,7 @@ from .accumulator import Reducers, RolloutCorrAccumulator
 from .config import CORRECTION_FIELDS, RolloutCorrectionArguments, RolloutCorrectionConfig
 from .correction import make_correction_fn, ratio_decomposition
 from .engines.alignment import check_aligned
-from .engines.transformers_generate import capture_generate_log_probs
+from .engines.transformers_generate import GENERATE_DTYPES, capture_generate_log_probs, generate_in_dtype
 from .losses import PPOClip, bypass_policy_loss
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,10 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         rollout_corr_compile (`bool`, defaults to `False`):
             Run the correction math through ``torch.compile`` (``correction.make_correction_fn(..., compile=True)``):
             same values, faster on large batches; the first step pays the compile. Used in both modes.
+        rollout_generate_dtype (`str`, *optional*):
+            Plain ``transformers.generate`` path only: sample from a ``bfloat16`` / ``float16`` / ``float32`` copy of
+            the weights (``engines.transformers_generate.generate_in_dtype``), e.g. a bf16 rollout engine next to a
+            float32 trainer. Unset: generate with the weights as they are.
         vllm_importance_sampling_correction (`bool`, *optional*):
             TRL's own vLLM IS correction. Unset: off when this config's correction is enabled (IS, RS or bypass),
             TRL's default (on) otherwise. Setting it True together with an enabled correction is an error
@@ -103,6 +107,13 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         metadata={
             "help": "torch.compile the correction math (same values, several times faster on large batches); the "
             "first step pays the compile (tens of seconds on CPU)."
+        },
+    )
+    rollout_generate_dtype: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "transformers.generate path: sample from a copy of the weights in this dtype "
+            f"({', '.join(GENERATE_DTYPES)}), e.g. a bf16 rollout engine next to a float32 trainer. Unset: as loaded."
         },
     )
     vllm_importance_sampling_correction: Optional[bool] = field(
@@ -133,6 +144,20 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         GRPOConfig.__post_init__(self)
         self._check_compatibility(correction)
 
+    def _check_generate_dtype(self, fail) -> None:
+        if self.rollout_generate_dtype is None:
+            return
+        if self.rollout_generate_dtype not in GENERATE_DTYPES:
+            fail(
+                f"rollout_generate_dtype must be one of {tuple(GENERATE_DTYPES)} or unset, "
+                f"got {self.rollout_generate_dtype!r}."
+            )
+        if self.use_vllm:
+            fail(
+                "rollout_generate_dtype applies to the transformers.generate path only; with use_vllm=True the "
+                "rollout dtype is vLLM's own (its model dtype); unset rollout_generate_dtype."
+            )
+
     def _check_compatibility(self, correction: RolloutCorrectionConfig) -> None:
         """Refuse the TRL options the correction cannot serve (each message names the option and the fix)."""
 
@@ -145,6 +170,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 "cannot run; use the plain transformers.generate path (use_transformers_continuous_batching=False) "
                 "or vLLM."
             )
+        self._check_generate_dtype(fail)
         if self.loss_type == "vespo":
             fail(
                 "loss_type='vespo' applies its own importance weighting; it cannot be combined with rollout "
@@ -247,9 +273,14 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._check_rollout_source()
 
     def _check_rollout_source(self) -> None:
-        """Vendor-specific checks of where mu comes from (the vLLM server's log-prob mode)."""
+        """Vendor-specific checks of where mu comes from (the vLLM server's log-prob mode; a ``rollout_func``)."""
         if self.use_vllm and self.args.vllm_mode == "server" and self.accelerator.is_main_process:
             trl_compat.check_vllm_server_logprobs(self.vllm_generation.vllm_client)
+        if self.args.rollout_generate_dtype is not None and self.rollout_func is not None:
+            raise ValueError(
+                "rollout_generate_dtype applies to the transformers.generate path, but a rollout_func generates "
+                "here; cast inside the rollout_func (engines.transformers_generate.generate_in_dtype) and unset it."
+            )
 
     @property
     def _mode(self) -> str:
@@ -262,15 +293,19 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
         vLLM (colocate/server) and ``rollout_func`` already return the sampled tokens' processed log-probs.
         On the plain ``generate`` path TRL returns none: ``generate`` is shadowed for this call so that it also
-        records the processed scores (``engines.transformers_generate``). Returns ``(completion_ids, logprobs)`` with
-        ``logprobs[i]`` a list of floats as long as ``completion_ids[i]``.
+        records the processed scores (``engines.transformers_generate``), from a ``rollout_generate_dtype`` copy of
+        the weights when set. Returns ``(completion_ids, logprobs)`` with ``logprobs[i]`` a list of floats as long
+        as ``completion_ids[i]``.
         """
         if self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
         unwrapped = self.accelerator.unwrap_model(self.model)
-        with capture_generate_log_probs(unwrapped) as capture:
+        with (
+            generate_in_dtype(unwrapped, self.args.rollout_generate_dtype),
+            capture_generate_log_probs(unwrapped) as capture,
+        ):
             completion_ids, _ = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
