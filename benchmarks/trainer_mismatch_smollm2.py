@@ -55,10 +55,12 @@ if __name__ == "__main__":
     }
     print(json.dumps(results, indent=1))
 
-# Measured 2026-11-29 on the project's 2-core CPU machine (1 step, 8 completions, 267-269 valid tokens, preset
-# decoupled_k3_rs_token_tis, threshold 0.01 -> nothing rejected):
-#   fp32/fp32:   kl 7.1e-06, k3_kl 4e-11, IS [0.99998, 1.000004], std 5.4e-06
-#   bf16/fp32:   kl -2.6e-03, k3_kl 1.7e-03, log_ppl_abs_diff 0.010, IS [0.822, 1.352], std 0.060
-#   trl-default: kl -5.6e-03, k3_kl 1.2e-03, log_ppl_abs_diff 0.016, IS [0.806, 1.212], std 0.048
+# Measured 2026-12-01 on the project's 2-core CPU machine (1 step, 8 completions, 256-269 valid tokens, preset
+# decoupled_k3_rs_token_tis, threshold 0.01 -> nothing rejected; bf16/fp32 through rollout_generate_dtype):
+#   fp32/fp32:   kl 1.4e-05, k3_kl 1.3e-10, IS [0.99997, 1.000002], std 8.4e-06
+#   bf16/fp32:   kl -1.9e-03, k3_kl 2.0e-03, log_ppl_abs_diff 0.014, IS [0.603, 1.405], std 0.063
+#   trl-default: kl 1.7e-03, k3_kl 1.2e-03, log_ppl_abs_diff 0.015, IS [0.798, 1.210], std 0.049
 # i.e. TRL's default bf16=True on CPU is not "no mismatch": incremental (KV-cache) bf16 generate vs a full bf16
-# forward differ about as much as a bf16 engine vs a float32 trainer.
+# forward differ about as much as a bf16 engine vs a float32 trainer. (The 2026-11-29 figures came from a test
+# double that left the rotary inv_freq buffer bf16-rounded in the trainer after the first generation; the sampled
+# completions also differ between the two runs, so compare orders of magnitude, not digits.)
