@@ -1,17 +1,18 @@
-"""Multi-rank worker for ``tests/test_trainer.py::test_two_ranks_match_one_rank`` (not collected by pytest).
+"""Multi-rank worker for ``tests/test_distributed.py`` (not collected by pytest).
 
 Recipe (CPU, real DDP over gloo; ``accelerate launch --cpu`` and torchrun without ``use_cpu=True`` give independent
 single-process runs instead)::
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/dist_worker.py OUT.json MODEL_DIR [deepspeed]
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 \
+        tests/dist_worker.py OUT.json MODEL_DIR [deepspeed]
 
 with ``use_cpu=True`` in the ``RolloutCorrGRPOConfig``. Each rank writes ``OUT.json.rank<k>``. With ``deepspeed`` the
 trainers get a ZeRO-2 ``deepspeed=`` config (a real ``DeepSpeedEngine`` on 2 CPU ranks; ``pip install deepspeed``).
 
 Part 1 (exact aggregation): a fixed global batch is split unevenly over the ranks (rank 0 holds 10 valid tokens,
 rank 1 holds 1000; with one rank, it holds all), every rank runs the correction on its shard (in one call, or in
-micro-batches), feeds the trainer's statistics, and calls ``trainer.log``: the logged ``rollout_corr/*`` values must
-not depend on the number of ranks.
+micro-batches), feeds the trainer's metric accumulator (``trainer.rollout_corr_metrics``) and calls ``trainer.log``:
+the logged ``rollout_corr/*`` values must not depend on the number of ranks.
 Part 2 (real training): 2 GRPO steps per mode on the tiny model; the logged ``rollout_corr/num_valid_tokens`` must
 equal the global completion-token count TRL logs (``completions/mean_length`` times the global batch rows).
 Part 3 (advantages across ranks): a run where RS rejects whole rows; each rank reports its rows' rejection flags
@@ -26,11 +27,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from tiny_model import prompt_dataset, reward_len  # noqa: E402
-
-from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction  # noqa: E402
-from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # noqa: E402
+from tiny_model import prompt_dataset, reward_len  # tests/ is on sys.path: this file runs as a script from there
+from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction
+from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
 CASES = {
     "token_is_bn_rs": dict(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True,
@@ -99,17 +98,16 @@ def main() -> None:
     trainer.model.train()  # log() reads the mode from the model, as during training
     log_probs, rollout, mask = global_batch()
     rows = shard(world, rank)
+    metrics, all_reduce = trainer.rollout_corr_metrics, trainer.rollout_corr_reducers.all_reduce
     for name, fields in CASES.items():
         cfg = RolloutCorrectionConfig(**fields)
-        trainer.rollout_correction = cfg
-        trainer._rc_stats = {"train": None, "eval": None}
         lp, mu, m = log_probs[rows], rollout[rows], mask[rows]
         pieces = [slice(None)] if "microbatches" not in name else [slice(i, i + 1) for i in range(lp.size(0))]
         for piece in pieces:
-            out = compute_rollout_correction(lp[piece], mu[piece], m[piece], cfg, all_reduce=trainer._rc_all_reduce_sum())
-            trainer._rc_add_stats("train", out.stats)
+            out = compute_rollout_correction(lp[piece], mu[piece], m[piece], cfg, all_reduce=all_reduce)
+            metrics.add_stats("train", out.stats)
             valid = m[piece] != 0
-            trainer._rc_record_ratios({"engine": (lp[piece] - mu[piece])[valid & torch.isfinite(mu[piece])]})
+            metrics.add_log_ratios("train", {"engine": (lp[piece] - mu[piece])[valid & torch.isfinite(mu[piece])]})
         trainer.log({})
         logged = trainer.state.log_history[-1]
         result["exact"][name] = {k: v for k, v in logged.items() if k.startswith("rollout_corr/")}
@@ -127,13 +125,18 @@ def main() -> None:
             for h in logs
         ]
     # Part 3: RS-rejected rows across ranks: every rank's advantages, its rejection flags and the gathered rewards
-    seen = []
+    seen, gathered_rewards = [], []
 
     class Spy(RolloutCorrGRPOTrainer):
+        def _calculate_rewards(self, *args):
+            rewards = super()._calculate_rewards(*args)  # (B_global, F), gathered over the ranks
+            gathered_rewards.append(rewards)
+            return rewards
+
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
             rejected = (out["completion_mask"].sum(1) > 0) & (out["rollout_rs_mask"].sum(1) == 0)
-            seen.append({"rewards": self._rc_rewards[:, 0].tolist(), "rejected": rejected.tolist(),
+            seen.append({"rewards": gathered_rewards[-1][:, 0].tolist(), "rejected": rejected.tolist(),
                          "advantages": out["advantages"].tolist()})
             return out
 

@@ -1,11 +1,26 @@
-"""RolloutCorrectionConfig: validation at construction, presets, threshold parsing."""
+"""RolloutCorrectionConfig: validation at construction, presets, threshold parsing; the field table, the frozen core
+config and the flat RolloutCorrectionArguments."""
 
+import copy
+import dataclasses
 import math
+import pickle
+import typing
 
 import pytest
 
 from trl_rollout_corr import PRESETS, RolloutCorrectionConfig
-from trl_rollout_corr.config import parse_is_threshold, parse_rs_options, parse_rs_thresholds
+from trl_rollout_corr.config import (
+    CORRECTION_FIELD_TABLE,
+    CORRECTION_FIELDS,
+    RolloutCorrectionArguments,
+    markdown_table,
+    parse_is_threshold,
+    parse_rs_options,
+    parse_rs_thresholds,
+)
+
+pytestmark = pytest.mark.unit
 
 
 def test_defaults_are_disabled():
@@ -15,7 +30,8 @@ def test_defaults_are_disabled():
 
 @pytest.mark.parametrize(
     "spec, lower, upper",
-    [(2.0, None, 2.0), (3, None, 3.0), ("2.5", None, 2.5), (" 0.5_5.0 ", 0.5, 5.0), ((0.8, 1.2), 0.8, 1.2), ("1_1", 1.0, 1.0)],
+    [(2.0, None, 2.0), (3, None, 3.0), ("2.5", None, 2.5), (" 0.5_5.0 ", 0.5, 5.0), ((0.8, 1.2), 0.8, 1.2),
+     ("1_1", 1.0, 1.0)],
 )
 def test_is_threshold_parsing(spec, lower, upper):
     b = parse_is_threshold(spec)
@@ -148,3 +164,88 @@ def test_numpy_scalars_are_numbers():
 def test_single_k1_threshold_below_one_is_an_error():
     with pytest.raises(ValueError, match="needs u >= 1"):
         parse_rs_thresholds(("token_k1",), 0.5)
+
+
+# ---------------------------------------------------------------------------------------------- one field table
+def test_both_dataclasses_take_their_fields_from_the_table():
+    core = {f.name: f for f in dataclasses.fields(RolloutCorrectionConfig) if f.init}
+    flat = {f.name: f for f in dataclasses.fields(RolloutCorrectionArguments)}
+    assert tuple(core) == CORRECTION_FIELDS == tuple(f.name for f in CORRECTION_FIELD_TABLE)
+    assert tuple(flat) == ("rollout_corr_preset",) + CORRECTION_FIELDS
+    core_hints = typing.get_type_hints(RolloutCorrectionConfig)
+    flat_hints = typing.get_type_hints(RolloutCorrectionArguments)
+    for row in CORRECTION_FIELD_TABLE:
+        assert core[row.name].default == row.default and core_hints[row.name] == row.type
+        assert flat[row.name].default is None and flat_hints[row.name] == typing.Optional[row.flag_type]
+        assert core[row.name].metadata["help"] == flat[row.name].metadata["help"] == row.help
+        assert row.name in RolloutCorrectionConfig.__doc__ and row.help in RolloutCorrectionArguments.__doc__
+    assert RolloutCorrectionConfig() == RolloutCorrectionConfig(**{r.name: r.default for r in CORRECTION_FIELD_TABLE})
+
+
+def test_markdown_table_has_one_row_per_field():
+    lines = markdown_table().splitlines()
+    assert lines[0] == "| field | default | values | meaning |" and len(lines) == 2 + len(CORRECTION_FIELD_TABLE)
+    assert lines[2].startswith("| `rollout_is` | `None` |") and '| `bypass_loss_type` | `"ppo_clip"` |' in lines[-1]
+
+
+def test_presets_are_registered_where_they_are_defined():
+    assert len(PRESETS) == len(set(PRESETS)) == 20 and PRESETS[0] == "disabled"
+    for name in PRESETS:
+        assert isinstance(RolloutCorrectionConfig.__dict__[name], classmethod)
+    assert not hasattr(RolloutCorrectionConfig, "preset_names")
+
+
+# ---------------------------------------------------------------------------------------------- frozen core config
+def test_core_config_is_frozen_and_derived_fields_never_go_stale():
+    cfg = RolloutCorrectionConfig.decoupled_k3_rs_token_tis()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rollout_is = "sequence"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.is_bounds = None
+    changed = dataclasses.replace(cfg, rollout_is_threshold="0.5_3.0", rollout_rs="token_k1", rollout_rs_threshold=2.0)
+    assert (changed.is_bounds.lower, changed.is_bounds.upper) == (0.5, 3.0)
+    assert [(s.option, s.lower, s.upper) for s in changed.rs_specs] == [("token_k1", 0.5, 2.0)]
+    assert cfg.is_bounds.upper == 2.0 and cfg.rs_specs[0].option == "seq_mean_k3"  # the original is untouched
+    with pytest.raises(ValueError, match="rollout_is must be None"):
+        dataclasses.replace(cfg, rollout_is="geometric")  # replace validates again
+    off = dataclasses.replace(cfg, rollout_is="none", rollout_rs="null")  # the "none" sentinels still mean None
+    assert off.rollout_is is None and off.rollout_rs is None and off.is_bounds is None and off.rs_specs == ()
+
+
+def test_core_config_survives_pickle_deepcopy_and_hashing():
+    cfg = RolloutCorrectionConfig.direct_double_sided(0.2, 0.28)
+    for again in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg), copy.copy(cfg)):
+        assert again == cfg and again.is_bounds == cfg.is_bounds and again.rs_specs == cfg.rs_specs
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            again.bypass_mode = False
+    assert hash(RolloutCorrectionConfig.decoupled_k3_rs()) == hash(RolloutCorrectionConfig.decoupled_k3_rs())
+    assert cfg.to_dict() == {**RolloutCorrectionConfig().to_dict(), "rollout_is": "token",
+                             "rollout_is_threshold": (0.8, 1.28), "bypass_mode": True, "bypass_loss_type": "reinforce"}
+
+
+# ---------------------------------------------------------------------------------------------- flat arguments
+def test_flat_arguments_resolve_the_preset_and_keep_effective_values():
+    args = RolloutCorrectionArguments(rollout_corr_preset="decoupled_k3_rs_token_tis", rollout_rs_threshold="0.005")
+    assert (args.rollout_is, args.rollout_is_threshold, args.rollout_rs, args.rollout_rs_threshold) == (
+        "token", "2.0", "seq_mean_k3", "0.005")
+    assert args.rollout_correction() == args.resolve()  # resolving the effective fields again changes nothing
+    preset = RolloutCorrectionConfig.decoupled_k3_rs_token_tis(rs_threshold=0.005)
+    assert (args.resolve().is_bounds, args.resolve().rs_specs) == (preset.is_bounds, preset.rs_specs)
+    off = RolloutCorrectionArguments(rollout_corr_preset="decoupled_k3_rs_token_tis", rollout_is="none")
+    assert off.rollout_is == "none" and not off.rollout_correction().is_enabled
+    again = RolloutCorrectionArguments(**{f.name: getattr(off, f.name) for f in dataclasses.fields(off)})
+    assert again == off and again.rollout_correction() == off.rollout_correction()
+    plain = RolloutCorrectionArguments()
+    assert plain.rollout_is is None and plain.rollout_rs is None and plain.rollout_is_threshold == "2.0"
+    with pytest.raises(ValueError, match="Unknown rollout-correction preset"):
+        RolloutCorrectionArguments(rollout_corr_preset="nope")
+
+
+def test_flat_arguments_parse_from_the_command_line():
+    transformers = pytest.importorskip("transformers")
+    (args,) = transformers.HfArgumentParser((RolloutCorrectionArguments,)).parse_args_into_dataclasses(
+        ["--rollout_corr_preset", "bypass_pg_is", "--rollout_is_threshold", "0.5_5", "--bypass_mode", "true"]
+    )
+    cfg = args.rollout_correction()
+    assert cfg.bypass_mode and cfg.bypass_loss_type == "reinforce" and (cfg.is_bounds.lower, cfg.is_bounds.upper) == (
+        0.5, 5.0)

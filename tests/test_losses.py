@@ -1,19 +1,18 @@
-"""Bypass and decoupled losses against the spec's bypass test vectors (token mean over one micro-batch)."""
+"""Bypass losses against the spec's bypass test vectors (token mean over one micro-batch); the decoupled oracle."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from oracles import decoupled_policy_loss, masked_token_mean
 from trl_rollout_corr import RolloutCorrectionConfig
-from trl_rollout_corr.losses import (
-    bypass_policy_loss,
-    decoupled_policy_loss,
-    masked_token_mean,
-    ppo_clip_per_token_loss,
-    reinforce_per_token_loss,
-)
+from trl_rollout_corr.correction import make_correction_fn
+from trl_rollout_corr.losses import PPOClip, bypass_policy_loss, ppo_clip_per_token_loss, reinforce_per_token_loss
 from vectors import VECTORS, tensor
+
+pytestmark = pytest.mark.unit
 
 BYPASS = VECTORS["bypass"]
 MASK = tensor("response_mask")
@@ -26,7 +25,8 @@ def _run(config_fields):
     log_prob = torch.tensor(BYPASS["log_prob"], dtype=torch.float64, requires_grad=True)
     rollout = torch.tensor(BYPASS["rollout_log_prob"], dtype=torch.float64)
     adv = torch.tensor(BYPASS["advantages"], dtype=torch.float64)
-    out = bypass_policy_loss(log_prob, rollout, adv, MASK, cfg, clip_ratio_c=3.0)
+    out = bypass_policy_loss(log_prob, rollout, adv, MASK, cfg, correction_fn=make_correction_fn(cfg),
+                             clip=PPOClip(clip_ratio_c=3.0))
     loss = masked_token_mean(out.per_token_loss, out.mask)
     loss.backward()
     return out, loss, log_prob.grad
@@ -71,7 +71,8 @@ def test_decoupled_loss_hand_value_with_mask():
     # Two tokens kept out of three, weights [2, 0.5, 9]; ratio 1 everywhere; A = [-1]:
     # per-token loss = -A * 1 * w = w; token mean over kept = (2 + 0.5) / 2.
     lp = torch.zeros(1, 3, requires_grad=True)
-    out = decoupled_policy_loss(lp, torch.zeros(1, 3), torch.tensor([-1.0]), torch.tensor([[1, 1, 0]]), torch.tensor([[2.0, 0.5, 9.0]]))
+    out = decoupled_policy_loss(lp, torch.zeros(1, 3), torch.tensor([-1.0]), torch.tensor([[1, 1, 0]]),
+                                torch.tensor([[2.0, 0.5, 9.0]]))
     loss = masked_token_mean(out.per_token_loss, out.mask)
     assert loss.item() == pytest.approx(1.25)
     loss.backward()
@@ -90,7 +91,8 @@ def test_bypass_nan_rollout_at_valid_token_is_neutral():
     cfg = RolloutCorrectionConfig.bypass_pg_is()
     lp = torch.tensor([[-1.0, -1.0, -1.0]], requires_grad=True)
     roll = torch.tensor([[-1.0, float("nan"), float("-inf")]])
-    out = bypass_policy_loss(lp, roll, torch.tensor([1.0]), torch.ones(1, 3), cfg)
+    out = bypass_policy_loss(lp, roll, torch.tensor([1.0]), torch.ones(1, 3), cfg,
+                             correction_fn=make_correction_fn(cfg))
     loss = masked_token_mean(out.per_token_loss, out.mask)
     loss.backward()
     assert out.mask.tolist() == [[True, False, False]]
@@ -100,9 +102,11 @@ def test_bypass_nan_rollout_at_valid_token_is_neutral():
 
 
 def test_all_rejected_gives_zero_loss_and_zero_grad():
-    cfg = RolloutCorrectionConfig(bypass_mode=True, bypass_loss_type="reinforce", rollout_rs="token_k2", rollout_rs_threshold=1e-6)
+    cfg = RolloutCorrectionConfig(bypass_mode=True, bypass_loss_type="reinforce", rollout_rs="token_k2",
+                                  rollout_rs_threshold=1e-6)
     lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    out = bypass_policy_loss(lp, torch.tensor([[-2.0, -1.0]]), torch.tensor([1.0]), torch.ones(1, 2), cfg)
+    out = bypass_policy_loss(lp, torch.tensor([[-2.0, -1.0]]), torch.tensor([1.0]), torch.ones(1, 2), cfg,
+                             correction_fn=make_correction_fn(cfg))
     loss = masked_token_mean(out.per_token_loss, out.mask)
     loss.backward()
     assert loss.item() == 0.0 and lp.grad.abs().sum().item() == 0.0
@@ -117,17 +121,21 @@ def test_reinforce_hand_value():
 
 def test_bypass_requires_bypass_config():
     with pytest.raises(ValueError, match="bypass_mode=True"):
-        bypass_policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), RolloutCorrectionConfig())
+        cfg = RolloutCorrectionConfig()
+        bypass_policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), cfg,
+                           correction_fn=make_correction_fn(cfg))
 
 
 def test_junk_advantage_outside_mask_gives_zero_gradient():
     for bad in (float("nan"), float("inf")):
         lp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
-        out = ppo_clip_per_token_loss(lp, torch.tensor([[-1.1, -1.0]]), torch.tensor([[1.0, bad]]), torch.tensor([[1, 0]]))
+        out = ppo_clip_per_token_loss(lp, torch.tensor([[-1.1, -1.0]]), torch.tensor([[1.0, bad]]),
+                                      torch.tensor([[1, 0]]))
         masked_token_mean(out.per_token_loss, out.mask).backward()
         assert lp.grad[0, 1].item() == 0.0 and lp.grad[0, 0].item() == pytest.approx(-math.exp(0.1))
         lp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
-        out = reinforce_per_token_loss(lp, torch.tensor([[1.0, bad]]), torch.tensor([[1, 0]]), torch.tensor([[1.0, bad]]))
+        out = reinforce_per_token_loss(lp, torch.tensor([[1.0, bad]]), torch.tensor([[1, 0]]),
+                                       torch.tensor([[1.0, bad]]))
         masked_token_mean(out.per_token_loss, out.mask).backward()
         assert lp.grad.tolist() == [[-1.0, 0.0]]
 
@@ -135,4 +143,30 @@ def test_junk_advantage_outside_mask_gives_zero_gradient():
 def test_dual_clip_constant_must_exceed_one():
     for c in (1.0, float("nan")):
         with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
-            ppo_clip_per_token_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), clip_ratio_c=c)
+            ppo_clip_per_token_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1),
+                                    PPOClip(clip_ratio_c=c))
+
+
+def test_ppo_clip_is_a_validated_value():
+    clip = PPOClip(0.2, 0.28)
+    assert (clip.epsilon_low, clip.epsilon_high, clip.clip_ratio_c) == (0.2, 0.28, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        clip.epsilon_low = 0.1
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="epsilon_high must be a finite number >= 0"):
+            PPOClip(0.2, bad)
+
+
+def test_asymmetric_clip_hand_value():
+    # A = 1, ratio 1.5: clip-higher eps_high = 0.28 keeps 1.28 (loss -1.28); the default 0.2 keeps 1.2
+    lp, anchor = torch.tensor([[math.log(1.5)]]), torch.zeros(1, 1)
+    wide = ppo_clip_per_token_loss(lp, anchor, torch.tensor([1.0]), torch.ones(1, 1), PPOClip(0.2, 0.28))
+    narrow = ppo_clip_per_token_loss(lp, anchor, torch.tensor([1.0]), torch.ones(1, 1))
+    assert wide.per_token_loss.item() == pytest.approx(-1.28) and narrow.per_token_loss.item() == pytest.approx(-1.2)
+    assert wide.clipped_high.item() and not wide.clipped_low.item()
+
+
+def test_bypass_loss_needs_a_correction_fn():
+    cfg = RolloutCorrectionConfig.bypass_ppo_clip()
+    with pytest.raises(TypeError, match="correction_fn"):
+        bypass_policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), cfg)

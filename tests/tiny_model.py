@@ -82,22 +82,3 @@ def prompt_dataset(n: int = 8):
 def reward_len(completions, **kwargs):
     """Reward: number of 'a' characters minus a small length penalty (deterministic, varied across samples)."""
     return [float(c.count("a")) - 0.05 * len(c) + 0.1 * sum(ch.isdigit() for ch in c) for c in completions]
-
-
-def bf16_generate_trainer_class():
-    """A ``RolloutCorrGRPOTrainer`` subclass that generates with a bf16 copy of the weights: a bf16 rollout
-    engine next to a float32 trainer (a real, small numerical mismatch). Imported lazily (needs TRL)."""
-    from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
-
-    class BF16GenerateTrainer(RolloutCorrGRPOTrainer):
-        def _generate_single_turn(self, *args, **kwargs):
-            model = self.accelerator.unwrap_model(self.model)
-            backup = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            model.to(torch.bfloat16)
-            try:
-                return super()._generate_single_turn(*args, **kwargs)
-            finally:
-                model.to(torch.float32)
-                model.load_state_dict(backup)
-
-    return BF16GenerateTrainer

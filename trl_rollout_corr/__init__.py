@@ -1,7 +1,8 @@
 """trl-rollout-corr: rollout correction (IS weights, rejection sampling, diagnostics) for TRL's GRPO.
 
-The math (``config``, the ``correction`` package, ``losses``) imports nothing from TRL; the trainer
-(``trl_rollout_corr.trainer``) is imported lazily so that the core works with torch alone.
+The math (``config``, the ``correction`` package, ``losses``, ``accumulator``) imports nothing from TRL; the
+trainer (``trl_rollout_corr.trainer``) and the TRL formulas it mirrors (``trl_rollout_corr.trl_compat``) are
+imported lazily so that the core works with torch alone.
 """
 
 from .config import PRESETS, ISBounds, RolloutCorrectionConfig, RSSpec

@@ -1,7 +1,17 @@
-"""Rollout-correction configuration: the dataclass, its presets and threshold parsing.
+"""Rollout-correction configuration: the field table, the core dataclass and its presets, the flat arguments.
 
-Nothing here imports torch.distributed or TRL, so the config can be built, validated and serialised
-anywhere (CLI parsing, YAML loading, model cards).
+* ``CORRECTION_FIELD_TABLE``: the single source of the 7 correction fields (name, types, default, allowed values,
+  help). ``RolloutCorrectionConfig``, ``RolloutCorrectionArguments`` and the README table
+  (``python -m trl_rollout_corr.docgen --config-table``) are all generated from it.
+* ``RolloutCorrectionConfig``: the validated, frozen core config the math takes; presets (verl's names) are
+  classmethods registered with ``@_preset`` where they are defined (``PRESETS`` lists them).
+* ``RolloutCorrectionArguments``: the same fields flat and Optional plus ``rollout_corr_preset``, for argument
+  parsers and YAML (``RolloutCorrGRPOConfig`` inherits it); ``resolve()`` merges the preset and the set fields.
+* Threshold parsing (``parse_is_threshold``, ``parse_rs_options``, ``parse_rs_thresholds``).
+
+Nothing here imports torch.distributed or TRL, so the config can be built, validated and serialised anywhere
+(CLI parsing, YAML loading, model cards). The RS option names come from ``correction.rejection``, where the RS
+levels are implemented, so that adding an option touches that one file.
 
 Vocabulary (see ``README.md``): behaviour policy mu (``rollout_log_probs``), proximal policy pi_old
 (``old_log_probs``), current policy pi_theta (``log_probs``). The correction compares a *training*
@@ -11,6 +21,7 @@ policy (pi_old in decoupled mode, pi_theta in bypass mode) with mu through the p
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import re
@@ -164,7 +175,9 @@ def parse_rs_options(rollout_rs: Any) -> tuple[str, ...]:
         ValueError: if it is not a string, holds no option, or names an unknown option.
     """
     if not isinstance(rollout_rs, str):
-        raise ValueError(f"rollout_rs must be a comma-separated string of options from {RS_OPTIONS}, got {rollout_rs!r}.")
+        raise ValueError(
+            f"rollout_rs must be a comma-separated string of options from {RS_OPTIONS}, got {rollout_rs!r}."
+        )
     options: list[str] = []
     for raw in rollout_rs.split(","):
         name = raw.strip()
@@ -222,7 +235,9 @@ def parse_rs_thresholds(options: tuple[str, ...], spec: ThresholdSpec) -> tuple[
             lower, upper = _parse_band(part, what, "a ratio band 'L_U' with 0 < L <= U, or u >= 1 meaning [1/u, u]")
             if lower is None:
                 if upper < 1.0:
-                    raise ValueError(f"{what}: a single k1 threshold u means the band [1/u, u] and needs u >= 1, got {upper}.")
+                    raise ValueError(
+                        f"{what}: a single k1 threshold u means the band [1/u, u] and needs u >= 1, got {upper}."
+                    )
                 lower = 1.0 / upper
             specs.append(RSSpec(option=option, level=level, stat=stat, upper=upper, lower=lower))
         else:
@@ -233,24 +248,132 @@ def parse_rs_thresholds(options: tuple[str, ...], spec: ThresholdSpec) -> tuple[
     return tuple(specs)
 
 
-@dataclass
-class RolloutCorrectionConfig:
-    """Rollout correction settings, validated when constructed.
+# ---------------------------------------------------------------------------------------------- the field table
+@dataclass(frozen=True)
+class CorrectionField:
+    """One rollout-correction setting: the single source of its name, types, default and documentation.
 
     Attributes:
-        rollout_is: IS weight level, ``None`` (no IS weights), ``"token"`` or ``"sequence"``.
-        rollout_is_threshold: a positive number U (truncated IS, TIS: ``min(R, U)``), or a band
-            ``"L_U"`` / ``(L, U)`` (IcePop: R inside ``[L, U]``, else 0). Ratio units. Required when
-            ``rollout_is`` is set.
-        rollout_is_batch_normalize: divide the weights by their mean over the global batch (token
-            level: over valid tokens; sequence level: over valid rows). After truncation, not re-truncated.
-        rollout_rs: comma list of rejection options (``token_k1`` ... ``seq_max_k3``), or None.
-        rollout_rs_threshold: one spec for all options or one per option (k1: ratio band ``"L_U"`` or u
-            meaning ``[1/u, u]``; k2/k3: upper bound).
-        bypass_mode: False = decoupled (keep pi_old, one extra forward); True = bypass
-            (pi_old := mu, the correction runs inside the loss from pi_theta).
-        bypass_loss_type: ``"ppo_clip"`` (PPO clip on pi_theta / mu; IS weights for metrics only) or
-            ``"reinforce"`` (``-A * w * log pi_theta``). Only used in bypass mode.
+        name: the field name (verl's name), the same in every dataclass, YAML key and CLI flag.
+        type: its annotation in ``RolloutCorrectionConfig``.
+        flag_type: ``str`` or ``bool``: the type of the flat, Optional field of ``RolloutCorrectionArguments``
+            (``TrlParser``/``HfArgumentParser`` flags and YAML keys).
+        default: the default in ``RolloutCorrectionConfig``.
+        values: the allowed values, in Markdown (the README table's "values" column).
+        help: what it means, in Markdown (the ``--help`` text, the README table's "meaning" column).
+    """
+
+    name: str
+    type: Any
+    flag_type: type
+    default: Any
+    values: str
+    help: str
+
+
+CORRECTION_FIELD_TABLE = (
+    CorrectionField(
+        "rollout_is", Optional[str], str, None,
+        '`None`, `"token"`, `"sequence"`',
+        "IS weight level. Token: `R_t = exp(clamp(l_t, ±20))`; sequence: `R_i = exp(clamp(Σ_t l_t, ±20))` (summed "
+        "in log space, never overflows). Unset: no IS weights ('none' turns off a preset's IS).",
+    ),
+    CorrectionField(
+        "rollout_is_threshold", ThresholdSpec, str, 2.0,
+        '`U > 0` or `"L_U"` / `(L, U)`',
+        "`U`: truncated IS (TIS) `W = min(R, U)`. Band: IcePop, `W = R` inside `[L, U]` (inclusive), 0 outside. "
+        "Ratio units. Required when `rollout_is` is set.",
+    ),
+    CorrectionField(
+        "rollout_is_batch_normalize", bool, bool, False,
+        "bool",
+        "Divide W by its global-batch mean (token: over valid tokens; sequence: over valid rows), after truncation, "
+        "not re-truncated; no-op if the mean is <= 1e-8. Needs `rollout_is`.",
+    ),
+    CorrectionField(
+        "rollout_rs", Optional[str], str, None,
+        "comma list of `token_k1..3`, `seq_sum_k1..3`, `seq_mean_k1..3`, `seq_max_k2/3`",
+        "Rejection options, combined with AND. `x = clamp(l, ±20)`, `k1 = -x`, `k2 = x²/2`, `k3 = exp(x) - 1 - x`. "
+        "Unset: no rejection ('none' turns off a preset's RS).",
+    ),
+    CorrectionField(
+        "rollout_rs_threshold", ThresholdSpec, str, None,
+        "one spec, or one per option",
+        'k1: a ratio band `"L_U"` (keep `L <= r <= U`; a single `u` means `[1/u, u]`) on the token ratio, the '
+        "row's product (`seq_sum`) or geometric mean (`seq_mean`); k2/k3: keep `stat <= U`. Required when "
+        "`rollout_rs` is set.",
+    ),
+    CorrectionField(
+        "bypass_mode", bool, bool, False,
+        "bool",
+        "False: decoupled (keep pi_old: one extra forward per generation batch). True: bypass (pi_old := mu, no "
+        "extra forward; the correction runs inside the loss, from pi_theta vs mu).",
+    ),
+    CorrectionField(
+        "bypass_loss_type", Literal["ppo_clip", "reinforce"], str, "ppo_clip",
+        '`"ppo_clip"`, `"reinforce"`',
+        "Bypass loss: PPO clip on pi_theta / mu (IS weights for metrics only), or `-A · w · log pi_theta` "
+        "(w detached). Only used in bypass mode.",
+    ),
+)
+# The correction fields' names, in table order (the flat fields of the trainer config).
+CORRECTION_FIELDS = tuple(f.name for f in CORRECTION_FIELD_TABLE)
+
+
+def _fields_doc(table: tuple[CorrectionField, ...], optional: bool) -> str:
+    lines = ["", "", "    Fields (generated from ``config.CORRECTION_FIELD_TABLE``):"]
+    for f in table:
+        default = "None (unset)" if optional else repr(f.default)
+        lines.append(f"        {f.name} (default {default}): {f.help}")
+    return "\n".join(lines) + "\n"
+
+
+def _with_correction_fields(*, optional: bool, frozen: bool = False):
+    """Class decorator: add the ``CORRECTION_FIELD_TABLE`` fields after the class's own fields, then ``dataclass``.
+
+    ``optional=False``: the table's types and defaults (``RolloutCorrectionConfig``). ``optional=True``: every field
+    ``Optional[flag_type] = None`` (unset), for flags and YAML (``RolloutCorrectionArguments``). Both carry the
+    table's help text as ``metadata={"help": ...}`` and list it in the class docstring.
+    """
+
+    def wrap(cls):
+        annotations = dict(cls.__dict__.get("__annotations__", {}))
+        for f in CORRECTION_FIELD_TABLE:
+            annotations[f.name] = Optional[f.flag_type] if optional else f.type
+            setattr(cls, f.name, field(default=None if optional else f.default, metadata={"help": f.help}))
+        cls.__annotations__ = annotations
+        cls.__doc__ = (cls.__doc__ or "").rstrip() + _fields_doc(CORRECTION_FIELD_TABLE, optional)
+        return dataclass(frozen=frozen)(cls)
+
+    return wrap
+
+
+_PRESET_NAMES: list[str] = []
+
+
+def _preset(fn):
+    """Register a preset (``RolloutCorrectionConfig.<name>``, ``from_preset(name)``, ``PRESETS``) and make it a
+    classmethod."""
+    _PRESET_NAMES.append(fn.__name__)
+    return classmethod(fn)
+
+
+def _is_off(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() in ("", "none", "null")
+
+
+# ---------------------------------------------------------------------------------------------- the core config
+@_with_correction_fields(optional=False, frozen=True)
+class RolloutCorrectionConfig:
+    """Rollout correction settings, validated when constructed and immutable afterwards.
+
+    Frozen: the parsed ``is_bounds`` / ``rs_specs`` are derived once, in ``__post_init__``, and can never go stale;
+    use ``dataclasses.replace(cfg, rollout_is="sequence")`` for a changed copy (validated again). The strings
+    ``"none"``/``"null"``/``""`` for ``rollout_is`` / ``rollout_rs`` mean None.
+
+    Attributes (derived):
+        is_bounds: the parsed ``rollout_is_threshold`` (``ISBounds``), None when IS is off.
+        rs_specs: one ``RSSpec`` per de-duplicated RS option, () when RS is off.
 
     Raises:
         ValueError / TypeError: on construction, for any invalid field (the message names the field
@@ -259,54 +382,50 @@ class RolloutCorrectionConfig:
     Presets follow verl's ``RolloutCorrectionConfig`` classmethods, plus ``direct_double_sided``.
     """
 
-    rollout_is: Optional[str] = None
-    rollout_is_threshold: ThresholdSpec = 2.0
-    rollout_is_batch_normalize: bool = False
-    rollout_rs: Optional[str] = None
-    rollout_rs_threshold: ThresholdSpec = None
-    bypass_mode: bool = False
-    bypass_loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
-
     is_bounds: Optional[ISBounds] = field(init=False, repr=False, compare=False, default=None)
     rs_specs: tuple[RSSpec, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
-        if isinstance(self.rollout_is, str) and self.rollout_is.strip().lower() in ("", "none", "null"):
-            self.rollout_is = None
+        set_ = functools.partial(object.__setattr__, self)  # frozen: only __post_init__ sets fields
+        if _is_off(self.rollout_is):
+            set_("rollout_is", None)
         if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
             raise ValueError(f"rollout_is must be None, 'token' or 'sequence', got {self.rollout_is!r}.")
-        if isinstance(self.rollout_rs, str) and self.rollout_rs.strip().lower() in ("", "none", "null"):
-            self.rollout_rs = None
+        if _is_off(self.rollout_rs):
+            set_("rollout_rs", None)
         for name in ("rollout_is_batch_normalize", "bypass_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool (True/False), got {getattr(self, name)!r}.")
         if self.bypass_loss_type not in BYPASS_LOSS_TYPES:
             raise ValueError(f"bypass_loss_type must be 'ppo_clip' or 'reinforce', got {self.bypass_loss_type!r}.")
-        if self.rollout_is is not None:
-            if self.rollout_is_threshold is None:
-                raise ValueError(
-                    f"rollout_is={self.rollout_is!r} needs rollout_is_threshold: a positive number U (TIS) "
-                    "or 'L_U' (IcePop); set rollout_is=None to turn IS weights off."
-                )
-            self.is_bounds = parse_is_threshold(self.rollout_is_threshold)
-            if not self.is_bounds.is_icepop and self.is_bounds.upper < 1.0:
-                warnings.warn(
-                    f"rollout_is_threshold={self.rollout_is_threshold!r} is a truncation cap U < 1, which scales every "
-                    "weight above U down to U. If you meant an IcePop band 'L_U', quote it: YAML reads an unquoted "
-                    "0.5_2 as the number 0.52.",
-                    stacklevel=2,
-                )
-        else:
-            self.is_bounds = None
-            if self.rollout_is_threshold is not None:
-                # Validate anyway so that a typo is caught before it is switched on.
-                parse_is_threshold(self.rollout_is_threshold)
+        set_("is_bounds", self._parse_is_bounds())
         if self.rollout_is_batch_normalize and self.rollout_is is None:
             raise ValueError("rollout_is_batch_normalize=True needs rollout_is='token' or 'sequence'.")
         if self.rollout_rs is not None:
-            self.rs_specs = parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold)
+            set_("rs_specs", parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold))
         else:
-            self.rs_specs = ()
+            set_("rs_specs", ())
+
+    def _parse_is_bounds(self) -> Optional[ISBounds]:
+        if self.rollout_is is None:
+            if self.rollout_is_threshold is not None:
+                # Validate anyway so that a typo is caught before it is switched on.
+                parse_is_threshold(self.rollout_is_threshold)
+            return None
+        if self.rollout_is_threshold is None:
+            raise ValueError(
+                f"rollout_is={self.rollout_is!r} needs rollout_is_threshold: a positive number U (TIS) "
+                "or 'L_U' (IcePop); set rollout_is=None to turn IS weights off."
+            )
+        bounds = parse_is_threshold(self.rollout_is_threshold)
+        if not bounds.is_icepop and bounds.upper < 1.0:
+            warnings.warn(
+                f"rollout_is_threshold={self.rollout_is_threshold!r} is a truncation cap U < 1, which scales every "
+                "weight above U down to U. If you meant an IcePop band 'L_U', quote it: YAML reads an unquoted "
+                "0.5_2 as the number 0.52.",
+                stacklevel=3,
+            )
+        return bounds
 
     # ------------------------------------------------------------------ properties
     @property
@@ -325,109 +444,155 @@ class RolloutCorrectionConfig:
         return self.is_enabled or self.rs_enabled or self.bypass_mode
 
     def to_dict(self) -> dict[str, Any]:
-        """The user-facing fields as a plain dict (for YAML, logs and model cards)."""
+        """The user-facing fields (``CORRECTION_FIELDS``) as a plain dict (for YAML, logs and model cards)."""
         d = asdict(self)
-        d.pop("is_bounds", None)
-        d.pop("rs_specs", None)
-        return d
+        return {name: d[name] for name in CORRECTION_FIELDS}
 
     # ------------------------------------------------------------------ presets (verl names)
-    @classmethod
+    @_preset
     def disabled(cls) -> "RolloutCorrectionConfig":
         """No IS, no RS, decoupled mode: diagnostics only."""
         return cls(rollout_is=None, rollout_is_threshold=None)
 
-    @classmethod
+    @_preset
     def decoupled_token_is(cls, threshold: float = 2.0) -> "RolloutCorrectionConfig":
         """Token-level truncated IS (TIS) against pi_old."""
         return cls(rollout_is="token", rollout_is_threshold=threshold)
 
-    @classmethod
+    @_preset
     def decoupled_seq_is(cls, threshold: float = 2.0) -> "RolloutCorrectionConfig":
         """Sequence-level truncated IS (Seq-TIS) against pi_old."""
         return cls(rollout_is="sequence", rollout_is_threshold=threshold)
 
-    @classmethod
+    @_preset
     def decoupled_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5) -> "RolloutCorrectionConfig":
         """Token-level IcePop: weights outside ``[threshold_lower, threshold]`` are zeroed."""
         return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}")
 
-    @classmethod
-    def decoupled_seq_is_rs(cls, is_threshold: float = 2.0, rs_threshold: ThresholdSpec = "0.5_2.0") -> "RolloutCorrectionConfig":
+    @_preset
+    def decoupled_seq_is_rs(
+        cls, is_threshold: float = 2.0, rs_threshold: ThresholdSpec = "0.5_2.0"
+    ) -> "RolloutCorrectionConfig":
         """Sequence TIS plus rejection on the sequence ratio (``seq_sum_k1``)."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_sum_k1", rollout_rs_threshold=rs_threshold)
+        return cls(
+            rollout_is="sequence", rollout_is_threshold=is_threshold,
+            rollout_rs="seq_sum_k1", rollout_rs_threshold=rs_threshold,
+        )
 
-    @classmethod
+    @_preset
     def decoupled_geo_rs(cls, rs_threshold: ThresholdSpec = "0.999_1.001") -> "RolloutCorrectionConfig":
         """Geometric-mean ratio rejection (``seq_mean_k1``), no IS weights."""
         return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
 
-    @classmethod
-    def decoupled_geo_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: ThresholdSpec = "0.999_1.001") -> "RolloutCorrectionConfig":
+    @_preset
+    def decoupled_geo_rs_seq_tis(
+        cls, is_threshold: float = 2.0, rs_threshold: ThresholdSpec = "0.999_1.001"
+    ) -> "RolloutCorrectionConfig":
         """Geometric-mean rejection plus sequence TIS."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
+        return cls(
+            rollout_is="sequence", rollout_is_threshold=is_threshold,
+            rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
+        )
 
-    @classmethod
-    def decoupled_geo_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: ThresholdSpec = "0.999_1.001") -> "RolloutCorrectionConfig":
+    @_preset
+    def decoupled_geo_rs_token_tis(
+        cls, is_threshold: float = 2.0, rs_threshold: ThresholdSpec = "0.999_1.001"
+    ) -> "RolloutCorrectionConfig":
         """Geometric-mean rejection plus token TIS."""
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
+        return cls(
+            rollout_is="token", rollout_is_threshold=is_threshold,
+            rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
+        )
 
-    @classmethod
+    @_preset
     def decoupled_k3_rs(cls, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
         """Rejection on the per-row mean K3 divergence (``seq_mean_k3``), no IS weights."""
         return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
 
-    @classmethod
-    def decoupled_k3_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
+    @_preset
+    def decoupled_k3_rs_seq_tis(
+        cls, is_threshold: float = 2.0, rs_threshold: float = 0.01
+    ) -> "RolloutCorrectionConfig":
         """``seq_mean_k3`` rejection plus sequence TIS."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
+        return cls(
+            rollout_is="sequence", rollout_is_threshold=is_threshold,
+            rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold,
+        )
 
-    @classmethod
-    def decoupled_k3_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
+    @_preset
+    def decoupled_k3_rs_token_tis(
+        cls, is_threshold: float = 2.0, rs_threshold: float = 0.01
+    ) -> "RolloutCorrectionConfig":
         """``seq_mean_k3`` rejection plus token TIS (this project's CPU default)."""
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
+        return cls(
+            rollout_is="token", rollout_is_threshold=is_threshold,
+            rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold,
+        )
 
-    @classmethod
+    @_preset
     def bypass_ppo_clip(cls) -> "RolloutCorrectionConfig":
         """Bypass mode, PPO clip on pi_theta / mu, no IS, no RS."""
         return cls(bypass_mode=True, bypass_loss_type="ppo_clip")
 
-    @classmethod
+    @_preset
     def bypass_ppo_clip_geo_rs(cls, rs_threshold: ThresholdSpec = "0.999_1.001") -> "RolloutCorrectionConfig":
         """Bypass PPO clip plus geometric-mean rejection."""
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True, bypass_loss_type="ppo_clip")
+        return cls(
+            rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True, bypass_loss_type="ppo_clip"
+        )
 
-    @classmethod
+    @_preset
     def bypass_ppo_clip_k3_rs(cls, rs_threshold: float = 0.01) -> "RolloutCorrectionConfig":
         """Bypass PPO clip plus ``seq_mean_k3`` rejection."""
-        return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold, bypass_mode=True, bypass_loss_type="ppo_clip")
+        return cls(
+            rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold, bypass_mode=True, bypass_loss_type="ppo_clip"
+        )
 
-    @classmethod
+    @_preset
     def bypass_pg_is(cls, threshold: float = 2.0) -> "RolloutCorrectionConfig":
         """Bypass REINFORCE with sequence TIS."""
-        return cls(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True, bypass_loss_type="reinforce")
+        return cls(
+            rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True, bypass_loss_type="reinforce"
+        )
 
-    @classmethod
+    @_preset
     def bypass_pg_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5) -> "RolloutCorrectionConfig":
         """Bypass REINFORCE with token IcePop."""
-        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}", bypass_mode=True, bypass_loss_type="reinforce")
+        return cls(
+            rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}",
+            bypass_mode=True, bypass_loss_type="reinforce",
+        )
 
-    @classmethod
+    @_preset
     def bypass_pg_geo_rs(cls, rs_threshold: ThresholdSpec = "0.999_1.001") -> "RolloutCorrectionConfig":
         """Bypass REINFORCE with geometric-mean rejection, no IS."""
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True, bypass_loss_type="reinforce")
+        return cls(
+            rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True, bypass_loss_type="reinforce"
+        )
 
-    @classmethod
-    def bypass_pg_geo_rs_seq_tis(cls, is_threshold: float = 2.0, rs_threshold: ThresholdSpec = "0.999_1.001") -> "RolloutCorrectionConfig":
+    @_preset
+    def bypass_pg_geo_rs_seq_tis(
+        cls, is_threshold: float = 2.0, rs_threshold: ThresholdSpec = "0.999_1.001"
+    ) -> "RolloutCorrectionConfig":
         """Bypass REINFORCE with geometric-mean rejection and sequence TIS."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True, bypass_loss_type="reinforce")
+        return cls(
+            rollout_is="sequence", rollout_is_threshold=is_threshold,
+            rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
+            bypass_mode=True, bypass_loss_type="reinforce",
+        )
 
-    @classmethod
-    def bypass_pg_geo_rs_token_tis(cls, is_threshold: float = 2.0, rs_threshold: ThresholdSpec = "0.999_1.001") -> "RolloutCorrectionConfig":
+    @_preset
+    def bypass_pg_geo_rs_token_tis(
+        cls, is_threshold: float = 2.0, rs_threshold: ThresholdSpec = "0.999_1.001"
+    ) -> "RolloutCorrectionConfig":
         """Bypass REINFORCE with geometric-mean rejection and token TIS."""
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True, bypass_loss_type="reinforce")
+        return cls(
+            rollout_is="token", rollout_is_threshold=is_threshold,
+            rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
+            bypass_mode=True, bypass_loss_type="reinforce",
+        )
 
-    @classmethod
+    @_preset
     def direct_double_sided(cls, eps_low: float = 0.2, eps_high: float = 0.2) -> "RolloutCorrectionConfig":
         """Direct double-sided IS (SAO's DIS, GLM-5's direct two-policy gate).
 
@@ -437,13 +602,14 @@ class RolloutCorrectionConfig:
             ValueError: unless ``0 <= eps_low < 1`` and ``eps_high >= 0``.
         """
         if not (0.0 <= eps_low < 1.0) or not eps_high >= 0.0:
-            raise ValueError(f"direct_double_sided needs 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}.")
-        return cls(rollout_is="token", rollout_is_threshold=(1.0 - eps_low, 1.0 + eps_high), bypass_mode=True, bypass_loss_type="reinforce")
-
-    @classmethod
-    def preset_names(cls) -> tuple[str, ...]:
-        """Names accepted by ``from_preset``."""
-        return PRESETS
+            raise ValueError(
+                f"direct_double_sided needs 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, "
+                f"eps_high={eps_high}."
+            )
+        return cls(
+            rollout_is="token", rollout_is_threshold=(1.0 - eps_low, 1.0 + eps_high),
+            bypass_mode=True, bypass_loss_type="reinforce",
+        )
 
     @classmethod
     def from_preset(cls, name: str, **kwargs: Any) -> "RolloutCorrectionConfig":
@@ -457,25 +623,94 @@ class RolloutCorrectionConfig:
         return getattr(cls, name)(**kwargs)
 
 
-PRESETS = (
-    "disabled",
-    "decoupled_token_is",
-    "decoupled_seq_is",
-    "decoupled_token_icepop",
-    "decoupled_seq_is_rs",
-    "decoupled_geo_rs",
-    "decoupled_geo_rs_seq_tis",
-    "decoupled_geo_rs_token_tis",
-    "decoupled_k3_rs",
-    "decoupled_k3_rs_seq_tis",
-    "decoupled_k3_rs_token_tis",
-    "bypass_ppo_clip",
-    "bypass_ppo_clip_geo_rs",
-    "bypass_ppo_clip_k3_rs",
-    "bypass_pg_is",
-    "bypass_pg_token_icepop",
-    "bypass_pg_geo_rs",
-    "bypass_pg_geo_rs_seq_tis",
-    "bypass_pg_geo_rs_token_tis",
-    "direct_double_sided",
-)
+# The preset names, in definition order (every method decorated with @_preset above).
+PRESETS = tuple(_PRESET_NAMES)
+
+
+# ---------------------------------------------------------------------------------------------- flat arguments
+def _threshold_to_field(value: Any) -> Any:
+    """A threshold spec as stored in the flat arguments: numbers and ``"L_U"`` strings as strings, None kept.
+
+    A (L, U) pair (e.g. from the ``direct_double_sided`` preset) becomes ``"L_U"`` so that the value survives
+    JSON, YAML and the command line unchanged.
+    """
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return f"{float(value[0])!r}_{float(value[1])!r}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(float(value))
+    return value  # let RolloutCorrectionConfig raise its own TypeError
+
+
+@_with_correction_fields(optional=True)
+class RolloutCorrectionArguments:
+    """The correction fields, flat and Optional, for ``HfArgumentParser``/``TrlParser`` flags and YAML keys
+    (``--rollout_is token``), plus a preset name. ``RolloutCorrGRPOConfig`` inherits them.
+
+    Unset (None) fields take the preset's value (or ``RolloutCorrectionConfig``'s default without a preset);
+    explicitly set fields override the preset. After construction every field holds its effective value (numbers
+    and bands as strings), and a preset's IS or RS switched off is kept as ``"none"``, so the fields round-trip
+    through ``to_dict`` -> YAML -> parser and through pickled checkpoints (``training_args.bin``) unchanged.
+
+    Attributes:
+        rollout_corr_preset: name of a ``RolloutCorrectionConfig`` preset (see ``PRESETS``), or None.
+
+    Raises:
+        ValueError / TypeError: at construction, for an invalid field or an unknown preset.
+    """
+
+    rollout_corr_preset: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": f"Rollout-correction preset, one of: {', '.join(PRESETS)}. Explicit rollout_* / bypass_* fields "
+            "override it."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        self._store_effective_fields(self.resolve())
+
+    def resolve(self) -> RolloutCorrectionConfig:
+        """The preset (if any) with the explicitly set fields applied, validated (a new object each call).
+
+        Raises:
+            ValueError / TypeError: for an unknown preset or an invalid field.
+        """
+        if self.rollout_corr_preset is not None:
+            base = RolloutCorrectionConfig.from_preset(self.rollout_corr_preset).to_dict()
+        else:
+            base = RolloutCorrectionConfig().to_dict()
+        for name in CORRECTION_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                base[name] = value
+        if isinstance(base.get("rollout_is_threshold"), str):
+            base["rollout_is_threshold"] = base["rollout_is_threshold"].strip()
+        return RolloutCorrectionConfig(**base)
+
+    def rollout_correction(self) -> RolloutCorrectionConfig:
+        """The validated ``RolloutCorrectionConfig`` the (effective) flat fields describe (a new object each call)."""
+        return RolloutCorrectionConfig(**{name: getattr(self, name) for name in CORRECTION_FIELDS})
+
+    def _store_effective_fields(self, correction: RolloutCorrectionConfig) -> None:
+        effective = correction.to_dict()
+        for name in CORRECTION_FIELDS:
+            value = effective[name]
+            if name in ("rollout_is_threshold", "rollout_rs_threshold"):
+                value = _threshold_to_field(value)
+            if value is None and name in ("rollout_is", "rollout_rs") and self.rollout_corr_preset is not None:
+                # Keep "switched off" explicit: a None would let the preset win again when the fields are re-parsed
+                # (to_dict -> YAML -> TrlParser, checkpoints).
+                value = "none"
+            setattr(self, name, value)
+
+
+# ---------------------------------------------------------------------------------------------- documentation
+def markdown_table(table: tuple[CorrectionField, ...] = CORRECTION_FIELD_TABLE) -> str:
+    """The README's configuration table (field, default, values, meaning), rendered from the field table."""
+    lines = ["| field | default | values | meaning |", "|---|---|---|---|"]
+    for f in table:
+        default = "`None`" if f.default is None else f"`{f.default!r}`".replace("'", '"')
+        lines.append(f"| `{f.name}` | {default} | {f.values} | {f.help} |")
+    return "\n".join(lines)

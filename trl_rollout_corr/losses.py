@@ -1,7 +1,4 @@
-"""Per-token policy losses for decoupled and bypass rollout correction.
-
-Decoupled mode (keep pi_old): the usual PPO clipped loss on the update ratio pi_theta / pi_old, multiplied
-by the IS weights (computed once per generation batch from pi_old / mu) after clipping.
+"""Per-token policy losses for bypass-mode rollout correction, one implementation per objective.
 
 Bypass mode (pi_old := mu): the correction is recomputed from the current pi_theta (detached) on every
 micro-batch, and the loss is either
@@ -11,10 +8,13 @@ micro-batch, and the loss is either
 * ``reinforce``: ``-A * w * log pi_theta`` with ``w`` the detached IS weight (1 without IS) and the RS mask.
 
 Direct double-sided IS (SAO's DIS, GLM-5's direct gate) is bypass + reinforce + a token IcePop band.
-PPO: Schulman et al. 2017; dual clip (``clip_ratio_c``): Ye et al. 2020; modes as in verl.
+PPO: Schulman et al. 2017; dual clip (``PPOClip.clip_ratio_c``): Ye et al. 2020; modes as in verl.
 
-Aggregation (token mean, sequence mean, ...) is left to the caller (the trainer follows TRL's
-``loss_type``); ``masked_token_mean`` is provided for the common case and the tests.
+Decoupled mode (keep pi_old) has no loss here: the trainer runs TRL's own loss, with the RS mask and the IS
+weights injected by ``trl_compat.inject_rs_mask_and_is_weights`` (W times the clipped PPO loss).
+
+Aggregation (token mean, sequence mean, ...) is left to the caller (the trainer follows TRL's ``loss_type``
+through ``trl_compat.aggregate_loss``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,37 @@ from typing import Callable, Optional
 import torch
 
 from .config import RolloutCorrectionConfig
-from .correction import SAFETY_BOUND, AllReduce, RolloutCorrectionOutput, compute_rollout_correction
+from .correction import SAFETY_BOUND, RolloutCorrectionOutput
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+CorrectionFn = Callable[..., RolloutCorrectionOutput]
+
+
+@dataclass(frozen=True)
+class PPOClip:
+    """The clip range of the PPO surrogate (ratio units).
+
+    Attributes:
+        epsilon_low, epsilon_high: the ratio is clipped to ``[1 - epsilon_low, 1 + epsilon_high]`` (TRL's
+            ``epsilon`` / ``epsilon_high``; DAPO's clip-higher uses ``epsilon_high > epsilon_low``).
+        clip_ratio_c: optional dual-clip constant ``c > 1`` (Ye et al. 2020): for ``A < 0`` the loss is capped at
+            ``-A c``. None: no dual clip.
+
+    Raises:
+        ValueError: for a negative or non-finite epsilon, or ``clip_ratio_c <= 1`` (or NaN).
+    """
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    clip_ratio_c: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        for name in ("epsilon_low", "epsilon_high"):
+            value = getattr(self, name)
+            if not (0.0 <= value < float("inf")):  # also rejects NaN
+                raise ValueError(f"PPOClip.{name} must be a finite number >= 0, got {value}.")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:  # also rejects NaN
+            raise ValueError(f"clip_ratio_c must be > 1 (dual-clip PPO), got {self.clip_ratio_c}.")
 
 
 @dataclass
@@ -64,10 +94,7 @@ def ppo_clip_per_token_loss(
     anchor_log_probs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    *,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    clip_ratio_c: Optional[float] = None,
+    clip: PPOClip = PPOClip(),
 ) -> PolicyLossOutput:
     """PPO clipped surrogate per token: ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``.
 
@@ -77,30 +104,28 @@ def ppo_clip_per_token_loss(
         advantages: (B,) or (B, T).
         mask: (B, T) 0/1; positions outside it (including NaN/inf anchors there) get loss 0 and zero
             gradient.
-        epsilon_low, epsilon_high: clip range of the ratio.
-        clip_ratio_c: optional dual-clip constant c > 1: for A < 0 the loss is capped at ``-A c``.
+        clip: the clip range and optional dual clip (``PPOClip``).
 
     Returns:
         PolicyLossOutput with ``per_token_loss`` (B, T) float32.
 
-    The ratio is ``exp(clamp(log_probs - anchor, -20, 20))``.
+    The ratio is ``exp(clamp(log_probs - anchor, -SAFETY_BOUND, SAFETY_BOUND))``.
     """
     keep = mask != 0
     lp = log_probs.float()
     # Anchors outside the mask may be NaN/inf: replace them by the (detached) current value so that
     # neither the forward nor the backward pass ever touches a NaN.
     anchor = torch.where(keep & torch.isfinite(anchor_log_probs), anchor_log_probs.detach().float(), lp.detach())
-    adv = torch.where(keep, _advantages_2d(advantages, lp), 0.0)  # junk advantages outside the mask never reach the graph
+    # junk advantages outside the mask never reach the graph
+    adv = torch.where(keep, _advantages_2d(advantages, lp), 0.0)
     ratio = torch.exp((lp - anchor).clamp(-SAFETY_BOUND, SAFETY_BOUND))
     loss_unclipped = -adv * ratio
-    loss_clipped = -adv * ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
+    loss_clipped = -adv * ratio.clamp(1.0 - clip.epsilon_low, 1.0 + clip.epsilon_high)
     loss = torch.maximum(loss_unclipped, loss_clipped)
     clipped_dual = None
-    if clip_ratio_c is not None:
-        if not clip_ratio_c > 1.0:  # also rejects NaN
-            raise ValueError(f"clip_ratio_c must be > 1 (dual-clip PPO), got {clip_ratio_c}.")
-        capped = torch.minimum(loss, -adv * clip_ratio_c)
-        clipped_dual = keep & (adv < 0) & (loss > -adv * clip_ratio_c)
+    if clip.clip_ratio_c is not None:
+        capped = torch.minimum(loss, -adv * clip.clip_ratio_c)
+        clipped_dual = keep & (adv < 0) & (loss > -adv * clip.clip_ratio_c)
         loss = torch.where(adv < 0, capped, loss)
     clipped = keep & (loss_clipped > loss_unclipped)
     return PolicyLossOutput(
@@ -134,33 +159,6 @@ def reinforce_per_token_loss(
     return PolicyLossOutput(per_token_loss=torch.where(keep, -adv * w * safe_lp, 0.0), mask=keep)
 
 
-def decoupled_policy_loss(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    is_weights: Optional[torch.Tensor],
-    *,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    clip_ratio_c: Optional[float] = None,
-) -> PolicyLossOutput:
-    """Decoupled mode: PPO clip on pi_theta / pi_old, times the IS weights after clipping.
-
-    Args:
-        log_probs: (B, T) pi_theta (with grad). old_log_probs: (B, T) pi_old. advantages: (B,) or (B, T).
-        response_mask: (B, T), the RS mask from ``compute_rollout_correction``.
-        is_weights: (B, T) weights from ``compute_rollout_correction`` (pi_old / mu), or None.
-    """
-    out = ppo_clip_per_token_loss(
-        log_probs, old_log_probs, advantages, response_mask,
-        epsilon_low=epsilon_low, epsilon_high=epsilon_high, clip_ratio_c=clip_ratio_c,
-    )
-    if is_weights is not None:
-        out.per_token_loss = torch.where(out.mask, out.per_token_loss * is_weights.detach().float(), 0.0)
-    return out
-
-
 def bypass_policy_loss(
     log_probs: torch.Tensor,
     rollout_log_probs: torch.Tensor,
@@ -168,22 +166,20 @@ def bypass_policy_loss(
     response_mask: torch.Tensor,
     config: RolloutCorrectionConfig,
     *,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    clip_ratio_c: Optional[float] = None,
+    correction_fn: CorrectionFn,
+    clip: PPOClip = PPOClip(),
     all_reduce: Optional[AllReduce] = None,
-    correction_fn: Optional[Callable[..., RolloutCorrectionOutput]] = None,
 ) -> PolicyLossOutput:
     """Bypass mode: correction from pi_theta vs mu (no grad), then PPO-clip or REINFORCE.
 
     Args:
         log_probs: (B, T) pi_theta (with grad), nats. rollout_log_probs: (B, T) mu, nats.
         advantages: (B,) or (B, T). response_mask: (B, T) 0/1 completion mask.
-        config: must have ``bypass_mode=True``.
-        all_reduce: cross-rank sum for batch normalisation (see ``compute_rollout_correction``).
-        correction_fn: optional ``fn(log_probs, rollout_log_probs, response_mask, all_reduce=None)`` computing
-            the correction for ``config`` (e.g. ``correction.compiled_rollout_correction(config)``); default:
-            ``compute_rollout_correction`` with ``config``.
+        config: must have ``bypass_mode=True``; ``bypass_loss_type`` picks the loss.
+        correction_fn: ``fn(log_probs, rollout_log_probs, response_mask, all_reduce=None)`` computing the
+            correction for ``config``: ``correction.make_correction_fn(config)`` (or ``compile=True``).
+        clip: the PPO clip range (``ppo_clip`` only).
+        all_reduce: cross-rank sum for batch normalisation (see ``compute_rollout_correction``), None on one rank.
 
     Returns:
         PolicyLossOutput with ``correction`` set (its stats hold this micro-batch's metrics).
@@ -192,25 +188,15 @@ def bypass_policy_loss(
         ValueError: if ``config.bypass_mode`` is False, or as ``compute_rollout_correction``.
     """
     if not config.bypass_mode:
-        raise ValueError("bypass_policy_loss needs a config with bypass_mode=True; use decoupled_policy_loss otherwise.")
-    with torch.no_grad():
-        if correction_fn is None:
-            correction = compute_rollout_correction(log_probs.detach(), rollout_log_probs, response_mask, config, all_reduce=all_reduce)
-        else:
-            correction = correction_fn(log_probs.detach(), rollout_log_probs, response_mask, all_reduce=all_reduce)
-    if config.bypass_loss_type == "ppo_clip":
-        out = ppo_clip_per_token_loss(
-            log_probs, rollout_log_probs, advantages, correction.response_mask,
-            epsilon_low=epsilon_low, epsilon_high=epsilon_high, clip_ratio_c=clip_ratio_c,
+        raise ValueError(
+            "bypass_policy_loss needs a config with bypass_mode=True; decoupled mode runs TRL's own loss "
+            "(trl_compat.inject_rs_mask_and_is_weights)."
         )
+    with torch.no_grad():
+        correction = correction_fn(log_probs.detach(), rollout_log_probs, response_mask, all_reduce=all_reduce)
+    if config.bypass_loss_type == "ppo_clip":
+        out = ppo_clip_per_token_loss(log_probs, rollout_log_probs, advantages, correction.response_mask, clip)
     else:
         out = reinforce_per_token_loss(log_probs, advantages, correction.response_mask, correction.weights)
     out.correction = correction
     return out
-
-
-def masked_token_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over the tokens where ``mask`` is 1; 0 (with zero gradient) when the mask is empty."""
-    keep = mask != 0
-    total = torch.where(keep, per_token, 0.0).sum()
-    return total / keep.sum().clamp(min=1)

@@ -13,15 +13,22 @@ a ``with`` block so that a caller which only expects token ids (TRL's GRPO gener
 the log-probs are recorded on the side, by a logits processor appended after all the others
 (``SampledTokenLogProbs``; memory O(B * V), where ``output_scores=True`` would keep T tensors of (B, V)).
 ``behaviour_log_probs_from_scores`` computes the same values from ``out.scores`` (reference, used in tests).
+
+``generate_in_dtype`` makes ``generate`` sample from a down-cast copy of the weights (e.g. a bf16 rollout engine
+next to a float32 trainer: a real, small numerical mismatch to measure and correct) and restores the weights
+exactly afterwards.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
+
+# The dtypes generate_in_dtype accepts by name (the trainer config's rollout_generate_dtype).
+GENERATE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def behaviour_log_probs_from_scores(
@@ -45,7 +52,9 @@ def behaviour_log_probs_from_scores(
             than there are score steps.
     """
     if len(scores) == 0:
-        raise ValueError("No generation scores: call generate with output_scores=True and return_dict_in_generate=True.")
+        raise ValueError(
+            "No generation scores: call generate with output_scores=True and return_dict_in_generate=True."
+        )
     num_steps = len(scores)
     batch = sequences.size(0)
     generated = sequences[:, prompt_length:]
@@ -133,10 +142,8 @@ class SampledTokenLogProbs:
     def __init__(self) -> None:
         self._previous: Optional[torch.Tensor] = None
         self._values: list[torch.Tensor] = []
-        self.calls = 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
         if self._previous is not None:
             self._values.append(self._previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
         self._previous = torch.log_softmax(scores.to(torch.float32), dim=-1)
@@ -251,6 +258,89 @@ def capture_generate_log_probs(model: torch.nn.Module) -> Iterator[GenerateCaptu
     model.generate = generate_with_log_probs
     try:
         yield capture
+    finally:
+        if had_instance_attr:
+            model.generate = previous
+        else:
+            del model.generate
+
+
+def resolve_generate_dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
+    """``"bfloat16"`` / ``"float16"`` / ``"float32"`` (or the torch dtype itself) as a floating torch dtype.
+
+    Raises:
+        ValueError: for any other name or dtype (the message lists the allowed names).
+    """
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in GENERATE_DTYPES.values()):
+        return dtype
+    if isinstance(dtype, str) and dtype in GENERATE_DTYPES:
+        return GENERATE_DTYPES[dtype]
+    raise ValueError(f"generate dtype must be one of {', '.join(GENERATE_DTYPES)} (or None), got {dtype!r}.")
+
+
+@contextlib.contextmanager
+def cast_floating_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Within the block, every floating parameter and buffer of ``model`` holds a ``dtype`` copy of its values.
+
+    On exit (also on error) every parameter gets back its original ``.data`` tensor and every buffer its original
+    tensor: the very same storage, so the restore is bit-exact and keeps any view relation (e.g. DeepSpeed's
+    flattened parameter groups); parameter objects (and so optimizer state) are never replaced. Tensors already
+    in ``dtype`` and non-floating tensors are left alone. Memory: one ``dtype`` copy of the weights.
+    """
+    params = [p for p in model.parameters() if p.is_floating_point() and p.dtype != dtype]
+    buffers = [
+        (module, name, buf)
+        for module in model.modules()
+        for name, buf in module.named_buffers(recurse=False)
+        if buf.is_floating_point() and buf.dtype != dtype
+    ]
+    originals = [p.data for p in params]
+    try:
+        with torch.no_grad():
+            for p in params:
+                p.data = p.data.to(dtype)
+            for module, name, buf in buffers:
+                setattr(module, name, buf.to(dtype))
+        yield
+    finally:
+        for p, data in zip(params, originals):
+            p.data = data
+        for module, name, buf in buffers:
+            setattr(module, name, buf)
+
+
+@contextlib.contextmanager
+def generate_in_dtype(model: torch.nn.Module, dtype: Union[str, torch.dtype, None]) -> Iterator[None]:
+    """Within the block, ``model.generate`` samples from a ``dtype`` copy of the weights (see
+    ``cast_floating_weights``); the weights are restored bit-exactly when each call returns.
+
+    The cast happens inside ``generate``, i.e. after any gathering the caller does around it (TRL's
+    ``unwrap_model_for_generation``), and only for the call's duration, so the trainer's forwards always see the
+    original weights. It composes with ``capture_generate_log_probs`` (enter this one first): the behaviour
+    log-probs are then those of the down-cast sampler, as a low-precision rollout engine would report them.
+
+    Args:
+        model: the module whose ``generate`` the caller will use.
+        dtype: ``"bfloat16"``, ``"float16"``, ``"float32"``, a torch dtype, or None (the block does nothing).
+
+    Raises:
+        ValueError: for an unsupported dtype (at entry).
+    """
+    dtype = resolve_generate_dtype(dtype)
+    if dtype is None:
+        yield
+        return
+    had_instance_attr = "generate" in vars(model)
+    previous = vars(model).get("generate")
+    original = model.generate
+
+    def generate_cast(*args, **kwargs):
+        with cast_floating_weights(model, dtype):
+            return original(*args, **kwargs)
+
+    model.generate = generate_cast
+    try:
+        yield
     finally:
         if had_instance_attr:
             model.generate = previous

@@ -1,0 +1,108 @@
+"""Shared fixtures: tiny local models (no Hub access) and the trainer factories used by the trainer tests.
+
+Markers registered here: ``unit`` marks the fast component tests (pure math, config, losses, TRL formulas, the
+accumulator, the generate engine on a tiny model; no training run), so ``pytest -m unit`` selects them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_model import make_tiny_model_dir, prompt_dataset, reward_len
+
+torch.set_num_threads(1)  # the test machine's cores are shared; every test runs single-threaded
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "unit: fast component tests (no training run, seconds in all); `pytest -m unit`"
+    )
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    """A tiny random Llama with its char-level tokenizer, saved locally (seed 0)."""
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_llama")), "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(tmp_path_factory):
+    """A tiny random Qwen2 with its char-level tokenizer, saved locally (seed 1)."""
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2", seed=1)
+
+
+def _make_args(tmp_path, **overrides):
+    from trl_rollout_corr.trainer import RolloutCorrGRPOConfig
+
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        learning_rate=1e-3,
+        save_strategy="no",
+        beta=0.0,
+        seed=0,
+        disable_tqdm=True,
+        # TRL defaults to bf16 autocast (also on CPU); the tests train in float32 unless they say otherwise
+        bf16=False,
+    )
+    kwargs.update(overrides)
+    return RolloutCorrGRPOConfig(**kwargs)
+
+
+def _make_trainer(model_dir, tmp_path, trainer_cls=None, reward_funcs=reward_len, **overrides):
+    from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
+
+    trainer_cls = trainer_cls or RolloutCorrGRPOTrainer
+    args = _make_args(tmp_path, **overrides)
+    return trainer_cls(model=model_dir, reward_funcs=reward_funcs, args=args, train_dataset=prompt_dataset(8))
+
+
+def _step_logs(trainer):
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def _loss_inputs(trainer, log_ratio_rows, advantages):
+    """A 2-row micro-batch; returns (inputs, pi_theta log-probs, log of the given ratios) with mask
+    [[1,1,1],[1,1,0]]."""
+    prompt_ids = torch.tensor([[2, 10, 11], [2, 12, 13]])
+    completion_ids = torch.tensor([[14, 15, 16], [17, 18, 0]])
+    completion_mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([prompt_ids, completion_ids], 1),
+            torch.cat([torch.ones_like(prompt_ids), completion_mask], 1), 3)
+    inputs = dict(prompt_ids=prompt_ids, prompt_mask=torch.ones_like(prompt_ids), completion_ids=completion_ids,
+                  completion_mask=completion_mask, advantages=torch.tensor(advantages),
+                  num_items_in_batch=completion_mask.sum())
+    return inputs, logp.float(), torch.tensor(log_ratio_rows).log()
+
+
+@pytest.fixture
+def make_args():
+    """``make_args(tmp_path, **overrides) -> RolloutCorrGRPOConfig``: a 3-step float32 CPU config."""
+    return _make_args
+
+
+@pytest.fixture
+def make_trainer():
+    """``make_trainer(model_dir, tmp_path, trainer_cls=None, reward_funcs=reward_len, **config_overrides)``."""
+    return _make_trainer
+
+
+@pytest.fixture
+def step_logs():
+    """``step_logs(trainer)``: the training log records (those with a ``loss``)."""
+    return _step_logs
+
+
+@pytest.fixture
+def loss_inputs():
+    """``loss_inputs(trainer, log_ratio_rows, advantages)``: a hand-made 2-row micro-batch (see ``_loss_inputs``)."""
+    return _loss_inputs

@@ -1,0 +1,385 @@
+"""trl_compat: the TRL 1.16 formulas the trainer mirrors, tested directly (hand-computed values) and pinned to
+TRL's source and signatures (the ``test_trl_coupling_*`` tests fail loudly when the pinned TRL changes)."""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import math
+
+import pytest
+import torch
+import trl
+from trl import GRPOTrainer
+
+from tiny_model import reward_len
+from trl_rollout_corr import trl_compat
+from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
+
+# TRL's defaults for one reward function (GRPOConfig: scale_rewards="group", sum_then_normalize, weights 1).
+ONE_REWARD = dict(
+    reward_weights=torch.ones(1), multi_objective_aggregation="sum_then_normalize", scale_rewards="group"
+)
+
+
+# ---------------------------------------------------------------------------------------------- TRL coupling pins
+def test_trl_coupling_version_and_signatures():
+    assert trl.__version__.startswith("1.16."), "trainer.py and trl_compat.py are written against trl 1.16"
+    sig = {name: list(inspect.signature(getattr(GRPOTrainer, name)).parameters) for name in (
+        "_generate_single_turn", "_generate", "_calculate_rewards", "_get_per_token_logps_and_entropies",
+        "_generate_and_score_completions", "_compute_loss", "log")}
+    assert sig["_generate_single_turn"] == [
+        "self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"]
+    assert sig["_calculate_rewards"] == ["self", "inputs", "prompts", "completions", "completion_ids_list"]
+    assert sig["_get_per_token_logps_and_entropies"][:5] == [
+        "self", "model", "input_ids", "attention_mask", "logits_to_keep"]
+    assert sig["_compute_loss"] == ["self", "model", "inputs"]
+    src_gen = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    src_loss = inspect.getsource(GRPOTrainer._compute_loss)
+    src_single = inspect.getsource(GRPOTrainer._generate_single_turn)
+    # (a)/(b): behaviour log-probs arrive as _generate()'s 5th value and become sampling_per_token_logps
+    assert 'output["sampling_per_token_logps"] = sampling_per_token_logps' in src_gen
+    assert "unwrapped_model.generate(" in src_single
+    # (c): TRL's own pi_old rule, reproduced by _trl_computes_old_log_probs
+    assert "self.args.gradient_accumulation_steps % generate_every != 0" in src_gen
+    assert src_gen.index("old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies") < src_gen.index(
+        "ref_per_token_logps, _, _ = self._get_per_token_logps_and_entropies")
+    # (d): rewards gathered, NaN rows excluded from the baseline, local slice by process index
+    assert "self._calculate_rewards(inputs, prompts, completions, completion_ids_list)" in src_gen
+    assert "advantages = torch.nan_to_num(advantages, nan=0.0)" in src_gen
+    # (e): tool_mask enters only the loss mask; (B, T) advantages accepted; homogeneous clipped loss
+    assert 'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]' in src_loss
+    assert "if advantages.dim() == 1:" in src_loss
+    assert "per_token_loss = -torch.min(per_token_loss1, per_token_loss2)" in src_loss
+    assert src_loss.count("tool_mask") == 2  # both on that one line
+    # transformers: the behaviour-log-prob recorder is appended to the list _get_logits_processor returns
+    from transformers.generation.utils import GenerationMixin
+
+    assert "generation_config" in inspect.signature(GenerationMixin._get_logits_processor).parameters
+
+
+def test_trl_coupling_formulas_mirrored_in_trl_compat():
+    """The TRL source lines behind each trl_compat function (see its module header)."""
+    src_gen = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    src_loss = inspect.getsource(GRPOTrainer._compute_loss)
+    # group_advantages: unscorable rows NaN, the two aggregations, TRL's std epsilon, the per-process slice
+    assert "unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)" in src_gen
+    assert 'if self.multi_objective_aggregation == "sum_then_normalize":' in src_gen
+    assert 'elif self.multi_objective_aggregation == "normalize_then_sum":' in src_gen
+    assert "advantages = advantages / (std_rewards + 1e-4)" in src_gen and trl_compat.ADVANTAGE_STD_EPS == 1e-4
+    assert "self.accelerator.process_index * len(prompts)," in src_gen
+    # replace_logged_advantages: the completions table gets the gathered advantages once per generation batch
+    assert src_gen.count('self._logs["advantages"].extend(all_process_advantages.tolist())') == 1
+    # prompt_completion_inputs / MULTIMODAL_FORWARD_KEYS: what _compute_loss passes to the log-prob forward
+    assert "input_ids = torch.cat([prompt_ids, completion_ids], dim=1)" in src_loss
+    assert "attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)" in src_loss
+    forward_params = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters
+    for key in trl_compat.MULTIMODAL_FORWARD_KEYS:
+        assert key in forward_params and f'{key}=inputs.get("{key}")' in src_loss, key
+    # per_token_kl: k3 to pi_ref, bias-corrected by the policy ratio
+    assert "torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1" in src_loss
+    assert "per_token_kl = per_token_kl * coef_1" in src_loss
+    # aggregate_loss: the four normalisers and the accumulation scaling
+    assert "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()" in src_loss
+    assert "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)" in src_loss
+    assert "loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * self.max_completion_length)" in src_loss
+    assert 'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes' in src_loss
+    assert "normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation" in (
+        src_loss)
+    # global_masked_mean: token-level sums reduced across processes
+    assert "local_sum, local_count = (x * mask).sum(), mask.sum().float()" in src_loss
+    assert 'totals = self.accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")' in src_loss
+    # SUPPORTED_LOSS_TYPES["decoupled"]: every one of them is a branch of TRL's loss
+    for loss_type in trl_compat.SUPPORTED_LOSS_TYPES["decoupled"]:
+        assert f'"{loss_type}"' in src_loss, loss_type
+    # check_vllm_server_logprobs: the client method it calls
+    from trl.generation.vllm_client import VLLMClient
+
+    assert "get_server_info" in vars(VLLMClient)
+
+
+def test_trl_coupling_trainer_signature_and_our_names_do_not_shadow_trl():
+    """The trainer binds its arguments to GRPOTrainer.__init__'s signature; its own private names are not TRL's."""
+    params = list(inspect.signature(GRPOTrainer.__init__).parameters)
+    assert params[:4] == ["self", "model", "reward_funcs", "args"]
+    hooks = {"__init__", "_generate_single_turn", "_generate", "_calculate_rewards",
+             "_get_per_token_logps_and_entropies", "_generate_and_score_completions", "_compute_loss", "log"}
+    ours = set(vars(RolloutCorrGRPOTrainer)) - hooks - {"__module__", "__qualname__", "__doc__", "__firstlineno__",
+                                                         "__static_attributes__"}
+    assert ours and not [name for name in ours if hasattr(GRPOTrainer, name)]
+    assert hooks <= set(vars(RolloutCorrGRPOTrainer)) and all(hasattr(GRPOTrainer, name) for name in hooks)
+
+
+@pytest.mark.parametrize("setting", [
+    dict(scale_rewards="group"), dict(scale_rewards="batch"), dict(scale_rewards="none"),
+    dict(multi_objective_aggregation="normalize_then_sum"),
+])
+def test_trl_coupling_advantage_formula_matches_trl(setting, llama_dir, tmp_path, make_trainer):
+    """With nothing rejected, group_advantages reproduces TRL's advantages exactly (bit for bit)."""
+    rewards_seen, advantages_seen = [], []
+
+    class Spy(RolloutCorrGRPOTrainer):
+        def _calculate_rewards(self, *args):
+            rewards = super()._calculate_rewards(*args)
+            rewards_seen.append(rewards.clone())
+            return rewards
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            advantages_seen.append(out["advantages"].clone())
+            return out
+
+    def reward_digits(completions, **kwargs):
+        return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+    trainer = make_trainer(llama_dir, tmp_path, trainer_cls=Spy, reward_funcs=[reward_len, reward_digits],
+                           rollout_corr_preset="decoupled_token_is", max_steps=2, **setting)
+    trainer.train()
+    assert len(rewards_seen) == len(advantages_seen) == 2
+    for advantages, rewards in zip(advantages_seen, rewards_seen):
+        ours = trl_compat.group_advantages(
+            rewards, torch.zeros(rewards.size(0), dtype=torch.bool), reward_weights=trainer.reward_weights,
+            num_generations=4, multi_objective_aggregation=trainer.multi_objective_aggregation,
+            scale_rewards=trainer.scale_rewards,
+        )
+        torch.testing.assert_close(ours, advantages, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_trl_coupling_bypass_aggregation_matches_trl_loss(loss_type, llama_dir, tmp_path, make_trainer, loss_inputs):
+    """Bypass ppo_clip without IS/RS == TRL's own loss with old_per_token_logps := mu (incl. beta KL,
+    bias-corrected)."""
+    trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="bypass_ppo_clip", loss_type=loss_type, beta=0.04,
+                           gradient_accumulation_steps=2)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    inputs, logp, log_direct = loss_inputs(trainer, [[3.0, 1.1, 0.7], [0.9, 1.3, 1.0]], [1.0, -0.5])
+    mu = logp - log_direct
+    inputs.update(rollout_log_probs=mu, ref_per_token_logps=logp + torch.tensor([[0.1, -0.2, 0.3], [0.05, 0.0, 0.0]]))
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    ours = trainer._compute_loss(trainer.model, inputs)
+    grads_ours = torch.autograd.grad(ours, params)
+    theirs = GRPOTrainer._compute_loss(trainer, trainer.model, {**inputs, "old_per_token_logps": mu})
+    grads_theirs = torch.autograd.grad(theirs, params)
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
+    for a, b in zip(grads_ours, grads_theirs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+@pytest.mark.unit
+def test_fully_rejected_row_gets_zero_advantage_and_leaves_baseline():
+    rewards = torch.tensor([[1.0], [0.0], [1.0], [5.0], [2.0], [2.0], [0.0], [4.0]])
+    excluded = torch.tensor([False, False, False, True, False, False, False, False])
+    adv = trl_compat.group_advantages(rewards, excluded, num_generations=4, **ONE_REWARD)
+    # group 0 without row 3: rewards [1, 0, 1], mean 2/3, unbiased std 0.577350
+    std0 = math.sqrt(((1 / 3) ** 2 * 2 + (2 / 3) ** 2) / 2)
+    expected0 = [(1 - 2 / 3) / (std0 + 1e-4), (0 - 2 / 3) / (std0 + 1e-4), (1 - 2 / 3) / (std0 + 1e-4), 0.0]
+    torch.testing.assert_close(adv[:4], torch.tensor(expected0), atol=1e-6, rtol=0)
+    # the baseline equals that of the group without the row at all
+    alone = trl_compat.group_advantages(torch.tensor([[1.0], [0.0], [1.0]]), torch.zeros(3, dtype=torch.bool),
+                                        num_generations=3, **ONE_REWARD)
+    torch.testing.assert_close(adv[:3], alone)
+    # group 1 untouched: rewards [2, 2, 0, 4], mean 2, std sqrt(8/3)
+    std1 = math.sqrt(8 / 3)
+    torch.testing.assert_close(adv[4:], torch.tensor([0.0, 0.0, -2 / (std1 + 1e-4), 2 / (std1 + 1e-4)]),
+                               atol=1e-6, rtol=0)
+
+    # through advantages_after_rejection (one process) with and without keeping the row in the baseline
+    def after(advantages, rejected, keep):
+        return trl_compat.advantages_after_rejection(
+            advantages, rejected, rewards, keep_rejected_in_baseline=keep, process_index=0, num_generations=4,
+            **ONE_REWARD).local
+
+    trl_adv = trl_compat.group_advantages(rewards, torch.zeros(8, dtype=torch.bool), num_generations=4, **ONE_REWARD)
+    torch.testing.assert_close(after(trl_adv, excluded, False), adv)
+    kept = after(trl_adv, excluded, True)
+    assert kept[3] == 0.0
+    torch.testing.assert_close(kept[:3], trl_adv[:3])  # verl: rejected row still shapes the baseline
+    # nothing rejected anywhere: TRL's advantages are returned as they are
+    assert after(trl_adv, torch.zeros(8, dtype=torch.bool), False) is trl_adv
+
+
+@pytest.mark.unit
+def test_group_advantages_other_settings_by_hand():
+    rewards = torch.tensor([[1.0], [3.0], [float("nan")], [0.0], [2.0], [4.0]])  # row 2: no reward function scored it
+    none = torch.zeros(6, dtype=torch.bool)
+    # scale_rewards="none": centred only; the unscorable row is out of its group's mean and gets 0
+    adv = trl_compat.group_advantages(rewards, none, reward_weights=torch.ones(1), num_generations=3,
+                                      multi_objective_aggregation="sum_then_normalize", scale_rewards="none")
+    torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0, 0.0, -2.0, 0.0, 2.0]))
+    # scale_rewards="batch" with row 5 excluded: mean per group, std over the batch's 4 remaining scored rows
+    excluded = torch.tensor([False, False, False, False, False, True])
+    adv = trl_compat.group_advantages(rewards, excluded, reward_weights=torch.ones(1), num_generations=3,
+                                      multi_objective_aggregation="sum_then_normalize", scale_rewards="batch")
+    std = torch.tensor([1.0, 3.0, 0.0, 2.0]).std().item()  # unbiased, as TRL's nanstd
+    expected = torch.tensor([-1.0, 1.0, 0.0, -1.0, 1.0, 0.0]) / (std + 1e-4)
+    expected[2] = 0.0
+    torch.testing.assert_close(adv, expected)
+    # normalize_then_sum, two functions with weights (1, 2), one group of two rows
+    two = torch.tensor([[0.0, 1.0], [2.0, 3.0]])
+    adv = trl_compat.group_advantages(two, torch.zeros(2, dtype=torch.bool), reward_weights=torch.tensor([1.0, 2.0]),
+                                      num_generations=2, multi_objective_aggregation="normalize_then_sum",
+                                      scale_rewards="group")
+    z = 1 / (math.sqrt(2) + 1e-4)  # each function: (x - mean) / (std + eps) = -+1/sqrt(2) scaled
+    summed = torch.tensor([-3 * z, 3 * z])
+    torch.testing.assert_close(adv, summed / (summed.std() + 1e-4))
+    with pytest.raises(ValueError, match="scale_rewards"):
+        trl_compat.group_advantages(rewards, none, reward_weights=torch.ones(1), num_generations=3,
+                                    multi_objective_aggregation="sum_then_normalize", scale_rewards="rank")
+    with pytest.raises(ValueError, match="multi_objective_aggregation"):
+        trl_compat.group_advantages(rewards, none, reward_weights=torch.ones(1), num_generations=3,
+                                    multi_objective_aggregation="max", scale_rewards="group")
+
+
+@pytest.mark.unit
+def test_advantages_after_rejection_slices_this_process_rows():
+    # 2 processes x 4 rows, one group of 4 per process; process 1's row 5 (global) is rejected
+    rewards = torch.tensor([[1.0], [0.0], [1.0], [5.0], [2.0], [2.0], [0.0], [4.0]])
+    rejected = torch.zeros(8, dtype=torch.bool)
+    rejected[5] = True
+    trl_adv = trl_compat.group_advantages(rewards, torch.zeros(8, dtype=torch.bool), num_generations=4, **ONE_REWARD)
+    out = {}
+    for rank in (0, 1):
+        out[rank] = trl_compat.advantages_after_rejection(
+            trl_adv[4 * rank : 4 * rank + 4], rejected, rewards, keep_rejected_in_baseline=False,
+            process_index=rank, num_generations=4, **ONE_REWARD)
+    full = trl_compat.group_advantages(rewards, rejected, num_generations=4, **ONE_REWARD)
+    torch.testing.assert_close(torch.cat([out[0].local, out[1].local]), full)
+    torch.testing.assert_close(out[0].all_processes, full)
+    torch.testing.assert_close(out[0].local, trl_adv[:4])  # the other group is untouched
+    assert out[1].local[1] == 0.0
+    # without rewards (unknown), only the rejected row is zeroed
+    blind = trl_compat.advantages_after_rejection(trl_adv[4:], rejected, None, keep_rejected_in_baseline=False,
+                                                  process_index=1, num_generations=4, **ONE_REWARD)
+    assert blind.all_processes is None and blind.local.tolist() == [trl_adv[4].item(), 0.0, *trl_adv[6:].tolist()]
+
+
+@pytest.mark.unit
+def test_replace_logged_advantages_rewrites_the_last_batch():
+    logged = collections.deque([9.0, 1.0, 2.0, 3.0], maxlen=5)
+    trl_compat.replace_logged_advantages(logged, torch.tensor([0.5, 0.0, -0.5]))
+    assert list(logged) == [9.0, 0.5, 0.0, -0.5]
+    short = [1.0]
+    trl_compat.replace_logged_advantages(short, torch.tensor([0.5, 0.0]))
+    assert short == [0.5, 0.0]
+
+
+@pytest.mark.unit
+def test_trl_computes_old_log_probs_rule():
+    def rule(ga, spg, iters, vllm=False, vllm_is=False):
+        return trl_compat.trl_computes_old_log_probs(
+            gradient_accumulation_steps=ga, steps_per_generation=spg, num_iterations=iters, use_vllm=vllm,
+            vllm_importance_sampling_correction=vllm_is)
+
+    assert not rule(1, 1, 1) and not rule(4, 2, 2) and not rule(2, 1, 2)
+    assert rule(1, 2, 1) and rule(1, 1, 2) and rule(2, 4, 1)  # data reused after an optimizer step
+    assert rule(1, 1, 1, vllm=True, vllm_is=True) and not rule(1, 1, 1, vllm=True, vllm_is=False)
+
+
+# ---------------------------------------------------------------------------------------------- loss inputs
+@pytest.mark.unit
+def test_loss_mask_and_forward_inputs():
+    batch = dict(prompt_ids=torch.tensor([[1, 2]]), prompt_mask=torch.tensor([[0, 1]]),
+                 completion_ids=torch.tensor([[3, 4, 5]]), completion_mask=torch.tensor([[1, 1, 0]]),
+                 pixel_values=torch.zeros(1, 3), unrelated=1)
+    assert trl_compat.loss_mask(batch).tolist() == [[1, 1, 0]]
+    assert trl_compat.loss_mask({**batch, "tool_mask": torch.tensor([[1, 0, 1]])}).tolist() == [[1, 0, 0]]
+    fwd = trl_compat.prompt_completion_inputs(batch)
+    assert fwd.input_ids.tolist() == [[1, 2, 3, 4, 5]] and fwd.attention_mask.tolist() == [[0, 1, 1, 1, 0]]
+    assert fwd.logits_to_keep == 3 and list(fwd.multimodal) == ["pixel_values"]
+
+
+def _trl_clipped_loss(log_ratio, advantages, eps=0.2):
+    """TRL's grpo per-token loss, -min(r A, clip(r) A), written out."""
+    ratio = torch.exp(log_ratio)
+    return -torch.min(ratio * advantages, ratio.clamp(1 - eps, 1 + eps) * advantages)
+
+
+@pytest.mark.unit
+def test_inject_rs_mask_and_is_weights():
+    batch = dict(advantages=torch.tensor([1.0, -0.5]), completion_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+                 rollout_rs_mask=torch.tensor([[0, 1, 1], [1, 0, 0]]),
+                 rollout_is_weights=torch.tensor([[2.0, 1.5, 0.0], [1.2, 0.25, 1.0]]))
+    out = trl_compat.inject_rs_mask_and_is_weights(batch)
+    assert out["tool_mask"] is batch["rollout_rs_mask"] and out["completion_mask"] is batch["completion_mask"]
+    torch.testing.assert_close(out["advantages"], torch.tensor([[2.0, 1.5, 0.0], [-0.6, -0.125, -0.5]]))
+    assert batch["advantages"].shape == (2,) and "tool_mask" not in batch  # the input is not modified
+    assert trl_compat.loss_mask(out).tolist() == [[0, 1, 1], [1, 0, 0]]
+    # W * loss(A) == loss(W * A) for TRL's clipped loss and W >= 0 (W = 0: IcePop outside the band)
+    log_ratio = torch.tensor([[0.5, -0.5, 0.1], [0.3, -0.3, 0.0]])
+    weights, adv2d = batch["rollout_is_weights"], batch["advantages"].unsqueeze(1)
+    torch.testing.assert_close(_trl_clipped_loss(log_ratio, out["advantages"]),
+                               weights * _trl_clipped_loss(log_ratio, adv2d))
+    # without IS weights only the mask changes
+    plain = trl_compat.inject_rs_mask_and_is_weights({k: v for k, v in batch.items() if k != "rollout_is_weights"})
+    assert plain["advantages"] is batch["advantages"]
+    with pytest.raises(KeyError):
+        trl_compat.inject_rs_mask_and_is_weights({"advantages": torch.zeros(1)})
+
+
+# ---------------------------------------------------------------------------------------------- loss aggregation
+@pytest.mark.unit
+def test_per_token_kl_by_hand():
+    lp = torch.tensor([[-1.0, -2.0, 0.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -2.0, float("nan")]])  # NaN at a padded position never leaks
+    keep = torch.tensor([[True, True, False]])
+    kl = trl_compat.per_token_kl(lp, ref, keep)
+    torch.testing.assert_close(kl.detach(), torch.tensor([[math.exp(-0.5) + 0.5 - 1, 0.0, 0.0]]))
+    old = torch.tensor([[-1.0 - math.log(2.0), -2.0, float("nan")]])  # ratio pi_theta / pi_old = [2, 1]
+    corrected = trl_compat.per_token_kl(lp, ref, keep, bias_correction_old_log_probs=old)
+    torch.testing.assert_close(corrected.detach(), kl.detach() * torch.tensor([[2.0, 1.0, 1.0]]))
+    corrected.sum().backward()
+    assert torch.isfinite(lp.grad).all()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("loss_type, expected", [
+    ("grpo", ((1 + 2) / 2 + 4 / 1) / 2 / 2),  # mean over rows of the row token means, / accumulation
+    ("bnpo", (1 + 2 + 4) / 3 / 2),  # token mean over the micro-batch, / accumulation
+    ("dr_grpo", (1 + 2 + 4) / (2 * 4) / 2),  # sum / (B * max_completion_length), / accumulation
+    ("dapo", (1 + 2 + 4) / (10 / 2 * 2 / 4)),  # sum / (global tokens / processes * accumulation / steps_per_gen)
+])
+def test_aggregate_loss_per_loss_type(loss_type, expected):
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, float("nan")]])  # NaN outside the mask never leaks
+    keep = torch.tensor([[True, True, False], [True, False, False]])
+    loss = trl_compat.aggregate_loss(per_token, keep, loss_type, accumulation_steps=2, max_completion_length=4,
+                                     num_items_in_batch=torch.tensor(10.0), num_processes=2, steps_per_generation=4)
+    assert loss.item() == pytest.approx(expected)
+
+
+@pytest.mark.unit
+def test_aggregate_loss_edge_cases():
+    empty = torch.zeros(2, 3, dtype=torch.bool)
+    loss = trl_compat.aggregate_loss(torch.ones(2, 3), empty, "grpo", accumulation_steps=1, max_completion_length=3)
+    assert loss.item() == 0.0  # counts clamp at 1: an all-rejected micro-batch has loss 0, not NaN
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        trl_compat.aggregate_loss(torch.ones(2, 3), empty, "dapo", accumulation_steps=1, max_completion_length=3)
+    with pytest.raises(ValueError, match="supports loss_type in"):
+        trl_compat.aggregate_loss(torch.ones(2, 3), empty, "cispo", accumulation_steps=1, max_completion_length=3)
+
+
+@pytest.mark.unit
+def test_global_masked_mean():
+    values = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])
+    keep = torch.tensor([[True, True, False], [True, False, False]])
+    assert trl_compat.global_masked_mean(values, keep) == pytest.approx(2.0)
+    # two ranks with the same tokens: the sums double, the mean does not change
+    assert trl_compat.global_masked_mean(values, keep, reduce_sum=lambda t: 2 * t) == pytest.approx(2.0)
+    other_rank = torch.tensor([10.0, 1.0])  # a rank holding one token of value 10
+    assert trl_compat.global_masked_mean(values, keep, reduce_sum=lambda t: t + other_rank) == pytest.approx(4.0)
+    assert trl_compat.global_masked_mean(values, torch.zeros_like(keep)) == 0.0
+
+
+@pytest.mark.unit
+def test_check_vllm_server_logprobs():
+    class Client:
+        def __init__(self, mode):
+            self.mode = mode
+
+        def get_server_info(self):
+            return {"model_config": {"logprobs_mode": self.mode}}
+
+    trl_compat.check_vllm_server_logprobs(Client("processed_logprobs"))
+    with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs"):
+        trl_compat.check_vllm_server_logprobs(Client("raw_logprobs"))

@@ -1,0 +1,200 @@
+"""Buffering of the ``rollout_corr/*`` metrics between two log calls, and their exact cross-rank flush.
+
+``RolloutCorrAccumulator`` keeps, per mode (``"train"`` / ``"eval"``), everything trained on since the previous
+log call:
+
+* the merged ``CorrectionStats`` of every correction call (decoupled: one per generation batch; bypass: one per
+  micro-batch): reducible sums, maxima and minima, O(number of metrics) memory;
+* the valid per-token log ratios of the trained tokens (``engine``, ``update``, ``direct``), for exact order
+  statistics (``exact_ratio_quantiles``);
+* the policy lag of every micro-batch (optimizer steps between generation and use).
+
+``flush(mode)`` reduces everything across ranks once, finalises once, and returns the metrics with TRL's
+``eval_`` prefix in evaluation. Cross-rank operations are passed in (``Reducers``), so this module knows neither
+TRL nor ``torch.distributed``.
+
+Memory: the log ratios are kept exactly, as float64 (8 bytes a token, per ratio name: three in decoupled mode,
+one in bypass mode) for every trained token until the next log call, and the flush all-gathers them, so each
+rank briefly holds ``world_size x`` the longest rank's tokens. At 1M trained tokens per rank per log window that
+is 24 MB per rank before the gather; raise the logging frequency (smaller ``logging_steps``) if it matters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from .correction import SAFETY_BOUND
+
+if TYPE_CHECKING:
+    from .correction import CorrectionStats
+
+MODES = ("train", "eval")
+PREFIX = "rollout_corr/"
+EVAL_PREFIX = "eval_"  # TRL's prefix for evaluation metrics
+# Quantiles logged for the ratio decomposition (rollout_corr/{engine,update,direct}_ratio_p01/p50/p99).
+RATIO_QUANTILES = (("p01", 0.01), ("p50", 0.5), ("p99", 0.99))
+
+Reducer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@dataclass(frozen=True)
+class Reducers:
+    """How tensors combine across ranks; the defaults are the one-process identities.
+
+    Attributes:
+        world_size: number of ranks.
+        sum, max, min: element-wise all-reduce of a tensor (same shape on every rank, result on every rank).
+        gather: all-gather of a tensor with the same shape on every rank, concatenated along dim 0 in rank order.
+    """
+
+    world_size: int = 1
+    sum: Reducer = _identity
+    max: Reducer = _identity
+    min: Reducer = _identity
+    gather: Reducer = _identity
+
+    @property
+    def all_reduce(self) -> Optional[Reducer]:
+        """The cross-rank sum for ``compute_rollout_correction(all_reduce=...)``, None on one rank."""
+        return self.sum if self.world_size > 1 else None
+
+
+def gather_uneven(values: torch.Tensor, reducers: Reducers) -> torch.Tensor:
+    """All-gather 1-D tensors whose length differs across ranks.
+
+    Args:
+        values: (N_rank,) float, this rank's values (no NaN: NaN is the padding).
+        reducers: the cross-rank operations.
+
+    Returns:
+        (sum of N_rank,) every rank's values in rank order; ``values`` itself on one rank.
+    """
+    if reducers.world_size <= 1:
+        return values
+    count = torch.tensor([values.numel()], device=values.device)
+    longest = int(reducers.gather(count).max())
+    padded = torch.full((longest,), float("nan"), dtype=values.dtype, device=values.device)
+    padded[: values.numel()] = values
+    gathered = reducers.gather(padded)
+    return gathered[~torch.isnan(gathered)]
+
+
+def exact_ratio_quantiles(log_ratios: torch.Tensor) -> dict[str, float]:
+    """Mean, p01, p50, p99 and max of the ratios ``exp(clamp(l, -SAFETY_BOUND, SAFETY_BOUND))``.
+
+    Exact order statistics (not a mean of per-rank or per-batch quantiles): the values are sorted once and the
+    quantiles interpolate linearly between order statistics, as ``torch.quantile``.
+
+    Args:
+        log_ratios: (N,) log ratios in nats (any float dtype; float64 as the accumulator keeps them).
+
+    Returns:
+        ``{"mean", "p01", "p50", "p99", "max"}`` ratio values (unitless), one host transfer; 0.0 for every key when
+        ``N == 0``.
+    """
+    if log_ratios.numel() == 0:
+        return {"mean": 0.0, **{k: 0.0 for k, _ in RATIO_QUANTILES}, "max": 0.0}
+    ratio = torch.exp(log_ratios.clamp(-SAFETY_BOUND, SAFETY_BOUND)).sort().values
+    n = ratio.numel()
+    out = {"mean": ratio.mean()}
+    for key, q in RATIO_QUANTILES:
+        pos = q * (n - 1)
+        lo = int(math.floor(pos))
+        hi = min(lo + 1, n - 1)
+        out[key] = ratio[lo] + (pos - lo) * (ratio[hi] - ratio[lo])
+    out["max"] = ratio[-1]
+    host = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in out.values()]).cpu().tolist()
+    return dict(zip(out.keys(), host))
+
+
+@dataclass
+class _ModeBuffer:
+    stats: Optional["CorrectionStats"] = None
+    log_ratios: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    lag_sum: int = 0
+    lag_count: int = 0
+    lag_max: int = 0
+
+
+class RolloutCorrAccumulator:
+    """The ``rollout_corr/*`` metrics of everything since the last ``flush``, per mode; see the module docstring.
+
+    Args:
+        reducers: the cross-rank operations used by ``flush`` (default: one process).
+
+    Every rank must call ``flush`` for the same mode at the same point (it runs collectives when
+    ``reducers.world_size > 1``), as the Trainer's ``log`` does.
+    """
+
+    def __init__(self, reducers: Reducers = Reducers()) -> None:
+        self.reducers = reducers
+        self._buffers = {mode: _ModeBuffer() for mode in MODES}
+
+    def _buffer(self, mode: str) -> _ModeBuffer:
+        if mode not in self._buffers:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+        return self._buffers[mode]
+
+    def add_stats(self, mode: str, stats: "CorrectionStats") -> None:
+        """Merge the statistics of one correction call (``RolloutCorrectionOutput.stats``) into ``mode``.
+
+        Raises:
+            ValueError: for an unknown mode, or (from ``CorrectionStats.merge``) statistics of another layout.
+        """
+        buffer = self._buffer(mode)
+        buffer.stats = stats if buffer.stats is None else buffer.stats.merge(stats)
+
+    def add_log_ratios(self, mode: str, log_ratios: dict[str, torch.Tensor]) -> None:
+        """Keep the valid per-token log ratios (nats) of one micro-batch, by name.
+
+        Args:
+            mode: ``"train"`` or ``"eval"``.
+            log_ratios: name -> tensor of the valid tokens' log ratios (any shape; flattened, detached, float64):
+                ``engine`` (log pi_old - log mu), ``update`` (log pi_theta - log pi_old), ``direct``
+                (log pi_theta - log mu). Logged as ``rollout_corr/{name}_ratio_{mean,p01,p50,p99,max}``.
+        """
+        store = self._buffer(mode).log_ratios
+        for name, values in log_ratios.items():
+            store.setdefault(name, []).append(values.detach().double().reshape(-1))
+
+    def add_policy_lag(self, mode: str, lag: int) -> None:
+        """Record one micro-batch's policy lag: optimizer steps between its generation and this update (0 =
+        on-policy). Every micro-batch has the same rows on every rank, so the mean over micro-batches is the mean
+        over the rows of the global batch and needs no cross-rank reduction."""
+        buffer = self._buffer(mode)
+        buffer.lag_sum += int(lag)
+        buffer.lag_count += 1
+        buffer.lag_max = max(buffer.lag_max, int(lag))
+
+    def flush(self, mode: str) -> dict[str, float]:
+        """The metrics of ``mode`` since the previous flush, exact over all ranks; empties the buffer.
+
+        Returns:
+            ``rollout_corr/*`` (``eval_rollout_corr/*`` for ``mode="eval"``) -> float: the finalised
+            ``CorrectionStats`` (if any were added), ``{name}_ratio_{mean,p01,p50,p99,max}`` per ratio name (if
+            any), and ``policy_lag_{mean,max}`` (if any micro-batch was recorded).
+        """
+        buffer = self._buffer(mode)
+        self._buffers[mode] = _ModeBuffer()
+        metrics: dict[str, float] = {}
+        if buffer.stats is not None:
+            reducers = self.reducers
+            metrics.update(buffer.stats.reduce(reducers.sum, reducers.max, reducers.min).finalize())
+        for name in sorted(buffer.log_ratios):
+            values = gather_uneven(torch.cat(buffer.log_ratios[name]), self.reducers)
+            for key, value in exact_ratio_quantiles(values).items():
+                metrics[f"{PREFIX}{name}_ratio_{key}"] = value
+        if buffer.lag_count:
+            metrics[f"{PREFIX}policy_lag_mean"] = buffer.lag_sum / buffer.lag_count
+            metrics[f"{PREFIX}policy_lag_max"] = float(buffer.lag_max)
+        if mode == "eval":
+            metrics = {f"{EVAL_PREFIX}{k}": v for k, v in metrics.items()}
+        return metrics

@@ -1,0 +1,402 @@
+"""The TRL 1.16 formulas and conventions that ``RolloutCorrGRPOTrainer`` must mirror, as pure functions.
+
+TRL has no hook for "advantages without these rows", "the loss of an objective TRL does not have" or "skip the
+pi_old forward", so the trainer reproduces a few of TRL's formulas. They all live here, next to each other, so a
+TRL upgrade means reading this file and its pins (``tests/test_trl_compat.py``), which check TRL's source text and
+signatures for every assumption below and fail loudly when the pinned TRL changes.
+
+Mirrored from ``trl/trainer/grpo_trainer.py`` of trl 1.16.0 (line numbers of that release):
+
+================================  ==========================================================================
+here                              TRL 1.16
+================================  ==========================================================================
+``group_advantages``              ``_generate_and_score_completions``: the advantage formula (2753-2810:
+                                  ``unscorable_mask``, ``sum_then_normalize`` / ``normalize_then_sum``,
+                                  ``scale_rewards``, ``nan_to_num``)
+``advantages_after_rejection``    the same, plus the per-process slice (2813-2818) and ``_logs["advantages"]``
+                                  (2837) through ``replace_logged_advantages``
+``trl_computes_old_log_probs``    the pi_old rule (2642-2645: ``gradient_accumulation_steps % generate_every``
+                                  or vLLM IS)
+``loss_mask``                     ``mask = completion_mask if "tool_mask" not in inputs else ...`` (3027, 2497)
+``prompt_completion_inputs``      ``_compute_loss``'s forward inputs (3022-3047) and ``MULTIMODAL_FORWARD_KEYS``
+                                  (the keyword arguments TRL passes to ``_get_per_token_logps_and_entropies``)
+``inject_rs_mask_and_is_weights`` relies on 3027 (``tool_mask`` enters only the loss mask), 3058 (``(B, T)``
+                                  advantages accepted) and 3120 (``-min(r A, clip(r) A)``, homogeneous in A)
+``per_token_kl``                  ``_compute_loss``'s k3 KL to pi_ref and ``use_bias_correction_kl`` (3100-3105)
+``aggregate_loss``                ``_compute_loss``'s normalisers for grpo / bnpo / dr_grpo / dapo (3153-3174)
+``global_masked_mean``            ``_compute_loss``'s nested ``global_masked_mean`` (3259-3265), token level
+``SUPPORTED_LOSS_TYPES``          which ``loss_type`` values each mode can serve (see its comment)
+``check_vllm_server_logprobs``    the vLLM server's ``get_server_info()["model_config"]["logprobs_mode"]``
+================================  ==========================================================================
+
+Nothing here touches a trainer object: every function takes tensors and the few config values it needs, so each
+is tested on its own against hand-computed values and against TRL itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, MutableSequence, NamedTuple, Optional
+
+import torch
+from trl.trainer.utils import nanstd
+
+from .correction import SAFETY_BOUND
+
+# Multimodal batch keys that TRL 1.16 forwards to _get_per_token_logps_and_entropies (as keyword arguments).
+MULTIMODAL_FORWARD_KEYS = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)
+
+# The TRL ``loss_type`` values each mode supports.
+# decoupled: TRL's own loss runs; its per-token loss must be positively homogeneous in the advantage
+#   (W * loss(A) == loss(W * A) for W >= 0), so that the IS weights can travel through the advantages
+#   (inject_rs_mask_and_is_weights). vespo is excluded: it applies its own importance weighting.
+# bypass: our loss replaces TRL's; these are the aggregations aggregate_loss reproduces.
+SUPPORTED_LOSS_TYPES = {
+    "decoupled": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"),
+    "bypass": ("grpo", "bnpo", "dr_grpo", "dapo"),
+}
+
+# TRL's epsilon in the advantage normalisation ``(r - mean) / (std + 1e-4)``.
+ADVANTAGE_STD_EPS = 1e-4
+
+
+def group_advantages(
+    rewards_per_func: torch.Tensor,
+    excluded: torch.Tensor,
+    *,
+    reward_weights: torch.Tensor,
+    num_generations: int,
+    multi_objective_aggregation: str,
+    scale_rewards: str,
+) -> torch.Tensor:
+    """TRL 1.16's GRPO advantage formula with the ``excluded`` rows removed from the statistics.
+
+    The excluded rows' rewards become NaN, which is TRL's own rule for rows without signal (every reward function
+    returned None): they leave the group mean/std (``nanmean``/``nanstd``) and their advantage is 0.
+
+    Args:
+        rewards_per_func: (B_global, F) float rewards gathered over all processes, rows grouped by prompt in
+            consecutive blocks of ``num_generations``; NaN where a function returned None.
+        excluded: (B_global,) bool, rows to leave out of the statistics (their advantage is 0).
+        reward_weights: (F,) weights of the reward functions (TRL's ``self.reward_weights``).
+        num_generations: completions per prompt (TRL: ``num_generations`` in train, ``num_generations_eval`` in eval).
+        multi_objective_aggregation: ``"sum_then_normalize"`` or ``"normalize_then_sum"``.
+        scale_rewards: ``"group"``, ``"batch"`` or ``"none"`` (used by ``sum_then_normalize``).
+
+    Returns:
+        (B_global,) advantages in reward units per std (unitless when scaled); equal, bit for bit, to TRL's when
+        ``excluded`` is all False (pinned in ``tests/test_trl_compat.py``).
+
+    Raises:
+        ValueError: for an unknown ``scale_rewards`` or ``multi_objective_aggregation`` (as TRL).
+    """
+    device = rewards_per_func.device
+    rewards_per_func = rewards_per_func.clone()
+    rewards_per_func[excluded.to(device)] = float("nan")
+    weights = reward_weights.to(device).unsqueeze(0)
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    if multi_objective_aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * weights).nansum(dim=1)
+        rewards[unscorable] = float("nan")
+        grouped = rewards.view(-1, num_generations)
+        mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+        advantages = rewards - mean
+        if scale_rewards == "group":
+            if num_generations > 1:
+                std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
+            else:
+                std = torch.zeros_like(rewards)
+            advantages = advantages / (std + ADVANTAGE_STD_EPS)
+        elif scale_rewards == "batch":
+            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+            advantages = advantages / (std + ADVANTAGE_STD_EPS)
+        elif scale_rewards != "none":
+            raise ValueError(f"Unsupported scale_rewards={scale_rewards!r}; use 'group', 'batch' or 'none'.")
+    elif multi_objective_aggregation == "normalize_then_sum":
+        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+        reward_k = ((grouped - mean_k) / (std_k + ADVANTAGE_STD_EPS)).view(-1, rewards_per_func.size(1))
+        rewards = (reward_k * weights).nansum(dim=1)
+        rewards[unscorable] = float("nan")
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        advantages = (rewards - torch.nanmean(rewards)) / (std + ADVANTAGE_STD_EPS)
+    else:
+        raise ValueError(
+            f"Unsupported multi_objective_aggregation={multi_objective_aggregation!r}; use 'sum_then_normalize' "
+            "or 'normalize_then_sum'."
+        )
+    advantages = torch.nan_to_num(advantages, nan=0.0)
+    advantages[excluded.to(device)] = 0.0
+    return advantages
+
+
+class RejectionAdvantages(NamedTuple):
+    """Result of ``advantages_after_rejection``.
+
+    Attributes:
+        local: (B_local,) the advantages of this process's rows.
+        all_processes: (B_global,) the recomputed advantages of every row (for TRL's completions table), or None
+            when nothing was recomputed.
+    """
+
+    local: torch.Tensor
+    all_processes: Optional[torch.Tensor]
+
+
+def advantages_after_rejection(
+    advantages: torch.Tensor,
+    rejected: torch.Tensor,
+    rewards_per_func: Optional[torch.Tensor],
+    *,
+    keep_rejected_in_baseline: bool,
+    process_index: int,
+    **formula: Any,
+) -> RejectionAdvantages:
+    """Advantages once rejection sampling has rejected whole rows (decoupled mode).
+
+    Args:
+        advantages: (B_local,) TRL's advantages of this process's rows.
+        rejected: (B_global,) bool, gathered over all processes (process ``k`` holds rows ``[k B_local, (k+1)
+            B_local)``, as TRL's ``process_slice``): rows with valid tokens that RS rejected entirely.
+        rewards_per_func: (B_global, F) TRL's gathered rewards (``_calculate_rewards``), or None if unknown.
+        keep_rejected_in_baseline: True: only the rejected rows' advantages become 0 (verl's behaviour); False:
+            the advantages are recomputed with the rejected rows out of their group's mean/std.
+        process_index: this process's rank.
+        **formula: the keyword arguments of ``group_advantages`` (reward_weights, num_generations,
+            multi_objective_aggregation, scale_rewards).
+
+    Returns:
+        RejectionAdvantages. ``local is advantages`` (the same tensor) when no row of any process is rejected.
+        Rows rejected entirely get advantage 0 in every case.
+    """
+    if not bool(rejected.any()):
+        return RejectionAdvantages(advantages, None)
+    start = process_index * advantages.size(0)
+    rejected_local = rejected[start : start + advantages.size(0)].to(advantages.device)
+    if keep_rejected_in_baseline or rewards_per_func is None:
+        return RejectionAdvantages(torch.where(rejected_local, torch.zeros_like(advantages), advantages), None)
+    all_advantages = group_advantages(rewards_per_func, rejected, **formula)
+    local = all_advantages[start : start + advantages.size(0)].to(advantages.dtype)
+    return RejectionAdvantages(local, all_advantages)
+
+
+def replace_logged_advantages(logged: MutableSequence[float], all_advantages: torch.Tensor) -> None:
+    """Replace the last ``B_global`` entries of TRL's completions-table column ``_logs["advantages"]``.
+
+    TRL appends ``all_process_advantages.tolist()`` once per generation batch; after the RS-aware recompute the
+    table should show what is trained on. ``logged`` is a list or a bounded deque (TRL's ``_logs`` columns).
+    """
+    for _ in range(min(len(logged), all_advantages.numel())):
+        logged.pop()
+    logged.extend(all_advantages.tolist())
+
+
+def trl_computes_old_log_probs(
+    *,
+    gradient_accumulation_steps: int,
+    steps_per_generation: int,
+    num_iterations: int,
+    use_vllm: bool,
+    vllm_importance_sampling_correction: bool,
+) -> bool:
+    """Whether ``GRPOTrainer._generate_and_score_completions`` runs its own pi_old forward (TRL 1.16's rule).
+
+    TRL runs it when generation and optimisation are misaligned (``gradient_accumulation_steps`` not a multiple of
+    ``steps_per_generation * num_iterations``: the samples are then used after an optimizer step) or when vLLM's
+    importance-sampling correction needs pi_old.
+    """
+    generate_every = steps_per_generation * num_iterations
+    return gradient_accumulation_steps % generate_every != 0 or (use_vllm and vllm_importance_sampling_correction)
+
+
+def loss_mask(batch: dict) -> torch.Tensor:
+    """TRL's loss mask: ``completion_mask`` times ``tool_mask`` when present. (B, T) integer 0/1."""
+    completion_mask = batch["completion_mask"]
+    return completion_mask if "tool_mask" not in batch else completion_mask * batch["tool_mask"]
+
+
+class ForwardInputs(NamedTuple):
+    """What TRL passes to ``_get_per_token_logps_and_entropies`` for a prompt + completion batch.
+
+    Attributes:
+        input_ids: (B, P + T) prompt then completion token ids.
+        attention_mask: (B, P + T) 0/1.
+        logits_to_keep: T, the completion width.
+        multimodal: the batch's ``MULTIMODAL_FORWARD_KEYS`` entries, as keyword arguments.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    logits_to_keep: int
+    multimodal: dict
+
+
+def prompt_completion_inputs(batch: dict) -> ForwardInputs:
+    """The forward inputs of a TRL generation batch (keys ``prompt_ids``, ``prompt_mask``, ``completion_ids``,
+    ``completion_mask`` and any multimodal keys), built as TRL's ``_compute_loss`` builds them."""
+    completion_ids = batch["completion_ids"]
+    return ForwardInputs(
+        input_ids=torch.cat([batch["prompt_ids"], completion_ids], dim=1),
+        attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
+        logits_to_keep=completion_ids.size(1),
+        multimodal={k: batch[k] for k in MULTIMODAL_FORWARD_KEYS if k in batch},
+    )
+
+
+def inject_rs_mask_and_is_weights(batch: dict) -> dict:
+    """A copy of a decoupled-mode micro-batch that makes TRL's own loss apply the RS mask and the IS weights.
+
+    * ``tool_mask := rollout_rs_mask``: in TRL's ``_compute_loss`` the tool mask only enters the loss mask and
+      normaliser (``mask = completion_mask * inputs["tool_mask"]``), while ``completion_mask`` also builds the
+      attention mask, so RS must not touch it. The RS mask already includes any original tool mask.
+    * ``advantages := A * W`` with the (B, T) IS weights W: TRL accepts (B, T) advantages (``if advantages.dim() ==
+      1: advantages = advantages.unsqueeze(1)``) and its clipped loss ``-min(r A, clip(r) A)`` is positively
+      homogeneous in A, so ``-min(r A W, clip(r) A W) == W * -min(r A, clip(r) A)`` for ``W >= 0``: the weight
+      multiplies the clipped per-token loss, exactly the decoupled objective (the same holds for the other
+      ``SUPPORTED_LOSS_TYPES["decoupled"]``).
+
+    Caveat: TRL's clip metrics are sign-based (``is_low_clipped`` counts tokens with ``advantages < 0``), so tokens
+    whose weight is 0 (IcePop outside its band) have A W = 0 and drop out of ``clip_ratio/*``; the loss is exact.
+
+    Args:
+        batch: a micro-batch as ``RolloutCorrGRPOTrainer._generate_and_score_completions`` returns it: it must hold
+            ``rollout_rs_mask`` (B, T) and ``advantages`` (B,) or (B, T); ``rollout_is_weights`` (B, T) is optional.
+
+    Returns:
+        A new dict (the input is not modified); ``advantages`` is (B, T) when weights are present.
+
+    Raises:
+        KeyError: if ``rollout_rs_mask`` is missing (the batch did not come from the decoupled correction).
+    """
+    out = dict(batch)
+    out["tool_mask"] = batch["rollout_rs_mask"]
+    weights = batch.get("rollout_is_weights")
+    if weights is not None:
+        advantages = batch["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        out["advantages"] = advantages * weights.to(advantages.dtype)
+    return out
+
+
+def per_token_kl(
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    keep: torch.Tensor,
+    *,
+    bias_correction_old_log_probs: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """TRL's per-token k3 KL to pi_ref, ``exp(ref - lp) - (ref - lp) - 1``, 0 outside ``keep``.
+
+    Args:
+        log_probs: (B, T) pi_theta log-probs (with grad), nats.
+        ref_log_probs: (B, T) pi_ref log-probs, nats.
+        keep: (B, T) bool; positions outside it are 0 (and never see NaN from padding).
+        bias_correction_old_log_probs: (B, T) pi_old log-probs (bypass mode: mu) for TRL's
+            ``use_bias_correction_kl``: the KL is multiplied by the differentiable policy ratio
+            ``exp(clamp(log_probs - old, -SAFETY_BOUND, SAFETY_BOUND))`` (the clamp is ours); None: no correction.
+
+    Returns:
+        (B, T) KL per token (nats), before the ``beta`` factor.
+    """
+    diff = torch.where(keep, ref_log_probs - log_probs, 0.0)
+    kl = torch.exp(diff) - diff - 1
+    if bias_correction_old_log_probs is not None:
+        old = torch.where(keep, bias_correction_old_log_probs, log_probs.detach())
+        kl = kl * torch.exp((log_probs - old).clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    return kl
+
+
+def aggregate_loss(
+    per_token_loss: torch.Tensor,
+    keep: torch.Tensor,
+    loss_type: str,
+    *,
+    accumulation_steps: float,
+    max_completion_length: int,
+    num_items_in_batch: Optional[torch.Tensor] = None,
+    num_processes: int = 1,
+    steps_per_generation: int = 1,
+) -> torch.Tensor:
+    """TRL 1.16's aggregation of a per-token loss into the micro-batch loss, scaled for gradient accumulation.
+
+    Args:
+        per_token_loss: (B, T) float per-token loss.
+        keep: (B, T) bool, the tokens in the loss and in its normaliser.
+        loss_type: ``"grpo"`` (mean over rows of the row token mean), ``"bnpo"`` (token mean over the micro-batch),
+            ``"dr_grpo"`` (sum / (B * max_completion_length)) or ``"dapo"`` (sum / the generation batch's global
+            token count, rescaled to one accumulation window).
+        accumulation_steps: TRL's ``current_gradient_accumulation_steps`` in training, 1 in evaluation.
+        max_completion_length: dr_grpo's constant normaliser (tokens).
+        num_items_in_batch: dapo only: 0-d tensor, the loss tokens of the whole generation batch over all processes.
+        num_processes: dapo only: the number of processes.
+        steps_per_generation: dapo only: TRL's ``steps_per_generation`` in training, 1 in evaluation (TRL neither
+            splits nor accumulates the evaluation batch).
+
+    Returns:
+        0-d tensor, differentiable w.r.t. ``per_token_loss``.
+
+    Raises:
+        ValueError: for any other ``loss_type`` (see ``SUPPORTED_LOSS_TYPES["bypass"]``), or dapo without
+            ``num_items_in_batch``.
+    """
+    masked = torch.where(keep, per_token_loss, 0.0)
+    if loss_type == "grpo":
+        count = keep.sum(dim=-1).to(masked.dtype)
+        return (masked.sum(-1) / count.clamp(min=1.0)).mean() / accumulation_steps
+    if loss_type == "bnpo":
+        return masked.sum() / keep.sum().to(masked.dtype).clamp(min=1.0) / accumulation_steps
+    if loss_type == "dr_grpo":
+        return masked.sum() / (masked.size(0) * max_completion_length) / accumulation_steps
+    if loss_type == "dapo":
+        if num_items_in_batch is None:
+            raise ValueError("aggregate_loss(loss_type='dapo') needs num_items_in_batch (the global token count).")
+        # Pre-RS global token count (as verl's engine workers): the RS mask of other micro-batches is unknown.
+        normalizer = num_items_in_batch.clamp(min=1.0) / num_processes
+        normalizer = normalizer * accumulation_steps / steps_per_generation
+        return masked.sum() / normalizer
+    raise ValueError(
+        f"aggregate_loss supports loss_type in {SUPPORTED_LOSS_TYPES['bypass']}, got {loss_type!r}."
+    )
+
+
+def global_masked_mean(
+    values: torch.Tensor, keep: torch.Tensor, reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+) -> float:
+    """Mean of ``values`` over the ``keep`` tokens of every process, as TRL logs ``entropy``, ``kl`` and clip ratios.
+
+    Args:
+        values: (B, T) float.
+        keep: (B, T) bool.
+        reduce_sum: cross-process sum of a tensor (None on one process).
+
+    Returns:
+        A Python float; 0.0 when no token is kept anywhere.
+    """
+    local = torch.stack([torch.where(keep, values, 0.0).sum(), keep.sum().to(values.dtype)]).detach()
+    total = local if reduce_sum is None else reduce_sum(local)
+    return (total[0] / total[1].clamp(min=1.0)).item()
+
+
+def check_vllm_server_logprobs(vllm_client: Any) -> None:
+    """Refuse a TRL vLLM server whose log-probs are not those of the sampling distribution.
+
+    Rollout correction needs mu, the log-probs after temperature/top-p/top-k (vLLM's ``processed_logprobs``).
+
+    Args:
+        vllm_client: TRL's ``VLLMClient`` (``trainer.vllm_generation.vllm_client``): anything whose
+            ``get_server_info()`` returns ``{"model_config": {"logprobs_mode": ...}}``.
+
+    Raises:
+        ValueError: naming the server's mode and the flag that fixes it.
+    """
+    mode = vllm_client.get_server_info()["model_config"]["logprobs_mode"]
+    if mode != "processed_logprobs":
+        raise ValueError(
+            f"The vLLM server runs with --logprobs-mode {mode}; rollout correction needs the log-probs of the "
+            "distribution that sampled (after temperature/top-p/top-k). Restart it with "
+            "--logprobs-mode processed_logprobs."
+        )
