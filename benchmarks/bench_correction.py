@@ -116,7 +116,6 @@ def checksum(*ts) -> str:
 
 
 def get_fn(impl: str):
-    import torch
 
     if impl == "floor":
 
@@ -181,8 +180,13 @@ def worker(args) -> dict:
     torch.set_num_threads(1)
     old, rollout, mask = make_inputs(args.B, args.T, args.seed, args.mask_dtype)
     fn = get_fn(args.worker)
-    res = {"impl": args.worker, "B": args.B, "T": args.T, "checksum": checksum(old, rollout, mask),
-           "torch": torch.__version__}
+    res = {
+        "impl": args.worker,
+        "B": args.B,
+        "T": args.T,
+        "checksum": checksum(old, rollout, mask),
+        "torch": torch.__version__,
+    }
 
     if args.mode == "time":
         floor = get_fn("floor")
@@ -215,8 +219,14 @@ def worker(args) -> dict:
             t_impl.append(t2 - t1)
             c_floor.append(c1 - c0)
             c_impl.append(c2 - c1)
-        res.update(t_floor=t_floor, t_impl=t_impl, c_floor=c_floor, c_impl=c_impl, faults_floor=med(f_floor),
-                   faults_impl=med(f_impl))
+        res.update(
+            t_floor=t_floor,
+            t_impl=t_impl,
+            c_floor=c_floor,
+            c_impl=c_impl,
+            faults_floor=med(f_floor),
+            faults_impl=med(f_impl),
+        )
     elif args.mode == "mem":
         r = fn(old, rollout, mask)  # warm-up (lazy init, first-call allocations)
         del r
@@ -239,8 +249,13 @@ def worker(args) -> dict:
 
             hwm = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, hwm_ru0)
         rss1 = _proc_status_kib("VmRSS")
-        res.update(method=method, rss0_kib=rss0, peak_extra_kib=hwm - rss0, retained_kib=rss1 - rss0,
-                   malloc_env=os.environ.get("MALLOC_MMAP_THRESHOLD_"))
+        res.update(
+            method=method,
+            rss0_kib=rss0,
+            peak_extra_kib=hwm - rss0,
+            retained_kib=rss1 - rss0,
+            malloc_env=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        )
         del r
     elif args.mode == "dump":
         w, m, metrics, _ = fn(old, rollout, mask)
@@ -253,21 +268,43 @@ def worker(args) -> dict:
 
 
 def run_worker(python, impl, mode, B, T, args, env_extra=None, dump=None) -> dict:
-    cmd = [python, os.path.abspath(__file__), "--worker", impl, "--mode", mode, "--B", str(B), "--T", str(T),
-           "--seed", str(args.seed), "--warmup", str(args.warmup), "--repeats", str(args.repeats),
-           "--mask-dtype", args.mask_dtype]
+    cmd = [
+        python,
+        os.path.abspath(__file__),
+        "--worker",
+        impl,
+        "--mode",
+        mode,
+        "--B",
+        str(B),
+        "--T",
+        str(T),
+        "--seed",
+        str(args.seed),
+        "--warmup",
+        str(args.warmup),
+        "--repeats",
+        str(args.repeats),
+        "--mask-dtype",
+        args.mask_dtype,
+    ]
     if dump:
         cmd += ["--dump", dump]
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore", VERL_USE_EXTERNAL_PLUGINS="none",
-               RAY_DEDUP_LOGS="0")
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        VERL_USE_EXTERNAL_PLUGINS="none",
+        RAY_DEDUP_LOGS="0",
+    )
     if env_extra:
         env.update(env_extra)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     if p.returncode != 0:
         raise RuntimeError(f"worker {impl}/{mode} {B}x{T} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def med(xs):
@@ -276,7 +313,6 @@ def med(xs):
 
 def compare(ours, verl) -> dict:
     """Weights/mask/metric agreement of ours vs verl on identical inputs."""
-    import torch
 
     w_o, w_v = ours["weights"].double(), verl["weights"].double()
     m_o, m_v = ours["mask"].double(), verl["mask"].double()
@@ -290,10 +326,16 @@ def compare(ours, verl) -> dict:
         rel = abs(a - b) / max(abs(a), abs(b), 1e-30)
         if not (abs(a - b) <= 1e-4 * max(abs(a), abs(b)) + 1e-7):
             diffs.append((k, a, b, rel))
-    return dict(weights_max_rel=w_rel, mask_mismatches=mask_diff, n_shared=len(shared), diffs=diffs,
-                only_ours=sorted(set(mo) - set(mv)), only_verl=sorted(set(mv) - set(mo)),
-                rejected_frac_verl=mv.get("rollout_corr/rollout_rs_masked_fraction"),
-                seq_rejected_frac_verl=mv.get("rollout_corr/rollout_rs_seq_masked_fraction"))
+    return dict(
+        weights_max_rel=w_rel,
+        mask_mismatches=mask_diff,
+        n_shared=len(shared),
+        diffs=diffs,
+        only_ours=sorted(set(mo) - set(mv)),
+        only_verl=sorted(set(mv) - set(mo)),
+        rejected_frac_verl=mv.get("rollout_corr/rollout_rs_masked_fraction"),
+        seq_rejected_frac_verl=mv.get("rollout_corr/rollout_rs_seq_masked_fraction"),
+    )
 
 
 def driver(args):
@@ -308,7 +350,12 @@ def driver(args):
     impls = ["ours"] + (["ours_compiled"] if args.compiled else []) + (["verl"] if have_verl else [])
     if args.no_ours:
         impls = [i for i in impls if i != "ours"]
-    pythons = {"ours": sys.executable, "ours_compiled": sys.executable, "verl": args.verl_python, "floor": sys.executable}
+    pythons = {
+        "ours": sys.executable,
+        "ours_compiled": sys.executable,
+        "verl": args.verl_python,
+        "floor": sys.executable,
+    }
     started = datetime.datetime.now(datetime.timezone.utc)
     load0 = os.getloadavg()
     report = {"shapes": {}, "impls": impls}
@@ -323,10 +370,14 @@ def driver(args):
             for impl in order:
                 res = run_worker(pythons[impl], impl, "time", B, T, args)
                 per[impl].append(res)
-                print(f"  round {r} {impl:5s}: wall {med(res['t_impl'])*1e3:8.2f} ms (floor {med(res['t_floor'])*1e3:6.3f}, "
-                      f"x{med(res['t_impl'])/med(res['t_floor']):6.1f})  cpu {med(res['c_impl'])*1e3:8.2f} ms (floor "
-                      f"{med(res['c_floor'])*1e3:6.3f}, x{med(res['c_impl'])/med(res['c_floor']):6.1f})  [{res['checksum']}]",
-                      flush=True)
+                print(
+                    f"  round {r} {impl:5s}: wall {med(res['t_impl']) * 1e3:8.2f} ms "
+                    f"(floor {med(res['t_floor']) * 1e3:6.3f}, "
+                    f"x{med(res['t_impl']) / med(res['t_floor']):6.1f})  cpu {med(res['c_impl']) * 1e3:8.2f} ms "
+                    f"(floor {med(res['c_floor']) * 1e3:6.3f}, "
+                    f"x{med(res['c_impl']) / med(res['c_floor']):6.1f})  [{res['checksum']}]",
+                    flush=True,
+                )
         sums = {res["checksum"] for i in impls for res in per[i]}
         assert len(sums) == 1, f"inputs differ between workers: {sums}"
         for impl in impls:
@@ -336,8 +387,14 @@ def driver(args):
                 fl = [med(x[clk + "_floor"]) for x in per[impl]]
                 mn = min(min(x[clk + "_impl"]) for x in per[impl])
                 fmn = min(min(x[clk + "_floor"]) for x in per[impl])
-                sh[impl][clk] = dict(med=med(meds), min=mn, floor_med=med(fl), floor_min=fmn,
-                                     x_floor=med([m / f for m, f in zip(meds, fl)]), x_floor_min=mn / fmn)
+                sh[impl][clk] = dict(
+                    med=med(meds),
+                    min=mn,
+                    floor_med=med(fl),
+                    floor_min=fmn,
+                    x_floor=med([m / f for m, f in zip(meds, fl)]),
+                    x_floor_min=mn / fmn,
+                )
         pooled = {clk: med([med(x[clk + "_floor"]) for i in impls for x in per[i]]) for clk in ("t", "c")}
         sh["floor_pooled"] = pooled
         for impl in impls:
@@ -346,12 +403,15 @@ def driver(args):
             sh[impl]["faults_impl"] = med([x["faults_impl"] for x in per[impl]])
             sh[impl]["faults_floor"] = med([x["faults_floor"] for x in per[impl]])
         if "ours_compiled" in impls and "verl" in impls:
-            sh["compiled_ratio_c"] = med([med(o["c_impl"]) / med(v["c_impl"]) for o, v in zip(per["ours_compiled"], per["verl"])])
+            sh["compiled_ratio_c"] = med(
+                [med(o["c_impl"]) / med(v["c_impl"]) for o, v in zip(per["ours_compiled"], per["verl"])]
+            )
         if "ours" in impls and "verl" in impls:
             for clk in ("t", "c"):
                 ratios = [med(o[clk + "_impl"]) / med(v[clk + "_impl"]) for o, v in zip(per["ours"], per["verl"])]
-                sh["ratio_" + clk] = dict(med=med(ratios), rounds=ratios,
-                                          min=sh["ours"][clk]["min"] / sh["verl"][clk]["min"])
+                sh["ratio_" + clk] = dict(
+                    med=med(ratios), rounds=ratios, min=sh["ours"][clk]["min"] / sh["verl"][clk]["min"]
+                )
         # --- memory: fresh processes, interleaved
         mem = {i: [] for i in ["floor"] + impls}
         env = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
@@ -378,8 +438,10 @@ def driver(args):
                 run_worker(pythons["ours"], "ours", "dump", B, T, args, dump=po)
                 sh["agree"] = compare(torch.load(po, weights_only=False), torch.load(pv, weights_only=False))
             a = sh["agree"]
-            print(f"  agreement: weights max rel {a['weights_max_rel']:.2e}, mask mismatches {a['mask_mismatches']}, "
-                  f"{a['n_shared']} shared keys, {len(a['diffs'])} differ")
+            print(
+                f"  agreement: weights max rel {a['weights_max_rel']:.2e}, mask mismatches {a['mask_mismatches']}, "
+                f"{a['n_shared']} shared keys, {len(a['diffs'])} differ"
+            )
             for k, x, y, rel in a["diffs"]:
                 print(f"    DIFF {k}: ours {x!r} verl {y!r} rel {rel:.2e}")
         elif "verl" in impls:
@@ -387,14 +449,26 @@ def driver(args):
                 pv = os.path.join(td, "verl.pt")
                 run_worker(pythons["verl"], "verl", "dump", B, T, args, dump=pv)
                 m = torch.load(pv, weights_only=False)["metrics"]
-                sh["verl_rs"] = (m["rollout_corr/rollout_rs_masked_fraction"],
-                                 m["rollout_corr/rollout_rs_seq_masked_fraction"], len(m))
+                sh["verl_rs"] = (
+                    m["rollout_corr/rollout_rs_masked_fraction"],
+                    m["rollout_corr/rollout_rs_seq_masked_fraction"],
+                    len(m),
+                )
                 print(f"  verl: rs masked fraction {sh['verl_rs'][0]:.4f}, seq {sh['verl_rs'][1]:.4f}, {len(m)} keys")
         report["shapes"][f"{B}x{T}"] = sh
 
-    report.update(started=started.strftime("%Y-%m-%d %H:%M UTC"), load_before=load0, load_after=os.getloadavg(),
-                  torch=torch.__version__, python=platform.python_version(), ours=ours_desc, cpus=os.cpu_count(),
-                  cpu_model=_cpu_model(), args=vars(args), cmd=" ".join(["python"] + sys.argv[0:1] + sys.argv[1:]))
+    report.update(
+        started=started.strftime("%Y-%m-%d %H:%M UTC"),
+        load_before=load0,
+        load_after=os.getloadavg(),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        ours=ours_desc,
+        cpus=os.cpu_count(),
+        cpu_model=_cpu_model(),
+        args=vars(args),
+        cmd=" ".join(["python"] + sys.argv[0:1] + sys.argv[1:]),
+    )
     md = to_markdown(report)
     print("\n" + md)
     if args.write_results:
@@ -407,14 +481,16 @@ def driver(args):
 
 def _describe_ours(args) -> str:
     """Resolve --ours-rev (export that revision to a temp dir) and describe what 'ours' is."""
+
     def git(*a, cwd=REPO):
         return subprocess.run(["git", *a], capture_output=True, text=True, cwd=cwd).stdout.strip()
 
     if args.ours_rev:
         rev = git("rev-parse", "--short", args.ours_rev)
         dest = tempfile.mkdtemp(prefix=f"bench-ours-{rev}-")
-        archive = subprocess.run(["git", "archive", args.ours_rev, "trl_rollout_corr"], capture_output=True, cwd=REPO,
-                                 check=True).stdout
+        archive = subprocess.run(
+            ["git", "archive", args.ours_rev, "trl_rollout_corr"], capture_output=True, cwd=REPO, check=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
         args.ours_src = dest
         last = git("log", "-1", "--format=%h", args.ours_rev, "--", "trl_rollout_corr")
@@ -439,70 +515,96 @@ def _cpu_model() -> str:
 
 def to_markdown(rep) -> str:
     L = []
-    L.append(f"Run: `{rep['cmd']}` at {rep['started']}; ours = {rep['ours']}; torch {rep['torch']}, Python {rep['python']}, "
-             f"{rep['cpus']} cores ({rep['cpu_model']}), `torch.set_num_threads(1)`, float32, CPU. "
-             f"Load average before/after: {rep['load_before'][0]:.2f} / {rep['load_after'][0]:.2f} "
-             f"(the machine is shared). Rounds: {rep['args']['rounds']} x (warmup {rep['args']['warmup']} + "
-             f"{rep['args']['repeats']} repeats), memory: median of {rep['args']['mem_reps']} fresh processes.")
+    L.append(
+        f"Run: `{rep['cmd']}` at {rep['started']}; ours = {rep['ours']}; torch {rep['torch']}, "
+        f"Python {rep['python']}, "
+        f"{rep['cpus']} cores ({rep['cpu_model']}), `torch.set_num_threads(1)`, float32, CPU. "
+        f"Load average before/after: {rep['load_before'][0]:.2f} / {rep['load_after'][0]:.2f} "
+        f"(the machine is shared). Rounds: {rep['args']['rounds']} x (warmup {rep['args']['warmup']} + "
+        f"{rep['args']['repeats']} repeats), memory: median of {rep['args']['mem_reps']} fresh processes."
+    )
     L.append("")
-    L.append("Times are per call. *wall* = `time.perf_counter`, *cpu* = `time.thread_time` of the (single) compute "
-             "thread, which excludes time the thread was descheduled by other users of the shared CPU; medians over "
-             "rounds of each worker's median, and minima over all repeats.")
+    L.append(
+        "Times are per call. *wall* = `time.perf_counter`, *cpu* = `time.thread_time` of the (single) compute "
+        "thread, which excludes time the thread was descheduled by other users of the shared CPU; medians over "
+        "rounds of each worker's median, and minima over all repeats."
+    )
     L.append("")
-    L.append("*x floor* divides by the floor timed in the same worker process, interleaved call by call; *x pooled "
-             "floor* divides by the median floor over all workers of that shape (the floor's own cost depends on the "
-             "allocator state the other call leaves behind: its temporaries page-fault after some calls, see the "
-             "minor-fault columns).")
+    L.append(
+        "*x floor* divides by the floor timed in the same worker process, interleaved call by call; *x pooled "
+        "floor* divides by the median floor over all workers of that shape (the floor's own cost depends on the "
+        "allocator state the other call leaves behind: its temporaries page-fault after some calls, see the "
+        "minor-fault columns)."
+    )
     L.append("")
-    L.append("| (B, T) | impl | wall median (ms) | wall min (ms) | cpu median (ms) | cpu min (ms) | x floor, wall | "
-             "x floor, cpu | x floor, cpu min/min | x pooled floor, cpu | minor faults / call (impl; floor) | "
-             "extra peak RSS (MiB) | retained (MiB) |")
+    L.append(
+        "| (B, T) | impl | wall median (ms) | wall min (ms) | cpu median (ms) | cpu min (ms) | x floor, wall | "
+        "x floor, cpu | x floor, cpu min/min | x pooled floor, cpu | minor faults / call (impl; floor) | "
+        "extra peak RSS (MiB) | retained (MiB) |"
+    )
     L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for key, sh in rep["shapes"].items():
         B, T = key.split("x")
         fl = sh[rep["impls"][0]]
-        L.append(f"| ({B}, {T}) | floor | {fl['t']['floor_med']*1e3:.3f} | {fl['t']['floor_min']*1e3:.3f} | "
-                 f"{fl['c']['floor_med']*1e3:.3f} | {fl['c']['floor_min']*1e3:.3f} | 1 | 1 | 1 | 1 (pooled "
-                 f"{sh['floor_pooled']['c']*1e3:.3f} ms) | | {sh['floor']['peak_mib']:.1f} | {sh['floor']['retained_mib']:.1f} |")
+        L.append(
+            f"| ({B}, {T}) | floor | {fl['t']['floor_med'] * 1e3:.3f} | {fl['t']['floor_min'] * 1e3:.3f} | "
+            f"{fl['c']['floor_med'] * 1e3:.3f} | {fl['c']['floor_min'] * 1e3:.3f} | 1 | 1 | 1 | 1 (pooled "
+            f"{sh['floor_pooled']['c'] * 1e3:.3f} ms) | | {sh['floor']['peak_mib']:.1f} | "
+            f"{sh['floor']['retained_mib']:.1f} |"
+        )
         for impl in rep["impls"]:
             s, t, c = sh[impl], sh[impl]["t"], sh[impl]["c"]
-            L.append(f"| ({B}, {T}) | {impl} | {t['med']*1e3:.2f} | {t['min']*1e3:.2f} | {c['med']*1e3:.2f} | "
-                     f"{c['min']*1e3:.2f} | {t['x_floor']:.1f} | {c['x_floor']:.1f} | {c['x_floor_min']:.1f} | "
-                     f"{s['x_floor_pooled_c']:.1f} | {s['faults_impl']:.0f}; {s['faults_floor']:.0f} | "
-                     f"{s['peak_mib']:.2f} | {s['retained_mib']:.2f} |")
+            L.append(
+                f"| ({B}, {T}) | {impl} | {t['med'] * 1e3:.2f} | {t['min'] * 1e3:.2f} | {c['med'] * 1e3:.2f} | "
+                f"{c['min'] * 1e3:.2f} | {t['x_floor']:.1f} | {c['x_floor']:.1f} | {c['x_floor_min']:.1f} | "
+                f"{s['x_floor_pooled_c']:.1f} | {s['faults_impl']:.0f}; {s['faults_floor']:.0f} | "
+                f"{s['peak_mib']:.2f} | {s['retained_mib']:.2f} |"
+            )
     L.append("")
     if all("ratio_t" in sh for sh in rep["shapes"].values()):
-        L.append("| (B, T) | inputs (MiB) | valid tokens | ours/verl wall (median of rounds) | ours/verl cpu (median "
-                 "of rounds) | ours/verl cpu min/min | ours/verl extra peak RSS | ours/floor cpu | weights max rel diff | "
-                 "mask mismatches | shared metric keys differing (> 1e-4 rel) |")
+        L.append(
+            "| (B, T) | inputs (MiB) | valid tokens | ours/verl wall (median of rounds) | ours/verl cpu (median "
+            "of rounds) | ours/verl cpu min/min | ours/verl extra peak RSS | ours/floor cpu | weights max rel diff | "
+            "mask mismatches | shared metric keys differing (> 1e-4 rel) |"
+        )
         L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for key, sh in rep["shapes"].items():
             B, T = key.split("x")
             a = sh["agree"]
             d = ", ".join(f"`{k}`" for k, *_ in a["diffs"]) or f"none of {a['n_shared']}"
-            L.append(f"| ({B}, {T}) | {sh['input_mib']:.0f} | {sh['valid_tokens']} | {sh['ratio_t']['med']:.2f} | "
-                     f"{sh['ratio_c']['med']:.2f} | {sh['ratio_c']['min']:.2f} | {sh['mem_ratio']:.4f} | "
-                     f"{sh['ours']['c']['x_floor']:.1f} | {a['weights_max_rel']:.1e} | {a['mask_mismatches']} | {d} |")
+            L.append(
+                f"| ({B}, {T}) | {sh['input_mib']:.0f} | {sh['valid_tokens']} | {sh['ratio_t']['med']:.2f} | "
+                f"{sh['ratio_c']['med']:.2f} | {sh['ratio_c']['min']:.2f} | {sh['mem_ratio']:.4f} | "
+                f"{sh['ours']['c']['x_floor']:.1f} | {a['weights_max_rel']:.1e} | {a['mask_mismatches']} | {d} |"
+            )
         L.append("")
         for key, sh in rep["shapes"].items():
             if "compiled_ratio_c" in sh:
-                L.append(f"* ({key}) ours_compiled (`compiled_rollout_correction`): cpu {sh['ours_compiled']['c']['x_floor']:.1f}x "
-                         f"floor ({sh['ours_compiled']['x_floor_pooled_c']:.1f}x pooled floor), {sh['compiled_ratio_c']:.2f}x verl time (median of rounds), "
-                         f"{sh['compiled_mem_ratio']:.4f}x verl extra peak RSS; first call (compile) "
-                         f"{sh['ours_compiled']['first_call_s']:.1f} s wall.")
+                L.append(
+                    f"* ({key}) ours_compiled (`compiled_rollout_correction`): "
+                    f"cpu {sh['ours_compiled']['c']['x_floor']:.1f}x "
+                    f"floor ({sh['ours_compiled']['x_floor_pooled_c']:.1f}x pooled floor), "
+                    f"{sh['compiled_ratio_c']:.2f}x verl time (median of rounds), "
+                    f"{sh['compiled_mem_ratio']:.4f}x verl extra peak RSS; first call (compile) "
+                    f"{sh['ours_compiled']['first_call_s']:.1f} s wall."
+                )
         for key, sh in rep["shapes"].items():
             a = sh["agree"]
-            L.append(f"* ({key}): per-round ours/verl ratios, wall "
-                     f"{', '.join(f'{x:.2f}' for x in sh['ratio_t']['rounds'])}; cpu "
-                     f"{', '.join(f'{x:.2f}' for x in sh['ratio_c']['rounds'])}. verl RS rejected "
-                     f"{a['rejected_frac_verl']:.4f} of valid tokens, {a['seq_rejected_frac_verl']:.4f} of rows.")
+            L.append(
+                f"* ({key}): per-round ours/verl ratios, wall "
+                f"{', '.join(f'{x:.2f}' for x in sh['ratio_t']['rounds'])}; cpu "
+                f"{', '.join(f'{x:.2f}' for x in sh['ratio_c']['rounds'])}. verl RS rejected "
+                f"{a['rejected_frac_verl']:.4f} of valid tokens, {a['seq_rejected_frac_verl']:.4f} of rows."
+            )
             for k, x, y, rel in a["diffs"]:
                 L.append(f"  * `{k}`: ours {x:.9g}, verl {y:.9g} (rel {rel:.1e})")
             if a["only_verl"]:
-                L.append(f"  * keys only in verl: {', '.join('`'+k+'`' for k in a['only_verl'])}")
+                L.append(f"  * keys only in verl: {', '.join('`' + k + '`' for k in a['only_verl'])}")
             if a["only_ours"]:
-                L.append(f"  * keys only in ours ({len(a['only_ours'])}): "
-                         f"{', '.join('`'+k+'`' for k in a['only_ours'])}")
+                L.append(
+                    f"  * keys only in ours ({len(a['only_ours'])}): "
+                    f"{', '.join('`' + k + '`' for k in a['only_ours'])}"
+                )
     return "\n".join(L)
 
 
@@ -532,13 +634,19 @@ def main():
     ap.add_argument("--verl-python", default=DEFAULT_VERL_PY)
     ap.add_argument("--no-verl", action="store_true")
     ap.add_argument("--no-ours", action="store_true", help="floor + verl only (before ours exists)")
-    ap.add_argument("--compiled", action="store_true",
-                    help="also time trl_rollout_corr.correction.compiled_rollout_correction (torch.compile; the "
-                         "compile happens in the warm-up calls and is reported separately)")
+    ap.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also time trl_rollout_corr.correction.compiled_rollout_correction (torch.compile; the "
+        "compile happens in the warm-up calls and is reported separately)",
+    )
     ap.add_argument("--ours-src", default=None, help="import trl_rollout_corr from this checkout (default: repo)")
-    ap.add_argument("--ours-rev", default=None,
-                    help="benchmark trl_rollout_corr as committed at this git revision (git archive into a temp dir; "
-                         "ignores uncommitted edits in the working tree)")
+    ap.add_argument(
+        "--ours-rev",
+        default=None,
+        help="benchmark trl_rollout_corr as committed at this git revision (git archive into a temp dir; "
+        "ignores uncommitted edits in the working tree)",
+    )
     ap.add_argument("--write-results", default=None, help="replace the generated block in this markdown file")
     ap.add_argument("--json", default=None, help="also save the full report as JSON")
     ap.add_argument("--from-json", default=None, help="only re-render the markdown of a report saved with --json")

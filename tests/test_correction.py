@@ -38,7 +38,7 @@ def test_metric_key_set_matches_verl_plus_ours():
     ours = {"rollout_is_eff_sample_size_raw", "num_valid_tokens", "num_valid_seqs", "invalid_token_fraction"}
     for bucket in ("len_0_64", "len_64_256", "len_256_1024", "len_1024_inf"):
         ours |= {f"{bucket}/{k}" for k in ("num_seqs", "kl", "k3_kl", "rs_masked_fraction", "is_eff_sample_size")}
-    assert {k[len(P):] for k in out.metrics} == set(case["metrics"]) | ours
+    assert {k[len(P) :] for k in out.metrics} == set(case["metrics"]) | ours
 
 
 def test_asymmetric_k1_band_keeps_what_the_user_wrote():
@@ -87,7 +87,9 @@ def test_bad_inputs(args, exc, match):
 def test_nonfinite_at_valid_token_is_invalid_not_nan(bad, where):
     old, roll = OLD.clone(), ROLL.clone()
     (old if where == "old" else roll)[1, 0] = bad
-    cfg = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3", rollout_rs_threshold=10.0)
+    cfg = RolloutCorrectionConfig(
+        rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3", rollout_rs_threshold=10.0
+    )
     out = compute_rollout_correction(old, roll, MASK, cfg)
     assert out.response_mask[1].tolist() == [0, 1, 1, 0]
     assert out.weights[1, 0] == 1.0  # neutral
@@ -113,7 +115,13 @@ def test_nonfinite_at_padding_is_ignored():
 
 
 def test_empty_mask_is_not_an_error():
-    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True, rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="0.5_2,0.01")
+    cfg = RolloutCorrectionConfig(
+        rollout_is="token",
+        rollout_is_threshold=2.0,
+        rollout_is_batch_normalize=True,
+        rollout_rs="token_k1,seq_mean_k3",
+        rollout_rs_threshold="0.5_2,0.01",
+    )
     out = compute_rollout_correction(OLD, ROLL, torch.zeros(3, 4), cfg)
     assert out.response_mask.sum() == 0 and out.weights.sum() == 0
     m = out.metrics
@@ -123,7 +131,9 @@ def test_empty_mask_is_not_an_error():
 
 
 def test_zero_sized_batch():
-    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_max_k2,token_k1", rollout_rs_threshold="0.3,2")
+    cfg = RolloutCorrectionConfig(
+        rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_max_k2,token_k1", rollout_rs_threshold="0.3,2"
+    )
     for shape in [(0, 4), (3, 0)]:
         out = compute_rollout_correction(torch.zeros(shape), torch.zeros(shape), torch.zeros(shape), cfg)
         assert out.weights.shape == shape and out.metrics[P + "num_valid_tokens"] == 0
@@ -131,9 +141,12 @@ def test_zero_sized_batch():
 
 def test_padding_rows_are_not_counted_in_sequence_metrics():
     # Deliberate difference from verl: an all-padding row does not enter per-row means.
-    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold=2.0)
+    cfg = RolloutCorrectionConfig(
+        rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold=2.0
+    )
     base = compute_rollout_correction(OLD, ROLL, MASK, cfg).metrics
-    pad = lambda t, v: torch.cat([t, torch.full((2, 4), v, dtype=t.dtype)])
+    def pad(t, v):
+        return torch.cat([t, torch.full((2, 4), v, dtype=t.dtype)])
     padded = compute_rollout_correction(pad(OLD, float("nan")), pad(ROLL, 0.0), pad(MASK, 0.0), cfg).metrics
     assert padded == pytest.approx(base, abs=1e-9)
 
@@ -152,7 +165,9 @@ def test_batch_normalize_uses_the_global_mean_through_all_reduce():
     # Pretend rows 0-1 and row 2 live on two ranks: each rank's all_reduce adds the other's (sum, count).
     parts = [(slice(0, 2), slice(2, 3)), (slice(2, 3), slice(0, 2))]
     for mine, other in parts:
-        m = compute_rollout_correction(OLD[other], ROLL[other], MASK[other], RolloutCorrectionConfig.decoupled_token_is()).metrics
+        m = compute_rollout_correction(
+            OLD[other], ROLL[other], MASK[other], RolloutCorrectionConfig.decoupled_token_is()
+        ).metrics
         n = m["rollout_corr/num_valid_tokens"]
         other_sum = torch.tensor([m["rollout_corr/rollout_is_mean"] * n, n], dtype=torch.float64)
         out = compute_rollout_correction(OLD[mine], ROLL[mine], MASK[mine], cfg, all_reduce=lambda t: t + other_sum)
@@ -161,7 +176,14 @@ def test_batch_normalize_uses_the_global_mean_through_all_reduce():
 
 def test_rs_never_changes_weights():
     is_only = compute_rollout_correction(OLD, ROLL, MASK, RolloutCorrectionConfig.decoupled_token_is())
-    both = compute_rollout_correction(OLD, ROLL, MASK, RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_max_k2", rollout_rs_threshold=0.3))
+    both = compute_rollout_correction(
+        OLD,
+        ROLL,
+        MASK,
+        RolloutCorrectionConfig(
+            rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_max_k2", rollout_rs_threshold=0.3
+        ),
+    )
     torch.testing.assert_close(both.weights, is_only.weights)
     assert both.response_mask.sum() < is_only.response_mask.sum()
 
@@ -188,12 +210,16 @@ def test_invalid_token_keeps_neutral_weight_under_batch_normalisation(level):
     if level == "token":
         assert out.weights[valid].mean().item() == pytest.approx(1.0, abs=1e-6)
     else:
-        assert torch.stack([out.weights[i][valid[i]][0] for i in range(3)]).mean().item() == pytest.approx(1.0, abs=1e-6)
+        assert torch.stack([out.weights[i][valid[i]][0] for i in range(3)]).mean().item() == pytest.approx(
+            1.0, abs=1e-6
+        )
 
 
 def test_length_slices_hand_values():
     # Rows of 4, 3 and 2 valid tokens with edges (3,): row 0 and row 1 in [3, inf), row 2 in [0, 3).
-    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
+    cfg = RolloutCorrectionConfig(
+        rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0"
+    )
     m = compute_rollout_correction(OLD, ROLL, MASK, cfg, length_buckets=(3,)).metrics
     assert m[P + "len_0_3/num_seqs"] == 1 and m[P + "len_3_inf/num_seqs"] == 2
     assert m[P + "len_0_3/kl"] == pytest.approx(-(-1.5 + 0.1) / 2)
@@ -213,7 +239,9 @@ def test_length_slices_hand_values():
 def _ref_std_ess(w):
     w = w.double()
     mean = w.mean()
-    return (w * w).mean().sub(mean * mean).clamp(min=0).sqrt().item(), (w.sum() ** 2 / (w.numel() * (w * w).sum())).item()
+    return (w * w).mean().sub(mean * mean).clamp(min=0).sqrt().item(), (
+        w.sum() ** 2 / (w.numel() * (w * w).sum())
+    ).item()
 
 
 @pytest.mark.parametrize("threshold", [2.0, "0.5_2.0"])
@@ -222,7 +250,12 @@ def test_weight_statistics_are_precise_when_engines_nearly_agree(threshold):
     g = torch.Generator().manual_seed(0)
     roll = -torch.rand(16, 1024, generator=g, dtype=torch.float64) * 3
     old = roll + torch.randn(16, 1024, generator=g, dtype=torch.float64) * 1e-4
-    out = compute_rollout_correction(old.float(), roll.float(), torch.ones(16, 1024), RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=threshold))
+    out = compute_rollout_correction(
+        old.float(),
+        roll.float(),
+        torch.ones(16, 1024),
+        RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=threshold),
+    )
     ref_std, _ = _ref_std_ess(torch.exp(old.float().double() - roll.float().double()))
     assert out.metrics[P + "rollout_is_std"] == pytest.approx(ref_std, rel=1e-3)
 
@@ -247,7 +280,9 @@ def test_weight_std_combines_rows_with_different_means():
     roll = -torch.rand(3, 2048, generator=g) * 3
     shift = torch.tensor([[math.log(0.6)], [0.0], [math.log(1.7)]], dtype=torch.float64)
     old = (roll.double() + shift + torch.randn(3, 2048, generator=g, dtype=torch.float64) * 1e-4).float()
-    m = compute_rollout_correction(old, roll, torch.ones(3, 2048), RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=5.0)).metrics
+    m = compute_rollout_correction(
+        old, roll, torch.ones(3, 2048), RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=5.0)
+    ).metrics
     std, ess = _ref_std_ess(torch.exp(old.double() - roll.double()))
     assert m[P + "rollout_is_std"] == pytest.approx(std, rel=1e-6)
     assert m[P + "rollout_is_eff_sample_size"] == pytest.approx(ess, rel=1e-6)
@@ -294,7 +329,12 @@ def test_float64_inputs_give_float64_k1_extrema_and_k3():
     roll = -torch.rand(4, 4096, generator=g, dtype=torch.float64) * 3
     lp = roll + torch.randn(4, 4096, generator=g, dtype=torch.float64) * 1e-6
     x = (lp - roll).float().double()
-    m = compute_rollout_correction(lp, roll, torch.ones(4, 4096), RolloutCorrectionConfig(rollout_rs="token_k1,token_k3", rollout_rs_threshold="0.5_2,0.5")).metrics
+    m = compute_rollout_correction(
+        lp,
+        roll,
+        torch.ones(4, 4096),
+        RolloutCorrectionConfig(rollout_rs="token_k1,token_k3", rollout_rs_threshold="0.5_2,0.5"),
+    ).metrics
     assert m[P + "rollout_rs_token_k1_min"] == pytest.approx(-x.max().item(), rel=1e-9)
     assert m[P + "rollout_rs_token_k3_max"] == pytest.approx((torch.expm1(x) - x).max().item(), rel=1e-9)
 
@@ -302,11 +342,28 @@ def test_float64_inputs_give_float64_k1_extrema_and_k3():
 def test_sequence_k1_band_edge_is_compared_in_float64():
     # float32 x = 2.30258512 is just above log(10) = 2.30258509: the sequence ratio 10.0000003 is outside
     # [0.1, 10] (a float32 comparison against the rounded bound would keep it)
-    out = compute_rollout_correction(torch.tensor([[2.302585092994046]]), torch.zeros(1, 1), torch.ones(1, 1), RolloutCorrectionConfig(rollout_rs="seq_sum_k1", rollout_rs_threshold="0.1_10"))
+    out = compute_rollout_correction(
+        torch.tensor([[2.302585092994046]]),
+        torch.zeros(1, 1),
+        torch.ones(1, 1),
+        RolloutCorrectionConfig(rollout_rs="seq_sum_k1", rollout_rs_threshold="0.1_10"),
+    )
     assert out.response_mask.item() == 0.0
 
 
-@pytest.mark.parametrize("cfg", [RolloutCorrectionConfig(), RolloutCorrectionConfig.decoupled_token_is(), RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="0.5_2.0,0.01")])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        RolloutCorrectionConfig(),
+        RolloutCorrectionConfig.decoupled_token_is(),
+        RolloutCorrectionConfig(
+            rollout_is="token",
+            rollout_is_threshold=2.0,
+            rollout_rs="token_k1,seq_mean_k3",
+            rollout_rs_threshold="0.5_2.0,0.01",
+        ),
+    ],
+)
 def test_returned_tensors_do_not_alias_internal_buffers(cfg):
     first = compute_rollout_correction(OLD, ROLL, MASK, cfg)
     mask, weights = first.response_mask.clone(), None if first.weights is None else first.weights.clone()
@@ -324,14 +381,18 @@ def test_small_weights_keep_relative_precision():
     r = torch.tensor([math.exp(-17.0), math.exp(-16.5)])
     torch.testing.assert_close(out.weights[0], r / r.mean(), rtol=1e-5, atol=0)
     assert out.metrics[P + "rollout_is_batch_norm_factor"] == pytest.approx(r.mean().item(), rel=1e-5)
-    m = compute_rollout_correction(torch.tensor([[-9.0, -8.5]]), torch.zeros(1, 2), torch.ones(1, 2), RolloutCorrectionConfig.decoupled_token_is()).metrics
+    m = compute_rollout_correction(
+        torch.tensor([[-9.0, -8.5]]), torch.zeros(1, 2), torch.ones(1, 2), RolloutCorrectionConfig.decoupled_token_is()
+    ).metrics
     std, ess = _ref_std_ess(torch.tensor([math.exp(-9.0), math.exp(-8.5)]))
     assert m[P + "rollout_is_eff_sample_size"] == pytest.approx(ess, rel=1e-5)
     assert m[P + "rollout_is_std"] == pytest.approx(std, rel=1e-4)
 
 
 def test_training_perplexity_does_not_depend_on_rollout_magnitude():
-    m = compute_rollout_correction(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1e8, -1.0]]), torch.ones(1, 2), RolloutCorrectionConfig()).metrics
+    m = compute_rollout_correction(
+        torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1e8, -1.0]]), torch.ones(1, 2), RolloutCorrectionConfig()
+    ).metrics
     assert m[P + "training_log_ppl"] == pytest.approx(1.5)
 
 
@@ -361,7 +422,9 @@ def test_k3_formula_used_under_compile_is_precise():
     # The series / exp branch used inside torch.compile, evaluated eagerly over the whole clamp range.
     from trl_rollout_corr.correction.workspace import k3_compiled as _k3_compiled
 
-    x = torch.cat([torch.linspace(-20, 20, 4001), torch.linspace(-0.6, 0.6, 4001), torch.tensor([0.0, 1e-6, -1e-6, 0.5, -0.5])])
+    x = torch.cat(
+        [torch.linspace(-20, 20, 4001), torch.linspace(-0.6, 0.6, 4001), torch.tensor([0.0, 1e-6, -1e-6, 0.5, -0.5])]
+    )
     x64 = x.double()
     ref = torch.expm1(x64) - x64
     got = _k3_compiled(x).double()
@@ -371,9 +434,17 @@ def test_k3_formula_used_under_compile_is_precise():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kwargs", [
-    dict(rollout_is="sequence", rollout_is_threshold="0.5_2.0", rollout_rs="seq_max_k2,token_k3,seq_mean_k1", rollout_rs_threshold="0.3,0.5,0.8_1.25"),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(
+            rollout_is="sequence",
+            rollout_is_threshold="0.5_2.0",
+            rollout_rs="seq_max_k2,token_k3,seq_mean_k1",
+            rollout_rs_threshold="0.3,0.5,0.8_1.25",
+        ),
+    ],
+)
 def test_compiled_matches_eager_other_options(kwargs):
     from trl_rollout_corr.correction import compiled_rollout_correction
 
@@ -390,13 +461,22 @@ def test_compiled_matches_eager_other_options(kwargs):
 def test_compiled_matches_eager():
     from trl_rollout_corr.correction import compiled_rollout_correction
 
-    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True, rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="0.5_2.0,0.01")
+    cfg = RolloutCorrectionConfig(
+        rollout_is="token",
+        rollout_is_threshold=2.0,
+        rollout_is_batch_normalize=True,
+        rollout_rs="token_k1,seq_mean_k3",
+        rollout_rs_threshold="0.5_2.0,0.01",
+    )
     fn = compiled_rollout_correction(cfg)
     assert compiled_rollout_correction(cfg) is fn  # cached
     old, roll, mask = OLD.float().clone(), ROLL.float(), MASK
     old[1, 0] = float("nan")
     for rows in (3, 2):  # a second shape must not change the results (dynamic shapes)
-        got, ref = fn(old[:rows], roll[:rows], mask[:rows]), compute_rollout_correction(old[:rows], roll[:rows], mask[:rows], cfg)
+        got, ref = (
+            fn(old[:rows], roll[:rows], mask[:rows]),
+            compute_rollout_correction(old[:rows], roll[:rows], mask[:rows], cfg),
+        )
         torch.testing.assert_close(got.weights, ref.weights)
         assert torch.equal(got.response_mask, ref.response_mask)
         assert got.metrics == pytest.approx(ref.metrics, rel=1e-5, abs=1e-6)
@@ -405,7 +485,10 @@ def test_compiled_matches_eager():
     g = torch.Generator().manual_seed(1)
     roll = -torch.rand(4, 512, generator=g) * 3
     old = (roll.double() + torch.randn(4, 512, generator=g, dtype=torch.float64) * 1e-4).float()
-    got, ref = fn(old, roll, torch.ones(4, 512)).metrics, compute_rollout_correction(old, roll, torch.ones(4, 512), cfg).metrics
+    got, ref = (
+        fn(old, roll, torch.ones(4, 512)).metrics,
+        compute_rollout_correction(old, roll, torch.ones(4, 512), cfg).metrics,
+    )
     l = old.double() - roll.double()
     assert got[P + "k3_kl"] == pytest.approx((torch.expm1(l) - l).mean().item(), rel=1e-4)
     assert got[P + "k3_kl"] == pytest.approx(ref[P + "k3_kl"], rel=1e-4)

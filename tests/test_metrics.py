@@ -12,12 +12,25 @@ from trl_rollout_corr.correction.stats import StatView
 pytestmark = pytest.mark.unit  # pure math: `make test-fast`
 
 CONFIGS = [
-    RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True,
-                            rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="0.5_2.0,0.01"),
-    RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="0.5_5", rollout_rs="seq_max_k2,seq_sum_k1,token_k3",
-                            rollout_rs_threshold="0.3,0.2_3,0.05"),
-    RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.7_1.5", rollout_rs="seq_mean_k1,token_k2,seq_max_k3",
-                            rollout_rs_threshold="0.9_1.1,0.02,0.2"),
+    RolloutCorrectionConfig(
+        rollout_is="token",
+        rollout_is_threshold=2.0,
+        rollout_is_batch_normalize=True,
+        rollout_rs="token_k1,seq_mean_k3",
+        rollout_rs_threshold="0.5_2.0,0.01",
+    ),
+    RolloutCorrectionConfig(
+        rollout_is="sequence",
+        rollout_is_threshold="0.5_5",
+        rollout_rs="seq_max_k2,seq_sum_k1,token_k3",
+        rollout_rs_threshold="0.3,0.2_3,0.05",
+    ),
+    RolloutCorrectionConfig(
+        rollout_is="token",
+        rollout_is_threshold="0.7_1.5",
+        rollout_rs="seq_mean_k1,token_k2,seq_max_k3",
+        rollout_rs_threshold="0.9_1.1,0.02,0.2",
+    ),
     RolloutCorrectionConfig(),
 ]
 
@@ -67,8 +80,10 @@ def test_reduce_across_fake_ranks_is_exact():
     mask[0, :10] = 1
     mask[1:] = 1
     whole = compute_rollout_correction(old, roll, mask, cfg).metrics
-    ranks = [compute_rollout_correction(old[:1], roll[:1], mask[:1], cfg).stats,
-             compute_rollout_correction(old[1:], roll[1:], mask[1:], cfg).stats]
+    ranks = [
+        compute_rollout_correction(old[:1], roll[:1], mask[:1], cfg).stats,
+        compute_rollout_correction(old[1:], roll[1:], mask[1:], cfg).stats,
+    ]
     reduced = ranks[0].reduce(
         lambda t: ranks[0].sums + ranks[1].sums,
         lambda t: torch.maximum(ranks[0].maxs, ranks[1].maxs),
@@ -104,7 +119,9 @@ def test_merge_refuses_different_configs():
 def test_ess_hand_values():
     # Weights 1, 1, 2 (U = 4): ESS = (4)^2 / (3 * 6) = 0.888..., std = sqrt(6/3 - (4/3)^2)
     old = torch.log(torch.tensor([[1.0, 1.0, 2.0]]))
-    out = compute_rollout_correction(old, torch.zeros(1, 3), torch.ones(1, 3), RolloutCorrectionConfig.decoupled_token_is(4.0))
+    out = compute_rollout_correction(
+        old, torch.zeros(1, 3), torch.ones(1, 3), RolloutCorrectionConfig.decoupled_token_is(4.0)
+    )
     m = out.metrics
     assert m["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(16 / 18)
     assert m["rollout_corr/rollout_is_std"] == pytest.approx(math.sqrt(2 - 16 / 9))
@@ -124,12 +141,20 @@ class _Recorder(dict):
 
 
 NAME_CONFIGS = [RolloutCorrectionConfig.from_preset(name) for name in PRESETS] + [
-    RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.9_1.1", rollout_is_batch_normalize=True,
-                            rollout_rs="token_k1,token_k2,token_k3,seq_max_k3,seq_sum_k2",
-                            rollout_rs_threshold="0.8_1.3,0.01,0.02,0.05,0.3"),
-    RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="0.5_2", rollout_is_batch_normalize=True,
-                            rollout_rs="seq_mean_k2,seq_max_k2,seq_sum_k1,seq_sum_k3,seq_mean_k1",
-                            rollout_rs_threshold="0.01,0.04,0.5_1.5,0.2,0.9_1.1"),
+    RolloutCorrectionConfig(
+        rollout_is="token",
+        rollout_is_threshold="0.9_1.1",
+        rollout_is_batch_normalize=True,
+        rollout_rs="token_k1,token_k2,token_k3,seq_max_k3,seq_sum_k2",
+        rollout_rs_threshold="0.8_1.3,0.01,0.02,0.05,0.3",
+    ),
+    RolloutCorrectionConfig(
+        rollout_is="sequence",
+        rollout_is_threshold="0.5_2",
+        rollout_is_batch_normalize=True,
+        rollout_rs="seq_mean_k2,seq_max_k2,seq_sum_k1,seq_sum_k3,seq_mean_k1",
+        rollout_rs_threshold="0.01,0.04,0.5_1.5,0.2,0.9_1.1",
+    ),
 ]
 
 
@@ -154,8 +179,12 @@ def test_each_family_finalises_exactly_what_it_gathered(cfg, buckets):
 def test_stat_view_reads_through_the_stored_name_rule():
     from trl_rollout_corr.correction.stats import Kind, stat_name
 
-    sums = {stat_name("a", Kind.SUM): 1.0, stat_name("a", Kind.SQ): 2.0, stat_name("a", Kind.SUM, 1): 3.0,
-            stat_name("a", Kind.WSQ, 1): 4.0}
+    sums = {
+        stat_name("a", Kind.SUM): 1.0,
+        stat_name("a", Kind.SQ): 2.0,
+        stat_name("a", Kind.SUM, 1): 3.0,
+        stat_name("a", Kind.WSQ, 1): 4.0,
+    }
     view = StatView(sums, {stat_name("a", Kind.MAX): 5.0}, {stat_name("a", Kind.MIN): 6.0})
     assert (view.sum("a"), view.sq("a"), view.sum("a", 1), view.sq("a", 1)) == (1.0, 2.0, 3.0, 4.0)
     assert (view.max("a"), view.min("a")) == (5.0, 6.0)

@@ -1,8 +1,8 @@
 """Property tests (hypothesis): invariants that a wrong implementation would break."""
 
 import math
-import pytest
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -40,7 +40,27 @@ def configs(draw):
     icepop = draw(st.booleans())
     upper = draw(st.sampled_from([0.5, 1.0, 2.0, 5.0]))
     threshold = f"{upper / draw(st.sampled_from([1.0, 2.0, 10.0]))}_{upper}" if icepop else upper
-    options = draw(st.lists(st.sampled_from(["token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"]), max_size=3, unique=True))
+    options = draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    "token_k1",
+                    "token_k2",
+                    "token_k3",
+                    "seq_sum_k1",
+                    "seq_sum_k2",
+                    "seq_sum_k3",
+                    "seq_mean_k1",
+                    "seq_mean_k2",
+                    "seq_mean_k3",
+                    "seq_max_k2",
+                    "seq_max_k3",
+                ]
+            ),
+            max_size=3,
+            unique=True,
+        )
+    )
     specs = [("0.5_2.0" if o.endswith("k1") else str(draw(st.sampled_from([0.001, 0.05, 1.0])))) for o in options]
     return RolloutCorrectionConfig(
         rollout_is=level,
@@ -72,7 +92,9 @@ def test_no_nan_or_inf_anywhere_and_rs_never_reenables_padding(batch, cfg):
 def test_tis_weights_never_exceed_u(batch, upper):
     old, roll, mask = batch
     for level in ("token", "sequence"):
-        out = compute_rollout_correction(old, roll, mask, RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=upper))
+        out = compute_rollout_correction(
+            old, roll, mask, RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=upper)
+        )
         assert (out.weights <= upper * (1 + 1e-6)).all()
 
 
@@ -80,7 +102,9 @@ def test_tis_weights_never_exceed_u(batch, upper):
 @given(batches(allow_special=False))
 def test_icepop_weights_are_ratio_or_zero(batch):
     old, roll, mask = batch
-    out = compute_rollout_correction(old, roll, mask, RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.8_1.25"))
+    out = compute_rollout_correction(
+        old, roll, mask, RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.8_1.25")
+    )
     ratio = torch.exp((old - roll).clamp(-20, 20)).float()
     valid = mask.bool()
     w = out.weights[valid]
@@ -93,7 +117,9 @@ def test_icepop_weights_are_ratio_or_zero(batch):
 @given(batches(allow_special=False))
 def test_sequence_weights_constant_per_row(batch):
     old, roll, mask = batch
-    out = compute_rollout_correction(old, roll, mask, RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=3.0))
+    out = compute_rollout_correction(
+        old, roll, mask, RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=3.0)
+    )
     for i in range(old.shape[0]):
         row = out.weights[i][mask[i].bool()]
         if row.numel():
@@ -120,11 +146,20 @@ def test_identical_policies_change_nothing(batch, cfg):
 
 
 @SETTINGS
-@given(batches(allow_special=False), st.sampled_from(["token_k2", "token_k3", "seq_sum_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"]), st.floats(1e-4, 1.0), st.floats(1.0, 10.0))
+@given(
+    batches(allow_special=False),
+    st.sampled_from(["token_k2", "token_k3", "seq_sum_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"]),
+    st.floats(1e-4, 1.0),
+    st.floats(1.0, 10.0),
+)
 def test_raising_a_k2_k3_threshold_never_rejects_more(batch, option, low, factor):
     old, roll, mask = batch
-    tight = compute_rollout_correction(old, roll, mask, RolloutCorrectionConfig(rollout_rs=option, rollout_rs_threshold=low))
-    loose = compute_rollout_correction(old, roll, mask, RolloutCorrectionConfig(rollout_rs=option, rollout_rs_threshold=low * factor))
+    tight = compute_rollout_correction(
+        old, roll, mask, RolloutCorrectionConfig(rollout_rs=option, rollout_rs_threshold=low)
+    )
+    loose = compute_rollout_correction(
+        old, roll, mask, RolloutCorrectionConfig(rollout_rs=option, rollout_rs_threshold=low * factor)
+    )
     assert torch.all(loose.response_mask >= tight.response_mask)
 
 
@@ -165,11 +200,20 @@ def test_long_row_sequence_weight_is_finite():
     roll = torch.full((1, T), -1.0)
     old = roll + 0.022
     for level in ("sequence", "token"):
-        out = compute_rollout_correction(old, roll, torch.ones(1, T), RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=1e12, rollout_rs="seq_sum_k1", rollout_rs_threshold=1e12))
+        out = compute_rollout_correction(
+            old,
+            roll,
+            torch.ones(1, T),
+            RolloutCorrectionConfig(
+                rollout_is=level, rollout_is_threshold=1e12, rollout_rs="seq_sum_k1", rollout_rs_threshold=1e12
+            ),
+        )
         assert torch.isfinite(out.weights).all()
         assert all(math.isfinite(v) for v in out.metrics.values())
     assert out.metrics["rollout_corr/rollout_rs_seq_sum_k1_mean"] == pytest_approx(-0.022 * T)
-    seq = compute_rollout_correction(old, roll, torch.ones(1, T), RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=1e12))
+    seq = compute_rollout_correction(
+        old, roll, torch.ones(1, T), RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=1e12)
+    )
     assert seq.weights[0, 0].item() == pytest_approx(math.exp(20.0))
 
 

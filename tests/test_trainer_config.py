@@ -12,7 +12,7 @@ import torch
 from trl import GRPOConfig
 
 from tiny_model import prompt_dataset, reward_len
-from trl_rollout_corr.config import CORRECTION_FIELDS, RolloutCorrectionArguments, RolloutCorrectionConfig
+from trl_rollout_corr.config import CORRECTION_FIELDS, RolloutCorrectionArguments
 from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
 

@@ -17,7 +17,7 @@ SPECIALS = ["<pad>", "<eos>", "<bos>"]
 
 
 def make_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from .reduce import RowTable
-from .stats import Kind, StatView, div, stat_name, ess, exp_or_zero, max_or_zero, min_or_zero, pop_std, unbiased_std
+from .stats import Kind, StatView, div, ess, exp_or_zero, max_or_zero, min_or_zero, pop_std, stat_name, unbiased_std
 from .workspace import SAFETY_BOUND, Workspace, host_checks_allowed, mask_float
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
