@@ -8,8 +8,8 @@ user wrote, ``L <= r <= U`` on the token ratio, the row's product (``seq_sum``) 
 (``seq_mean``) (deliberate difference: verl keeps ``[1/U, 1/L]``). Several options combine with AND; a NaN
 statistic rejects. RS never changes IS weights. Metric names follow verl's ``rollout_corr_helper`` (0.9.x).
 
-To add a sequence level, add it to ``LEVELS`` (the statistics it supports) and ``_ROW_VALUES`` (its per-row value),
-and its needs to ``needs``: config validation, the mask and the metrics follow.
+To add a sequence level, add it to ``LEVELS`` (the statistics it supports), ``_ROW_VALUES`` (its per-row value) and
+``_USES_TOKENS`` / ``_USES_ROW_SUMS`` (what it reads): config validation, the mask and the metrics follow.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ _ROW_VALUES = {
     "seq_mean": lambda ws, stat: ws.stat_row_sum(stat) / ws.n1,
     "seq_max": lambda ws, stat: _row_max(ws.token_stat(stat)),
 }
+# what each level reads from the workspace: the (B, T) k2/k3 tensor, and/or the row sums of the statistic
+_USES_TOKENS = {"token", "seq_max"}
+_USES_ROW_SUMS = {"token", "seq_sum", "seq_mean"}
 
 # statistics shared by every option (per option they are prefixed "rollout_rs_{option}_")
 KEPT = "rs_kept"  # kept tokens per row (also per length bucket)
@@ -45,17 +48,18 @@ REJECTED_SEQS = "rs_rejected_seqs"
 
 
 def needs(specs: Sequence) -> dict[str, bool]:
-    """The ``workspace.Needs`` flags these options require."""
+    """The ``workspace.Needs`` flags these options require (k3 row sums are always prepared)."""
     flags = dict(x_range=False, k2_tokens=False, k3_tokens=False, k1_row_sum=False, k2_row_sum=False)
     for spec in specs:
-        if spec.stat == "k1":
-            flags["k1_row_sum"] = True
-            flags["x_range"] |= spec.is_token_level  # token k1 extrema are those of x
-        elif spec.stat == "k2":
+        tokens, row_sums = spec.level in _USES_TOKENS, spec.level in _USES_ROW_SUMS
+        if spec.stat == "k1":  # k1 = -x is never materialised: row sums of x, token extrema from those of x
+            flags["k1_row_sum"] |= row_sums
+            flags["x_range"] |= spec.is_token_level
+        elif spec.stat == "k2":  # k2 row sums are summed from the k2 tensor
             flags["k2_tokens"] = True
-            flags["k2_row_sum"] |= spec.level != "seq_max"
-        elif spec.is_token_level or spec.level == "seq_max":  # k3 row sums are always prepared
-            flags["k3_tokens"] = True
+            flags["k2_row_sum"] |= row_sums
+        else:
+            flags["k3_tokens"] |= tokens
     return flags
 
 
