@@ -267,7 +267,15 @@ def worker(args) -> dict:
 # driver
 
 
+# --baseline-rev: the same workers, importing trl_rollout_corr from the baseline checkout
+_BASELINE_WORKERS = {"base": "ours", "base_compiled": "ours_compiled"}
+
+
 def run_worker(python, impl, mode, B, T, args, env_extra=None, dump=None) -> dict:
+    if impl in _BASELINE_WORKERS:
+        env_extra = {**(env_extra or {}), "BENCH_OURS_SRC": args.baseline_src}
+        res = run_worker(python, _BASELINE_WORKERS[impl], mode, B, T, args, env_extra=env_extra, dump=dump)
+        return {**res, "impl": impl}
     cmd = [
         python,
         os.path.abspath(__file__),
@@ -350,9 +358,15 @@ def driver(args):
     impls = ["ours"] + (["ours_compiled"] if args.compiled else []) + (["verl"] if have_verl else [])
     if args.no_ours:
         impls = [i for i in impls if i != "ours"]
+    baseline_desc = None
+    if args.baseline_rev:  # interleaved in the same rounds as ours: before/after under the same machine load
+        baseline_desc, args.baseline_src = _export_rev(args.baseline_rev)
+        impls = ["base"] + impls[:1] + (["base_compiled"] if args.compiled else []) + impls[1:]
     pythons = {
         "ours": sys.executable,
         "ours_compiled": sys.executable,
+        "base": sys.executable,
+        "base_compiled": sys.executable,
         "verl": args.verl_python,
         "floor": sys.executable,
     }
@@ -464,6 +478,7 @@ def driver(args):
         torch=torch.__version__,
         python=platform.python_version(),
         ours=ours_desc,
+        baseline=baseline_desc,
         cpus=os.cpu_count(),
         cpu_model=_cpu_model(),
         args=vars(args),
@@ -486,20 +501,29 @@ def _describe_ours(args) -> str:
         return subprocess.run(["git", *a], capture_output=True, text=True, cwd=cwd).stdout.strip()
 
     if args.ours_rev:
-        rev = git("rev-parse", "--short", args.ours_rev)
-        dest = tempfile.mkdtemp(prefix=f"bench-ours-{rev}-")
-        archive = subprocess.run(
-            ["git", "archive", args.ours_rev, "trl_rollout_corr"], capture_output=True, cwd=REPO, check=True
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
-        args.ours_src = dest
-        last = git("log", "-1", "--format=%h", args.ours_rev, "--", "trl_rollout_corr")
-        return f"trl_rollout_corr at commit {rev} (`--ours-rev {args.ours_rev}`; package last changed in {last})"
+        desc, args.ours_src = _export_rev(args.ours_rev, "--ours-rev")
+        return desc
     if args.ours_src:
         return f"trl_rollout_corr from {args.ours_src}"
     rev = git("log", "-1", "--format=%h", "HEAD", "--", "trl_rollout_corr")
     dirty = git("status", "--porcelain", "trl_rollout_corr")
     return f"trl_rollout_corr working tree at {rev}" + (" with uncommitted changes" if dirty else "")
+
+
+def _export_rev(rev_arg: str, flag: str = "--baseline-rev") -> tuple[str, str]:
+    """``git archive`` the package at a revision into a temp dir; returns (description, directory)."""
+
+    def git(*a):
+        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=REPO).stdout.strip()
+
+    rev = git("rev-parse", "--short", rev_arg)
+    dest = tempfile.mkdtemp(prefix=f"bench-{rev}-")
+    archive = subprocess.run(
+        ["git", "archive", rev_arg, "trl_rollout_corr"], capture_output=True, cwd=REPO, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+    last = git("log", "-1", "--format=%h", rev_arg, "--", "trl_rollout_corr")
+    return f"trl_rollout_corr at commit {rev} (`{flag} {rev_arg}`; package last changed in {last})", dest
 
 
 def _cpu_model() -> str:
@@ -516,7 +540,9 @@ def _cpu_model() -> str:
 def to_markdown(rep) -> str:
     L = []
     L.append(
-        f"Run: `{rep['cmd']}` at {rep['started']}; ours = {rep['ours']}; torch {rep['torch']}, "
+        f"Run: `{rep['cmd']}` at {rep['started']}; ours = {rep['ours']}; "
+        + (f"base = {rep['baseline']}; " if rep.get("baseline") else "")
+        + f"torch {rep['torch']}, "
         f"Python {rep['python']}, "
         f"{rep['cpus']} cores ({rep['cpu_model']}), `torch.set_num_threads(1)`, float32, CPU. "
         f"Load average before/after: {rep['load_before'][0]:.2f} / {rep['load_after'][0]:.2f} "
@@ -647,6 +673,9 @@ def main():
         help="benchmark trl_rollout_corr as committed at this git revision (git archive into a temp dir; "
         "ignores uncommitted edits in the working tree)",
     )
+    ap.add_argument("--baseline-rev", default=None,
+                    help="also time trl_rollout_corr at this git revision as 'base' (and 'base_compiled'), "
+                         "interleaved with ours in the same rounds: a before/after comparison under equal load")
     ap.add_argument("--write-results", default=None, help="replace the generated block in this markdown file")
     ap.add_argument("--json", default=None, help="also save the full report as JSON")
     ap.add_argument("--from-json", default=None, help="only re-render the markdown of a report saved with --json")
