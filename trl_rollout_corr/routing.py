@@ -40,7 +40,7 @@ import contextlib
 import importlib
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -613,9 +613,3 @@ class RouteReplayer:
                 counts[TOKEN_MISMATCH_KEY] = (chunk.token_mismatch.sum(), routed.sum())
         if chunk.on_counts is not None:
             chunk.on_counts(counts)
-
-
-def fraction_counts_to_metrics(counts: Mapping[str, tuple]) -> dict:
-    """``{name: num / den}`` of ``{name: (num, den)}`` counts, omitting names whose ``den`` is 0 (for tests and
-    scripts; the trainer reduces the counts through the accumulator)."""
-    return {k: float(n) / float(d) for k, (n, d) in counts.items() if float(d) > 0}
