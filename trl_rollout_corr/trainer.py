@@ -29,6 +29,9 @@ anchor, never used for the correction).
   p99,max}`` (ratios pi_old/mu, pi_theta/pi_old, pi_theta/mu over the trained tokens, exact order statistics over
   all ranks; bypass: ``direct`` only) and ``rollout_corr/policy_lag_{mean,max}`` (optimizer steps between
   generation and use). In evaluation the keys carry TRL's ``eval_`` prefix.
+* Routing replay (``routing_replay="r3"``, MoE models; ``routing.py``, ``docs/routing-replay.md``): the rollout's
+  expert choices ride in the batch as ``routed_experts`` and are replayed in the pi_old and pi_theta forwards;
+  ``rollout_corr/routing_mismatch_fraction`` (overall, ``/layer_<i>``) and ``routing_token_mismatch_fraction``.
 
 Who knows TRL 1.16's internals: this file (the overridden hooks, their signatures and call order, TRL's private
 ``_metrics`` / ``_logs`` / ``vllm_generation`` attributes, the ``GRPOConfig`` fields checked in
