@@ -7,7 +7,8 @@ log call:
   micro-batch): reducible sums, maxima and minima, O(number of metrics) memory;
 * the valid per-token log ratios of the trained tokens (``engine``, ``update``, ``direct``), for exact order
   statistics (``exact_ratio_quantiles``);
-* the policy lag of every micro-batch (optimizer steps between generation and use).
+* the policy lag of every micro-batch (optimizer steps between generation and use);
+* global row counts behind fractions (``add_fraction``: ``rs_lone_survivor_fraction``).
 
 ``flush(mode)`` reduces everything across ranks once, finalises once, and returns the metrics with TRL's
 ``eval_`` prefix in evaluation. Cross-rank operations are passed in (``Reducers``), so this module knows neither
@@ -122,6 +123,7 @@ class _ModeBuffer:
     lag_sum: int = 0
     lag_count: int = 0
     lag_max: int = 0
+    fractions: dict[str, list[int]] = field(default_factory=dict)
 
 
 class RolloutCorrAccumulator:
@@ -174,13 +176,24 @@ class RolloutCorrAccumulator:
         buffer.lag_count += 1
         buffer.lag_max = max(buffer.lag_max, int(lag))
 
+    def add_fraction(self, mode: str, name: str, hits: int, total: int) -> None:
+        """Count ``hits`` out of ``total`` towards ``rollout_corr/{name}`` (hits / total over the log window).
+
+        The counts must already be global (the same on every rank, e.g. computed from gathered tensors), as the
+        policy lag is: they are summed over calls, never across ranks.
+        """
+        counts = self._buffer(mode).fractions.setdefault(name, [0, 0])
+        counts[0] += int(hits)
+        counts[1] += int(total)
+
     def flush(self, mode: str) -> dict[str, float]:
         """The metrics of ``mode`` since the previous flush, exact over all ranks; empties the buffer.
 
         Returns:
             ``rollout_corr/*`` (``eval_rollout_corr/*`` for ``mode="eval"``) -> float: the finalised
             ``CorrectionStats`` (if any were added), ``{name}_ratio_{mean,p01,p50,p99,max}`` per ratio name (if
-            any), and ``policy_lag_{mean,max}`` (if any micro-batch was recorded).
+            any), ``policy_lag_{mean,max}`` (if any micro-batch was recorded) and each ``add_fraction`` name (0.0
+            for a zero total).
         """
         buffer = self._buffer(mode)
         self._buffers[mode] = _ModeBuffer()
@@ -195,6 +208,8 @@ class RolloutCorrAccumulator:
         if buffer.lag_count:
             metrics[f"{PREFIX}policy_lag_mean"] = buffer.lag_sum / buffer.lag_count
             metrics[f"{PREFIX}policy_lag_max"] = float(buffer.lag_max)
+        for name, (hits, total) in sorted(buffer.fractions.items()):
+            metrics[f"{PREFIX}{name}"] = hits / total if total else 0.0
         if mode == "eval":
             metrics = {f"{EVAL_PREFIX}{k}": v for k, v in metrics.items()}
         return metrics
