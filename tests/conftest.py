@@ -32,6 +32,30 @@ def qwen_dir(tmp_path_factory):
     return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2", seed=1)
 
 
+@pytest.fixture(scope="session")
+def tool_dir(tmp_path_factory):
+    """A tiny Qwen2 trained to call ``multiply_tool`` through the real ``generate`` (``tool_model``; seconds)."""
+    from tool_model import make_tool_model_dir
+
+    return make_tool_model_dir(str(tmp_path_factory.mktemp("tiny_tool_qwen2")))
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory):
+    """A tiny Mixtral (4 experts, top-2) returning router logits (``feature_models``)."""
+    from feature_models import make_tiny_moe_dir
+
+    return make_tiny_moe_dir(str(tmp_path_factory.mktemp("tiny_moe")))
+
+
+@pytest.fixture(scope="session")
+def reward_model_dir(tmp_path_factory):
+    """A tiny Llama sequence classifier (one label) to use as a reward model (``feature_models``)."""
+    from feature_models import make_tiny_reward_model_dir
+
+    return make_tiny_reward_model_dir(str(tmp_path_factory.mktemp("tiny_reward")))
+
+
 # The tests' training arguments (a 3-step float32 CPU run on 8 prompts); shared by our config and plain TRL's.
 TRAIN_DEFAULTS = dict(
     per_device_train_batch_size=4,

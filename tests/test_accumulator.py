@@ -152,3 +152,13 @@ def test_reducers_all_reduce_is_none_on_one_rank():
     assert Reducers().all_reduce is None
     twin = TwinRank(other_stats=[torch.ones(1)] * 3)
     assert twin.reducers().all_reduce(torch.zeros(1)).tolist() == [1.0]
+
+
+def test_fractions_sum_global_counts_over_calls():
+    acc = RolloutCorrAccumulator()
+    acc.add_fraction("train", "rs_lone_survivor_fraction", 1, 8)
+    acc.add_fraction("train", "rs_lone_survivor_fraction", 2, 8)
+    acc.add_fraction("eval", "rs_lone_survivor_fraction", 0, 0)
+    assert acc.flush("train") == {"rollout_corr/rs_lone_survivor_fraction": 3 / 16}
+    assert acc.flush("eval") == {"eval_rollout_corr/rs_lone_survivor_fraction": 0.0}
+    assert acc.flush("train") == {}

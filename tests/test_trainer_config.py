@@ -155,3 +155,13 @@ def test_rollout_generate_dtype_with_a_rollout_func_is_refused(llama_dir, tmp_pa
     with pytest.raises(ValueError, match="rollout_func"):
         RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, args=args, train_dataset=prompt_dataset(8),
                                rollout_func=lambda prompts, trainer: {})
+
+
+def test_settings_of_trls_own_vllm_is_are_refused_with_a_correction(tmp_path, make_args):
+    """They configure TRL's vLLM IS, which is off while a correction is on: silently inert before issue 9."""
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode, vllm_importance_sampling_clip_max configure"):
+        make_args(tmp_path, rollout_is="token", vllm_importance_sampling_mode="token_truncate",
+                  vllm_importance_sampling_clip_max=2.0)
+    args = make_args(tmp_path, vllm_importance_sampling_mode="token_truncate")  # no correction: TRL's, as given
+    assert args.vllm_importance_sampling_mode == "token_truncate" and args.vllm_importance_sampling_correction
+
