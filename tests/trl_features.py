@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 WORKS = "works"
+UNTESTED = "untested here"  # accepted, but needs a GPU / a package / the Hub this machine lacks
+NOT_APPLICABLE = "n/a"
 
 # The correction presets of the table's columns (the TRL option interacts differently with each mode).
 PRESETS = {
@@ -31,7 +33,8 @@ class Feature:
         group: TRL's docstring group.
         config: ``GRPOConfig`` overrides that switch it on (on top of ``conftest.TRAIN_DEFAULTS``).
         trainer: a ``test_trl_features.TRAINER_SETUPS`` key for features that are trainer arguments ("" for none).
-        outcome: preset column -> ``WORKS`` or a substring of the refusal message; columns not given work.
+        outcome: preset column -> ``WORKS``, ``UNTESTED`` (accepted, not run here), ``NOT_APPLICABLE`` or a
+            substring of the refusal message; columns not given work.
         train: cheap enough to train on the tiny models here (False: checked at config time only; see ``note``).
         note: what the README says beyond works/refused.
     """
@@ -46,6 +49,10 @@ class Feature:
 
     def expected(self, column: str) -> str:
         return self.outcome.get(column, WORKS)
+
+
+def _untested() -> dict:
+    return {c: UNTESTED for c in PRESETS}
 
 
 def _bypass_refuses(what: str) -> dict:
@@ -87,14 +94,16 @@ FEATURES = (
     Feature("chat_template_kwargs", "generation", dict(chat_template_kwargs={"unused": True}), trainer="chat"),
     Feature("cache_implementation", "generation", dict(cache_implementation="dynamic")),
     # ----------------------------------------------------------------- vLLM (GPU)
-    Feature("use_vllm / vllm_mode (colocate, server)", "vllm", dict(use_vllm=True), train=False,
+    Feature("use_vllm / vllm_mode (colocate, server)", "vllm", dict(use_vllm=True), train=False, outcome=_untested(),
             note="TRL's own vLLM IS is switched off; the server must run --logprobs-mode processed_logprobs; "
                  "needs vLLM on GPU (not run here)"),
     Feature("vllm_model_impl / vllm_enable_sleep_mode / vllm_gpu_memory_utilization / vllm_max_model_length / "
             "vllm_tensor_parallel_size / vllm_server_* / vllm_group_port", "vllm",
-            dict(use_vllm=True, vllm_enable_sleep_mode=True), train=False, note="engine settings; GPU only"),
+            dict(use_vllm=True, vllm_enable_sleep_mode=True), train=False, outcome=_untested(),
+            note="engine settings; GPU only"),
     Feature("vllm_structured_outputs_regex", "vllm", dict(use_vllm=True, vllm_structured_outputs_regex="[0-9]+"),
-            train=False, note="mu includes the grammar mask, the trainer does not: shows as mismatch; GPU only"),
+            train=False, outcome=_untested(),
+            note="mu includes the grammar mask, the trainer does not: shows as mismatch; GPU only"),
     # ----------------------------------------------------------------- training
     Feature("beta / use_bias_correction_kl", "training", dict(beta=0.04)),
     Feature("use_bias_correction_kl=False", "training", dict(beta=0.04, use_bias_correction_kl=False)),
@@ -151,7 +160,7 @@ FEATURES = (
             dict(log_completions=True, num_completions_to_print=2, log_unique_prompts=True)),
     Feature("log_multimodal", "logging", dict(log_multimodal=False)),
     Feature("log_completions_hub_repo", "logging", dict(log_completions=True, log_completions_hub_repo="me/x"),
-            train=False, note="pushes to the Hub (offline here)"),
+            train=False, outcome=_untested(), note="pushes to the Hub (offline here)"),
     # ----------------------------------------------------------------- transformers continuous batching
     Feature("use_transformers_continuous_batching / transformers_continuous_batching_config", "generation",
             dict(use_transformers_continuous_batching=True), train=False,
@@ -161,7 +170,7 @@ FEATURES = (
             dict(use_transformers_paged=True), train=False,
             outcome={c: "use_transformers_continuous_batching" for c in PRESETS}),
     Feature("ds3_gather_for_generation (DeepSpeed ZeRO-3)", "training arguments",
-            dict(ds3_gather_for_generation=False), train=False,
+            dict(ds3_gather_for_generation=False), train=False, outcome=_untested(),
             note="the capture instruments the unwrapped model TRL generates with; ZeRO-2 is trained in "
                  "tests/test_distributed.py, ZeRO-3 is untested here"),
     # ----------------------------------------------------------------- TrainingArguments that GRPOConfig re-defaults
@@ -177,7 +186,8 @@ FEATURES = (
                      "bypass_ppo_clip": WORKS, "bypass_reinforce": WORKS},
             note="our own field, with the GRPOConfig fields it must agree with"),
     # ----------------------------------------------------------------- GRPOTrainer arguments
-    Feature("args=None (TRL's default config)", "trainer", train=False, note="tests/test_trainer_drop_in.py"),
+    Feature("args=None (TRL's default config)", "trainer", train=False, outcome={c: NOT_APPLICABLE for c in PRESETS},
+            note="builds RolloutCorrGRPOConfig(\"<model>-GRPO\"), no correction (tests/test_trainer_drop_in.py)"),
     Feature("reward_funcs: several, async", "trainer", trainer="async_reward"),
     Feature("reward_funcs: a reward model (path)", "trainer", trainer="reward_model"),
     Feature("train_dataset: IterableDataset", "trainer", trainer="iterable"),
@@ -188,9 +198,9 @@ FEATURES = (
     Feature("tools (sync and async) / max_tool_calling_iterations", "trainer", dict(max_tool_calling_iterations=2),
             trainer="tools"),
     Feature("environment_factory (+ get_reward)", "trainer", trainer="environment"),
-    Feature("peft_config / PeftModel / quantization_config", "trainer", train=False,
+    Feature("peft_config / PeftModel / quantization_config", "trainer", train=False, outcome=_untested(),
             note="not installed here (peft, bitsandbytes): untested"),
-    Feature("processing_class (VLM processors, images)", "trainer", train=False,
+    Feature("processing_class (VLM processors, images)", "trainer", train=False, outcome=_untested(),
             note="multimodal keys are forwarded (trl_compat.MULTIMODAL_FORWARD_KEYS); untested here"),
 )
 
@@ -201,11 +211,14 @@ def markdown_table() -> str:
             "bypass REINFORCE preset", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in FEATURES:
-        cells = [f"`{f.name}`", "as TRL (trained)" if f.train else "as TRL (config built)"]
+        no_correction = "as TRL (trained)" if f.train else "as TRL (config built)" if f.config else "as TRL"
+        cells = [f"`{f.name}`", no_correction]
         for column in PRESETS:
             outcome = f.expected(column)
             if outcome == WORKS:
                 cells.append("works (trained)" if f.train else "works (config built)")
+            elif outcome in (UNTESTED, NOT_APPLICABLE):
+                cells.append(outcome)
             else:
                 cells.append(f"refused: `{outcome}`")
         cells.append(f.note)

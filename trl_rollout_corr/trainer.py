@@ -17,10 +17,16 @@ anchor, never used for the correction).
   of ``trl_compat.SUPPORTED_LOSS_TYPES["decoupled"]``) with the RS mask as loss mask and normaliser and the IS
   weights multiplying the clipped per-token loss (``trl_compat.inject_rs_mask_and_is_weights``).
 * Bypass mode: no pi_old forward; in every micro-batch the correction is computed from the current pi_theta
-  (detached) against mu and the loss is PPO-clip on pi_theta / mu or REINFORCE ``-A w log pi_theta``
-  (``losses.bypass_policy_loss``), aggregated as TRL's ``loss_type`` does (``trl_compat.aggregate_loss``). The RS
-  mask is the loss mask and normaliser (dapo: the pre-RS token count, as verl's engine workers); the advantages
-  were computed at generation time, before pi_theta exists, so rows rejected here stay in their group's baseline.
+  (detached) against mu and the loss is PPO-clip on pi_theta / mu (with a dual clip: TRL's ``delta``, else
+  ``losses.DEFAULT_DUAL_CLIP``) or REINFORCE ``-A w log pi_theta`` (``losses.bypass_policy_loss``), aggregated as
+  TRL's ``loss_type`` does (``trl_compat.aggregate_loss``). The RS mask is the loss mask and normaliser (dapo: the
+  pre-RS token count, as verl's engine workers); the advantages were computed at generation time, before pi_theta
+  exists, so rows rejected here stay in their group's baseline. Batch normalisation divides by the mean over the
+  optimizer step's rows: with gradient accumulation they are scored once, with no grad, at the step's first
+  micro-batch (``_batch_norm_all_reduce``).
+* No correction configured (no IS, RS or bypass: the default and the ``disabled`` preset): TRL's GRPO, unchanged
+  (its batch, advantages, masks and loss as TRL builds them; every ``GRPOConfig`` option accepted), with the
+  ``rollout_corr/*`` diagnostics of pi_old vs mu computed on the side where mu exists.
 * Metrics (``accumulator.RolloutCorrAccumulator``): ``rollout_corr/*`` are exact over everything trained on since
   the previous log call, on all ranks: the reducible statistics are merged across generation batches /
   micro-batches, reduced across ranks once at log time and finalised once; they are written straight into the log
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import inspect
 import logging
 import types
@@ -226,6 +233,13 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 "or vLLM."
             )
         self._check_sampling_generation()
+        changed = [name for name in _TRL_VLLM_IS_SETTINGS if getattr(self, name) != _GRPO_DEFAULTS[name]]
+        if changed:
+            _refuse(
+                f"{', '.join(changed)} configure TRL's own vLLM importance sampling, which is off while rollout "
+                "correction is on (the mismatch is corrected once, by rollout_is / rollout_rs); leave them at "
+                "TRL's defaults, or disable the rollout correction to use TRL's."
+            )
         if self.loss_type == "vespo":
             _refuse(
                 "loss_type='vespo' applies its own importance weighting; it cannot be combined with rollout "
@@ -306,6 +320,12 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 f"per-token loss is capped at -A * delta), which is TRL's two-sided clip only for delta > 1 + "
                 f"epsilon_high; got delta={self.delta}, epsilon_high={epsilon_high}."
             )
+
+
+# Settings of TRL's own vLLM IS (inert while it is off, i.e. whenever a rollout correction is on) and TRL's defaults
+_TRL_VLLM_IS_SETTINGS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+                         "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")
+_GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
 
 
 def _refuse(msg: str) -> None:
@@ -677,6 +697,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         )
         if result.all_processes is not None:
             trl_compat.replace_logged_advantages(self._logs["advantages"], result.all_processes)
+        elif bool(rejected.any()):  # kept in the baseline: only the rejected rows' advantages changed (to 0)
+            logged = torch.tensor(list(self._logs["advantages"])[-rejected.numel():], dtype=torch.float32)
+            if logged.numel() == rejected.numel():
+                trl_compat.replace_logged_advantages(self._logs["advantages"], logged.masked_fill(rejected.cpu(), 0.0))
         if self.rollout_correction.rs_enabled and not keep_in_baseline:
             lone = trl_compat.lone_survivors(rejected, has_tokens, num_generations)
             self.rollout_corr_metrics.add_fraction(
