@@ -211,7 +211,14 @@ def markdown_table() -> str:
             "bypass REINFORCE preset", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in FEATURES:
-        no_correction = "as TRL (trained)" if f.train else "as TRL (config built)" if f.config else "as TRL"
+        if any(k.startswith(("rollout_", "bypass_")) for k in f.config):
+            no_correction = NOT_APPLICABLE  # a row about one of our own fields
+        elif f.train:
+            no_correction = "as TRL (trained)"
+        elif f.config:
+            no_correction = "as TRL (config built)"
+        else:
+            no_correction = UNTESTED if UNTESTED in f.outcome.values() else "as TRL"
         cells = [f"`{f.name}`", no_correction]
         for column in PRESETS:
             outcome = f.expected(column)
