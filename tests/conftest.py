@@ -32,28 +32,54 @@ def qwen_dir(tmp_path_factory):
     return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2", seed=1)
 
 
-def _make_args(tmp_path, **overrides):
+@pytest.fixture(scope="session")
+def tool_dir(tmp_path_factory):
+    """A tiny Qwen2 trained to call ``multiply_tool`` through the real ``generate`` (``tool_model``; seconds)."""
+    from tool_model import make_tool_model_dir
+
+    return make_tool_model_dir(str(tmp_path_factory.mktemp("tiny_tool_qwen2")))
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory):
+    """A tiny Mixtral (4 experts, top-2) returning router logits (``feature_models``)."""
+    from feature_models import make_tiny_moe_dir
+
+    return make_tiny_moe_dir(str(tmp_path_factory.mktemp("tiny_moe")))
+
+
+@pytest.fixture(scope="session")
+def reward_model_dir(tmp_path_factory):
+    """A tiny Llama sequence classifier (one label) to use as a reward model (``feature_models``)."""
+    from feature_models import make_tiny_reward_model_dir
+
+    return make_tiny_reward_model_dir(str(tmp_path_factory.mktemp("tiny_reward")))
+
+
+# The tests' training arguments (a 3-step float32 CPU run on 8 prompts); shared by our config and plain TRL's.
+TRAIN_DEFAULTS = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=8,
+    max_steps=3,
+    logging_steps=1,
+    report_to=[],
+    use_cpu=True,
+    learning_rate=1e-3,
+    save_strategy="no",
+    beta=0.0,
+    seed=0,
+    disable_tqdm=True,
+    # TRL defaults to bf16 autocast (also on CPU); the tests train in float32 unless they say otherwise
+    bf16=False,
+)
+
+
+def _make_args(tmp_path, config_cls=None, **overrides):
     from trl_rollout_corr.trainer import RolloutCorrGRPOConfig
 
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=3,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        learning_rate=1e-3,
-        save_strategy="no",
-        beta=0.0,
-        seed=0,
-        disable_tqdm=True,
-        # TRL defaults to bf16 autocast (also on CPU); the tests train in float32 unless they say otherwise
-        bf16=False,
-    )
-    kwargs.update(overrides)
-    return RolloutCorrGRPOConfig(**kwargs)
+    config_cls = config_cls or RolloutCorrGRPOConfig
+    return config_cls(**{"output_dir": str(tmp_path / "out"), **TRAIN_DEFAULTS, **overrides})
 
 
 def _make_trainer(model_dir, tmp_path, trainer_cls=None, reward_funcs=reward_len, **overrides):
@@ -86,7 +112,8 @@ def _loss_inputs(trainer, log_ratio_rows, advantages):
 
 @pytest.fixture
 def make_args():
-    """``make_args(tmp_path, **overrides) -> RolloutCorrGRPOConfig``: a 3-step float32 CPU config."""
+    """``make_args(tmp_path, config_cls=None, **overrides)``: a 3-step float32 CPU ``RolloutCorrGRPOConfig`` (or
+    ``config_cls``, e.g. TRL's ``GRPOConfig``)."""
     return _make_args
 
 

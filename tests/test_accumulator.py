@@ -172,3 +172,11 @@ def test_fraction_counts_are_exact_over_two_fake_ranks():
     acc.add_fraction_counts("train", {"g": (1, 2), "f": (1, 6)})
     assert acc.flush("train") == {"rollout_corr/f": 6 / 16, "rollout_corr/g": 1 / 4}
     assert twin.calls == ["sum"]
+def test_fractions_sum_global_counts_over_calls():
+    acc = RolloutCorrAccumulator()
+    acc.add_fraction("train", "rs_lone_survivor_fraction", 1, 8)
+    acc.add_fraction("train", "rs_lone_survivor_fraction", 2, 8)
+    acc.add_fraction("eval", "rs_lone_survivor_fraction", 0, 0)
+    assert acc.flush("train") == {"rollout_corr/rs_lone_survivor_fraction": 3 / 16}
+    assert acc.flush("eval") == {"eval_rollout_corr/rs_lone_survivor_fraction": 0.0}
+    assert acc.flush("train") == {}

@@ -249,3 +249,45 @@ def test_flat_arguments_parse_from_the_command_line():
     cfg = args.rollout_correction()
     assert cfg.bypass_mode and cfg.bypass_loss_type == "reinforce" and (cfg.is_bounds.lower, cfg.is_bounds.upper) == (
         0.5, 5.0)
+
+
+# ---------------------------------------------------------------------------------------------- strict settings
+@pytest.mark.parametrize("fields, name", [
+    (dict(rollout_rs_threshold="0.01"), "rollout_rs_threshold"),
+    (dict(rollout_is_threshold="3"), "rollout_is_threshold"),
+    (dict(bypass_loss_type="reinforce"), "bypass_loss_type"),
+    (dict(rollout_corr_preset="decoupled_k3_rs_token_tis", rollout_rs="none", rollout_rs_threshold="0.05"),
+     "rollout_rs_threshold"),
+    (dict(rollout_corr_preset="decoupled_token_is", rollout_is="none", rollout_is_threshold="5"),
+     "rollout_is_threshold"),
+    (dict(rollout_corr_preset="bypass_pg_is", bypass_mode=False, bypass_loss_type="ppo_clip"), "bypass_loss_type"),
+])
+def test_a_setting_without_its_option_is_an_error_naming_it(fields, name):
+    """Before issue 9 ``rollout_rs_threshold`` without ``rollout_rs`` (and the others) were silently ignored."""
+    with pytest.raises(ValueError, match=f"{name}=.* is set but .* is off, so it would be ignored"):
+        RolloutCorrectionArguments(**fields)
+
+
+def test_inherited_settings_of_a_switched_off_option_are_accepted_and_round_trip():
+    off = RolloutCorrectionArguments(rollout_corr_preset="decoupled_k3_rs_token_tis", rollout_rs="none")
+    assert off.rollout_rs == "none" and off.rollout_rs_threshold == "0.01"  # the preset's, kept as it was
+    again = RolloutCorrectionArguments(**{f.name: getattr(off, f.name) for f in dataclasses.fields(off)})
+    assert again.rollout_correction() == off.rollout_correction()
+    # numbers compare as numbers: 2, "2" and "2.0" are all the default IS threshold
+    for same in (2, "2", "2.0", " 2.0 "):
+        assert RolloutCorrectionArguments(rollout_is_threshold=same).rollout_correction().is_bounds is None
+    assert RolloutCorrectionArguments(rollout_rs="seq_mean_k3", rollout_rs_threshold="0.01").rollout_correction(
+    ).rs_enabled
+
+
+def test_bare_boolean_flags():
+    transformers = pytest.importorskip("transformers")
+    parser = transformers.HfArgumentParser((RolloutCorrectionArguments,))
+    (bare,) = parser.parse_args_into_dataclasses(["--rollout_is", "token", "--rollout_is_batch_normalize",
+                                                  "--bypass_mode"])
+    assert bare.bypass_mode is True and bare.rollout_is_batch_normalize is True
+    (unset,) = parser.parse_args_into_dataclasses(["--rollout_corr_preset", "bypass_pg_is"])
+    assert unset.rollout_correction().bypass_mode is True  # absent: the preset decides
+    (off,) = parser.parse_args_into_dataclasses(["--rollout_corr_preset", "bypass_pg_is", "--bypass_mode", "false",
+                                                 "--rollout_is", "none"])
+    assert not off.rollout_correction().enabled

@@ -41,8 +41,8 @@ def test_config_preset_overrides_and_validation(tmp_path, make_args):
         make_args(tmp_path, bypass_mode=True, loss_type="cispo")
     with pytest.raises(ValueError, match="top_entropy_quantile"):
         make_args(tmp_path, bypass_mode=True, top_entropy_quantile=0.5)
-    with pytest.raises(ValueError, match="vespo"):
-        make_args(tmp_path, loss_type="vespo")
+    with pytest.raises(ValueError, match="vespo"):  # (issue 9: only with a correction configured; TRL's otherwise)
+        make_args(tmp_path, rollout_is="token", loss_type="vespo")
     with pytest.raises(ValueError, match="preset"):
         make_args(tmp_path, rollout_corr_preset="nope")
     with pytest.raises(ValueError):
@@ -144,8 +144,7 @@ def test_trainer_takes_args_by_position_or_keyword(llama_dir, tmp_path, make_arg
     assert positional.rollout_correction == args.rollout_correction()
     with pytest.raises(TypeError, match="RolloutCorrGRPOConfig"):
         RolloutCorrGRPOTrainer(llama_dir, reward_len, GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
-    with pytest.raises(TypeError, match="RolloutCorrGRPOConfig"):
-        RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8))
+    # (issue 9) args omitted: TRL's default config, with this trainer's config class (tests/test_trainer_drop_in.py)
     with pytest.raises(TypeError):  # not a GRPOTrainer argument at all: refused by the signature, as GRPOTrainer does
         RolloutCorrGRPOTrainer(model=llama_dir, args=args, not_an_argument=1)
 
@@ -156,3 +155,13 @@ def test_rollout_generate_dtype_with_a_rollout_func_is_refused(llama_dir, tmp_pa
     with pytest.raises(ValueError, match="rollout_func"):
         RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, args=args, train_dataset=prompt_dataset(8),
                                rollout_func=lambda prompts, trainer: {})
+
+
+def test_settings_of_trls_own_vllm_is_are_refused_with_a_correction(tmp_path, make_args):
+    """They configure TRL's vLLM IS, which is off while a correction is on: silently inert before issue 9."""
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode, vllm_importance_sampling_clip_max configure"):
+        make_args(tmp_path, rollout_is="token", vllm_importance_sampling_mode="token_truncate",
+                  vllm_importance_sampling_clip_max=2.0)
+    args = make_args(tmp_path, vllm_importance_sampling_mode="token_truncate")  # no correction: TRL's, as given
+    assert args.vllm_importance_sampling_mode == "token_truncate" and args.vllm_importance_sampling_correction
+

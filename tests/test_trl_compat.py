@@ -98,6 +98,41 @@ def test_trl_coupling_formulas_mirrored_in_trl_compat():
     assert "get_server_info" in vars(VLLMClient)
 
 
+def test_trl_coupling_behind_the_drop_in_promise():
+    """TRL internals the no-correction path, the no-args form, the flags, the bypass batch normalisation and the
+    generate checks rely on (issue 9)."""
+    import dataclasses
+
+    from transformers import hf_argparser
+    from trl import GRPOConfig
+
+    src_init = inspect.getsource(GRPOTrainer.__init__)
+    src_loss = inspect.getsource(GRPOTrainer._compute_loss)
+    src_prepare = inspect.getsource(GRPOTrainer._prepare_inputs)
+    src_tools = inspect.getsource(GRPOTrainer._tool_call_loop)
+    # no args: TRL builds GRPOConfig("<last path part of the model id>-GRPO"); we build ours the same way
+    assert 'args = GRPOConfig(f"{model_name}-GRPO")' in src_init
+    assert 'model_name = model_name.split("/")[-1]' in src_init
+    # no correction: OPSM falls back to pi_old when the batch has no sampling log-probs (so we must not add them)
+    assert 'sampling_per_token_logps = inputs.get("sampling_per_token_logps", old_per_token_logps)' in src_loss
+    # the plain generate path's sampling settings (``_plain_generate_has_no_mu`` reads do_sample / num_beams)
+    assert "self.generation_config = GenerationConfig(**generation_kwargs, disable_compile=True)" in src_init
+    # bypass batch normalisation: the micro-batch of micro-step k is the buffered chunk k % steps_per_generation,
+    # regenerated every steps_per_generation * num_iterations micro-steps
+    assert "inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]" in src_prepare
+    assert "if self._step % generate_every == 0 or self._buffered_inputs is None:" in src_prepare
+    # multi-turn: the tool's answer gets behaviour log-prob 0.0 (never trained on: tool_mask 0)
+    assert "logprobs[idx_with_tool] += [0.0] * tool_length + post_tool_logprobs[idx]" in src_tools
+    # TRL's own vLLM IS settings whose change we refuse while a correction is on, and TRL's flag default
+    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    assert defaults["vllm_importance_sampling_correction"] is True
+    assert {"vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
+            "vllm_importance_sampling_cap"} <= set(defaults)
+    # transformers passes a field's metadata to argparse (bare booleans, the --no_ alias of our Optional[bool])
+    src_field = inspect.getsource(hf_argparser.HfArgumentParser._parse_dataclass_field)
+    assert "kwargs = field.metadata.copy()" in src_field and 'aliases = kwargs.pop("aliases", [])' in src_field
+
+
 def test_trl_coupling_trainer_signature_and_our_names_do_not_shadow_trl():
     """The trainer binds its arguments to GRPOTrainer.__init__'s signature; its own private names are not TRL's."""
     params = list(inspect.signature(GRPOTrainer.__init__).parameters)
@@ -301,6 +336,18 @@ def test_replace_logged_advantages_rewrites_the_last_batch():
     short = [1.0]
     trl_compat.replace_logged_advantages(short, torch.tensor([0.5, 0.0]))
     assert short == [0.5, 0.0]
+
+
+@pytest.mark.unit
+def test_lone_survivors_by_hand():
+    # groups of 2: (rejected, kept) -> the kept row is alone; (kept, kept); (rejected, rejected); (kept, no tokens)
+    rejected = torch.tensor([True, False, False, False, True, True, False, False])
+    has_tokens = torch.tensor([True, True, True, True, True, True, True, False])
+    lone = trl_compat.lone_survivors(rejected, has_tokens, num_generations=2)
+    assert lone.tolist() == [False, True, False, False, False, False, False, False]
+    # groups of 4: one kept among three rejected
+    lone = trl_compat.lone_survivors(torch.tensor([True, True, False, True]), torch.ones(4, dtype=torch.bool), 4)
+    assert lone.tolist() == [False, False, True, False]
 
 
 @pytest.mark.unit

@@ -10,6 +10,7 @@ log call:
 * the policy lag of every micro-batch (optimizer steps between generation and use);
 * exact fractions kept as reducible integer counts (``add_fraction_counts``: numerator and denominator summed over
   calls and ranks, divided once at flush; e.g. the MoE ``routing_mismatch_fraction`` of ``routing.py``).
+* global row counts behind fractions (``add_fraction``: ``rs_lone_survivor_fraction``).
 
 ``flush(mode)`` reduces everything across ranks once, finalises once, and returns the metrics with TRL's
 ``eval_`` prefix in evaluation. Cross-rank operations are passed in (``Reducers``), so this module knows neither
@@ -125,6 +126,7 @@ class _ModeBuffer:
     lag_count: int = 0
     lag_max: int = 0
     fractions: dict[str, list] = field(default_factory=dict)  # name -> [numerator, denominator] running sums
+    global_fractions: dict[str, list[int]] = field(default_factory=dict)  # already global: summed over calls only
 
 
 class RolloutCorrAccumulator:
@@ -206,14 +208,24 @@ class RolloutCorrAccumulator:
         host = totals.view(-1, 2).cpu().tolist()
         return {f"{PREFIX}{name}": num / den for name, (num, den) in zip(names, host) if den > 0}
 
+    def add_fraction(self, mode: str, name: str, hits: int, total: int) -> None:
+        """Count ``hits`` out of ``total`` towards ``rollout_corr/{name}`` (hits / total over the log window).
+
+        The counts must already be global (the same on every rank, e.g. computed from gathered tensors), as the
+        policy lag is: they are summed over calls, never across ranks.
+        """
+        counts = self._buffer(mode).global_fractions.setdefault(name, [0, 0])
+        counts[0] += int(hits)
+        counts[1] += int(total)
+
     def flush(self, mode: str) -> dict[str, float]:
         """The metrics of ``mode`` since the previous flush, exact over all ranks; empties the buffer.
 
         Returns:
             ``rollout_corr/*`` (``eval_rollout_corr/*`` for ``mode="eval"``) -> float: the finalised
             ``CorrectionStats`` (if any were added), ``{name}_ratio_{mean,p01,p50,p99,max}`` per ratio name (if
-            any), ``policy_lag_{mean,max}`` (if any micro-batch was recorded) and the ``add_fraction_counts``
-            fractions (those with a non-zero denominator).
+            any), ``policy_lag_{mean,max}`` (if any micro-batch was recorded), the ``add_fraction_counts``
+            fractions (those with a non-zero denominator) and each ``add_fraction`` name (0.0 for a zero total).
         """
         buffer = self._buffer(mode)
         self._buffers[mode] = _ModeBuffer()
@@ -229,6 +241,8 @@ class RolloutCorrAccumulator:
             metrics[f"{PREFIX}policy_lag_mean"] = buffer.lag_sum / buffer.lag_count
             metrics[f"{PREFIX}policy_lag_max"] = float(buffer.lag_max)
         metrics.update(self._flush_fractions(buffer.fractions))
+        for name, (hits, total) in sorted(buffer.global_fractions.items()):
+            metrics[f"{PREFIX}{name}"] = hits / total if total else 0.0
         if mode == "eval":
             metrics = {f"{EVAL_PREFIX}{k}": v for k, v in metrics.items()}
         return metrics

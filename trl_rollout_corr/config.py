@@ -328,6 +328,12 @@ def _fields_doc(table: tuple[CorrectionField, ...], optional: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+# argparse keywords for an ``Optional[bool]`` flag (``HfArgumentParser`` passes a field's metadata to
+# ``add_argument``): a bare ``--bypass_mode`` means True, as it does for TRL's own bool flags, while an absent flag
+# stays None (unset: the preset decides) and ``--bypass_mode false`` is False.
+BARE_BOOL_FLAG = {"nargs": "?", "const": True}
+
+
 def _with_correction_fields(*, optional: bool, frozen: bool = False):
     """Class decorator: add the ``CORRECTION_FIELD_TABLE`` fields after the class's own fields, then ``dataclass``.
 
@@ -340,7 +346,10 @@ def _with_correction_fields(*, optional: bool, frozen: bool = False):
         annotations = dict(cls.__dict__.get("__annotations__", {}))
         for f in CORRECTION_FIELD_TABLE:
             annotations[f.name] = Optional[f.flag_type] if optional else f.type
-            setattr(cls, f.name, field(default=None if optional else f.default, metadata={"help": f.help}))
+            metadata = {"help": f.help}
+            if optional and f.flag_type is bool:
+                metadata.update(BARE_BOOL_FLAG)
+            setattr(cls, f.name, field(default=None if optional else f.default, metadata=metadata))
         cls.__annotations__ = annotations
         cls.__doc__ = (cls.__doc__ or "").rstrip() + _fields_doc(CORRECTION_FIELD_TABLE, optional)
         return dataclass(frozen=frozen)(cls)
@@ -628,6 +637,54 @@ PRESETS = tuple(_PRESET_NAMES)
 
 
 # ---------------------------------------------------------------------------------------------- flat arguments
+# A setting that only acts together with another one: (setting, its option, what switches the option on).
+_DEPENDENT_SETTINGS = (
+    ("rollout_is_threshold", "rollout_is", "rollout_is='token' or 'sequence'"),
+    ("rollout_rs_threshold", "rollout_rs", f"rollout_rs (options: {', '.join(RS_OPTIONS)})"),
+    ("bypass_loss_type", "bypass_mode", "bypass_mode=True"),
+)
+
+
+def _setting_key(value: Any) -> Any:
+    """A comparable form of a threshold spec or setting: ``2``, ``2.0`` and ``"2.0"`` are the same setting."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_setting_key(v) for v in value)
+    if _is_number(value):
+        return float(value)
+    if isinstance(value, str):
+        parts = []
+        for part in value.split(","):
+            try:
+                parts.append(tuple(_to_float(x, "") for x in part.split("_")) if "_" in part
+                             else _to_float(part, ""))
+            except ValueError:
+                parts.append(part.strip())
+        return tuple(parts) if len(parts) > 1 else parts[0]
+    return value
+
+
+def _check_settings_have_their_option(correction: "RolloutCorrectionConfig", given: dict, inherited: dict) -> None:
+    """Refuse a setting that was changed from its inherited value (the preset's, or the default) while the option
+    it belongs to is off, e.g. ``rollout_rs_threshold=0.01`` without ``rollout_rs``: it would be silently ignored.
+
+    A value equal to the inherited one is accepted (the effective fields written back after construction carry
+    the inherited threshold of a switched-off option, and must parse again).
+
+    Raises:
+        ValueError: naming the setting, its option and how to switch the option on.
+    """
+    for setting, option, how in _DEPENDENT_SETTINGS:
+        if getattr(correction, option) not in (None, False):
+            continue
+        if _setting_key(given[setting]) != _setting_key(inherited[setting]):
+            raise ValueError(
+                f"{setting}={given[setting]!r} is set but {option} is off, so it would be ignored: set {how}, or "
+                f"unset {setting}."
+            )
+
+
 def _threshold_to_field(value: Any) -> Any:
     """A threshold spec as stored in the flat arguments: numbers and ``"L_U"`` strings as strings, None kept.
 
@@ -678,16 +735,19 @@ class RolloutCorrectionArguments:
             ValueError / TypeError: for an unknown preset or an invalid field.
         """
         if self.rollout_corr_preset is not None:
-            base = RolloutCorrectionConfig.from_preset(self.rollout_corr_preset).to_dict()
+            inherited = RolloutCorrectionConfig.from_preset(self.rollout_corr_preset).to_dict()
         else:
-            base = RolloutCorrectionConfig().to_dict()
+            inherited = RolloutCorrectionConfig().to_dict()
+        base = dict(inherited)
         for name in CORRECTION_FIELDS:
             value = getattr(self, name)
             if value is not None:
                 base[name] = value
         if isinstance(base.get("rollout_is_threshold"), str):
             base["rollout_is_threshold"] = base["rollout_is_threshold"].strip()
-        return RolloutCorrectionConfig(**base)
+        correction = RolloutCorrectionConfig(**base)
+        _check_settings_have_their_option(correction, base, inherited)
+        return correction
 
     def rollout_correction(self) -> RolloutCorrectionConfig:
         """The validated ``RolloutCorrectionConfig`` the (effective) flat fields describe (a new object each call)."""

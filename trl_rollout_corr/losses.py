@@ -30,6 +30,11 @@ from .correction import SAFETY_BOUND, RolloutCorrectionOutput
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 CorrectionFn = Callable[..., RolloutCorrectionOutput]
 
+# The dual-clip constant c of bypass PPO-clip when TRL's ``delta`` is unset: verl's default ``clip_ratio_c``. In
+# bypass mode the ratio is pi_theta / mu, which is not near 1 at the first update as pi_theta / pi_old is; without a
+# bound, one token at the ratio's safety bound (log ratio 20) with A < 0 adds |A| e^20 to the logged loss.
+DEFAULT_DUAL_CLIP = 3.0
+
 
 @dataclass(frozen=True)
 class PPOClip:

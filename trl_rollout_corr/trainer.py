@@ -17,10 +17,16 @@ anchor, never used for the correction).
   of ``trl_compat.SUPPORTED_LOSS_TYPES["decoupled"]``) with the RS mask as loss mask and normaliser and the IS
   weights multiplying the clipped per-token loss (``trl_compat.inject_rs_mask_and_is_weights``).
 * Bypass mode: no pi_old forward; in every micro-batch the correction is computed from the current pi_theta
-  (detached) against mu and the loss is PPO-clip on pi_theta / mu or REINFORCE ``-A w log pi_theta``
-  (``losses.bypass_policy_loss``), aggregated as TRL's ``loss_type`` does (``trl_compat.aggregate_loss``). The RS
-  mask is the loss mask and normaliser (dapo: the pre-RS token count, as verl's engine workers); the advantages
-  were computed at generation time, before pi_theta exists, so rows rejected here stay in their group's baseline.
+  (detached) against mu and the loss is PPO-clip on pi_theta / mu (with a dual clip: TRL's ``delta``, else
+  ``losses.DEFAULT_DUAL_CLIP``) or REINFORCE ``-A w log pi_theta`` (``losses.bypass_policy_loss``), aggregated as
+  TRL's ``loss_type`` does (``trl_compat.aggregate_loss``). The RS mask is the loss mask and normaliser (dapo: the
+  pre-RS token count, as verl's engine workers); the advantages were computed at generation time, before pi_theta
+  exists, so rows rejected here stay in their group's baseline. Batch normalisation divides by the mean over the
+  optimizer step's rows: with gradient accumulation they are scored once, with no grad, at the step's first
+  micro-batch (``_batch_norm_all_reduce``).
+* No correction configured (no IS, RS or bypass: the default and the ``disabled`` preset): TRL's GRPO, unchanged
+  (its batch, advantages, masks and loss as TRL builds them; every ``GRPOConfig`` option accepted), with the
+  ``rollout_corr/*`` diagnostics of pi_old vs mu computed on the side where mu exists.
 * Metrics (``accumulator.RolloutCorrAccumulator``): ``rollout_corr/*`` are exact over everything trained on since
   the previous log call, on all ranks: the reducible statistics are merged across generation batches /
   micro-batches, reduced across ranks once at log time and finalised once; they are written straight into the log
@@ -46,16 +52,22 @@ The class reads top to bottom in the order TRL calls its hooks: ``__init__``, ``
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
+import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
+from transformers.generation.utils import GenerationMixin
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.grpo_trainer import disable_gradient_checkpointing
+from trl.trainer.utils import get_config_model_id
 
 from . import trl_compat
 from .accumulator import Reducers, RolloutCorrAccumulator
@@ -63,7 +75,7 @@ from .config import CORRECTION_FIELDS, RolloutCorrectionArguments, RolloutCorrec
 from .correction import make_correction_fn, ratio_decomposition
 from .engines.alignment import check_aligned
 from .engines.transformers_generate import GENERATE_DTYPES, capture_generate_log_probs, generate_in_dtype
-from .losses import PPOClip, bypass_policy_loss
+from .losses import DEFAULT_DUAL_CLIP, PPOClip, bypass_policy_loss
 from .routing import RouteReplayer, check_row_routes, pad_routes, record_routes
 
 logger = logging.getLogger(__name__)
@@ -72,6 +84,31 @@ ROUTING_REPLAY_MODES = ("off", "r3")
 
 __all__ = ["CORRECTION_FIELDS", "RolloutCorrGRPOConfig", "RolloutCorrGRPOTrainer"]
 
+# transformers' own generate, as imported (a replaced one is detected by identity: ``_plain_generate_has_no_mu``)
+_TRANSFORMERS_GENERATE = GenerationMixin.generate
+
+
+class _OptionalBoolFlag(argparse.Action):
+    """argparse action for an ``Optional[bool]`` field that also answers to TRL's ``--no_<name>`` spelling.
+
+    ``--name`` (bare) is True, ``--name false`` is False, ``--no_name`` is False, an absent flag leaves None (unset).
+    ``HfArgumentParser`` passes a field's ``metadata`` to ``add_argument`` (``aliases`` become extra option strings),
+    which is how ``vllm_importance_sampling_correction`` keeps TRL's ``--no_vllm_importance_sampling_correction``
+    flag while its default stays None (so that an explicit True can be told from "unset").
+    """
+
+    def __init__(self, option_strings, dest, nargs=None, const=None, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", const=True, **kwargs)
+        self._negated = {s for s in option_strings if s.startswith(("--no_", "--no-"))}
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = bool(values)
+        setattr(namespace, self.dest, (not value) if option_string in self._negated else value)
+
+
+def _no_flag(name: str) -> dict:
+    return {"aliases": [f"--no_{name}", f"--no-{name.replace('_', '-')}"], "action": _OptionalBoolFlag}
+
 
 @dataclass
 class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
@@ -79,15 +116,22 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
 
     The correction fields (``rollout_corr_preset`` and the fields of ``config.CORRECTION_FIELD_TABLE``) come from
     ``RolloutCorrectionArguments``, flat, so each works as a ``TrlParser``/``HfArgumentParser`` flag
-    (``--rollout_is token``) and as a YAML key; explicitly set fields override the preset, and after construction
-    the flat fields hold the effective values (``args.rollout_correction()`` is the validated config).
-    (``RolloutCorrectionArguments`` comes first among the bases so that ``TrainingArguments``' fields keep their
-    positions: ``RolloutCorrGRPOConfig("out")`` sets ``output_dir``, as ``GRPOConfig("out")`` does.)
+    (``--rollout_is token``, a bare ``--bypass_mode``) and as a YAML key; explicitly set fields override the preset,
+    and after construction the flat fields hold the effective values (``args.rollout_correction()`` is the validated
+    config). (``RolloutCorrectionArguments`` comes first among the bases so that ``TrainingArguments``' fields keep
+    their positions: ``RolloutCorrGRPOConfig("out")`` sets ``output_dir``, as ``GRPOConfig("out")`` does.)
+
+    No correction configured (no IS, no RS, no bypass: the default and the ``disabled`` preset) means TRL's own
+    GRPO, unchanged: every ``GRPOConfig`` option is accepted and behaves as in ``GRPOConfig``, and
+    ``rollout_corr/*`` diagnostics are logged on the side where behaviour log-probs exist. With a correction
+    configured, every TRL option the correction interacts with is checked here, at construction: it either works
+    exactly (README, "TRL options") or is refused with an error naming it.
 
     Parameters:
         rs_keep_rejected_in_baseline (`bool`, defaults to `False`):
             Decoupled mode: keep rows that RS rejects entirely in their group's reward mean/std (verl's
-            behaviour). Default False: they leave the baseline. Their own advantage is 0 either way.
+            behaviour). Default False: they leave the baseline (a row whose every group-mate is rejected then has
+            advantage 0; counted in ``rollout_corr/rs_lone_survivor_fraction``). Their own advantage is 0 either way.
         rollout_corr_compile (`bool`, defaults to `False`):
             Run the correction math through ``torch.compile`` (``correction.make_correction_fn(..., compile=True)``):
             same values, faster on large batches; the first step pays the compile. Used in both modes.
@@ -103,13 +147,18 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             the weights (``engines.transformers_generate.generate_in_dtype``), e.g. a bf16 rollout engine next to a
             float32 trainer. Unset: generate with the weights as they are.
         vllm_importance_sampling_correction (`bool`, *optional*):
-            TRL's own vLLM IS correction. Unset: off when this config's correction is enabled (IS, RS or bypass),
-            TRL's default (on) otherwise. Setting it True together with an enabled correction is an error
-            (the two would both apply).
+            TRL's own vLLM IS correction (TRL's flags: ``--vllm_importance_sampling_correction [true|false]``,
+            ``--no_vllm_importance_sampling_correction``). Unset: off when this config's correction is enabled (IS,
+            RS or bypass), TRL's default (on) otherwise. Setting it True together with an enabled correction is an
+            error (the two would both apply).
 
     Raises:
-        ValueError / TypeError: at construction, for an invalid correction field, an unknown preset, or an
-            incompatible combination (the message names the options involved).
+        ValueError / TypeError: at construction, for an invalid correction field, an unknown preset, a setting
+            without its option (``rollout_rs_threshold`` without ``rollout_rs``), or a TRL option the configured
+            correction cannot serve exactly (the message names the options involved).
+
+    Warns:
+        UserWarning: when ``bf16=True`` (TRL's default) on CPU, where autocast hides the mismatch.
     """
 
     rs_keep_rejected_in_baseline: bool = field(
@@ -142,7 +191,8 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         default=None,
         metadata={
             "help": "TRL's own vLLM IS correction. Unset: off when rollout correction is enabled, else TRL's default "
-            "(on). True together with an enabled rollout correction is an error."
+            "(on). True together with an enabled rollout correction is an error.",
+            **_no_flag("vllm_importance_sampling_correction"),
         },
     )
 
@@ -164,78 +214,156 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 "vllm_importance_sampling_correction (it is then switched off) or disable the rollout correction."
             )
         GRPOConfig.__post_init__(self)
-        self._check_compatibility(correction)
+        self._check_generate_dtype()
+        self._check_routing_replay()
+        if correction.enabled:
+            self._check_compatibility(correction)
+        self._warn_cpu_autocast()
 
-    def _check_generate_dtype(self, fail) -> None:
+    def _check_generate_dtype(self) -> None:
         if self.rollout_generate_dtype is None:
             return
         if self.rollout_generate_dtype not in GENERATE_DTYPES:
-            fail(
+            _refuse(
                 f"rollout_generate_dtype must be one of {tuple(GENERATE_DTYPES)} or unset, "
                 f"got {self.rollout_generate_dtype!r}."
             )
         if self.use_vllm:
-            fail(
+            _refuse(
                 "rollout_generate_dtype applies to the transformers.generate path only; with use_vllm=True the "
                 "rollout dtype is vLLM's own (its model dtype); unset rollout_generate_dtype."
             )
 
-    def _check_routing_replay(self, fail) -> None:
+    def _check_routing_replay(self) -> None:
         if self.routing_replay not in ROUTING_REPLAY_MODES:
-            fail(f"routing_replay must be one of {ROUTING_REPLAY_MODES}, got {self.routing_replay!r}.")
+            _refuse(f"routing_replay must be one of {ROUTING_REPLAY_MODES}, got {self.routing_replay!r}.")
         if self.routing_replay == "r3" and self.use_vllm and self.vllm_importance_sampling_correction:
-            fail(
+            _refuse(
                 "routing_replay='r3' with TRL's own vLLM importance sampling (vllm_importance_sampling_correction="
                 "True): TRL's pi_old forward for it cannot replay the routes. Use this package's correction "
                 "(e.g. rollout_is='token'; TRL's is then switched off) or set "
                 "vllm_importance_sampling_correction=False."
             )
 
+    def _warn_cpu_autocast(self) -> None:
+        """bf16 autocast on CPU runs the generate forward and the training forwards in the same bf16 numerics."""
+        if self.bf16 and self.device.type == "cpu":
+            warnings.warn(
+                "bf16=True (TRL's default) on CPU: accelerate runs every forward, generate's included, under bfloat16 "
+                "autocast over the same float32 weights, so mu and pi_old share their numerics and rollout_corr/* "
+                "shows almost no mismatch (kl ~1e-7) where a real bf16 rollout engine would differ. Set bf16=False to "
+                "train in float32 (rollout_generate_dtype='bfloat16' samples from a bf16 copy of the weights).",
+                UserWarning,
+                stacklevel=4,  # the caller of RolloutCorrGRPOConfig(...) (through __init__ and __post_init__)
+            )
+
     def _check_compatibility(self, correction: RolloutCorrectionConfig) -> None:
-        """Refuse the TRL options the correction cannot serve (each message names the option and the fix)."""
-
-        def fail(msg: str) -> None:
-            raise ValueError(f"RolloutCorrGRPOConfig: {msg}")
-
+        """With a correction configured: refuse every TRL option it cannot serve exactly (each message names the
+        option and the fix). Nothing here runs without a correction: that is TRL's GRPO, unchanged."""
         if self.use_transformers_continuous_batching:
-            fail(
+            _refuse(
                 "use_transformers_continuous_batching=True returns no behaviour log-probs, so rollout correction "
                 "cannot run; use the plain transformers.generate path (use_transformers_continuous_batching=False) "
                 "or vLLM."
             )
-        self._check_generate_dtype(fail)
-        self._check_routing_replay(fail)
+        self._check_sampling_generation()
+        changed = [name for name in _TRL_VLLM_IS_SETTINGS if getattr(self, name) != _GRPO_DEFAULTS[name]]
+        if changed:
+            _refuse(
+                f"{', '.join(changed)} configure TRL's own vLLM importance sampling, which is off while rollout "
+                "correction is on (the mismatch is corrected once, by rollout_is / rollout_rs); leave them at "
+                "TRL's defaults, or disable the rollout correction to use TRL's."
+            )
         if self.loss_type == "vespo":
-            fail(
+            _refuse(
                 "loss_type='vespo' applies its own importance weighting; it cannot be combined with rollout "
                 "correction."
             )
         mode = "bypass" if correction.bypass_mode else "decoupled"
         supported = trl_compat.SUPPORTED_LOSS_TYPES[mode]
-        if not correction.bypass_mode:
-            if self.loss_type not in supported:
-                fail(f"decoupled mode supports loss_type in {supported}, got {self.loss_type!r}.")
-            return
-        # Bypass mode: our own loss replaces TRL's, so only what it reproduces is allowed.
+        if self.loss_type not in supported:
+            what = "bypass_mode=True" if correction.bypass_mode else "decoupled mode"
+            _refuse(f"{what} supports loss_type in {supported}, got {self.loss_type!r}.")
+        if correction.rollout_is_batch_normalize:
+            self._check_batch_norm_is_exact(correction)
+        if correction.bypass_mode:
+            self._check_bypass(correction)
+
+    def _check_sampling_generation(self) -> None:
+        """Behaviour log-probs exist only for sampled tokens: refuse greedy or beam search in ``generation_kwargs``."""
+        kwargs = self.generation_kwargs or {}
+        if kwargs.get("do_sample") is False or (kwargs.get("num_beams") or 1) > 1:
+            _refuse(
+                f"generation_kwargs={kwargs!r} asks for greedy or beam search, which has no sampling distribution: "
+                "rollout correction needs the log-probs of the distribution that sampled each token. Remove "
+                "do_sample=False / num_beams > 1 from generation_kwargs, or disable the rollout correction."
+            )
+
+    def _check_batch_norm_is_exact(self, correction: RolloutCorrectionConfig) -> None:
+        """Batch normalisation must divide by the mean over the optimizer step's global batch (spec section 3)."""
+        ga, spg, iters = self.gradient_accumulation_steps, self.steps_per_generation, self.num_iterations
+        generate_every = spg * iters
+        if correction.bypass_mode:
+            # bypass: with gradient accumulation the trainer scores the step's rows once, at its first micro-batch
+            # (one no-grad forward), which needs every row of the step to exist by then
+            if ga > 1 and generate_every % ga != 0:
+                _refuse(
+                    "rollout_is_batch_normalize=True with bypass_mode=True normalises over the optimizer step's rows, "
+                    "which must all be generated before the step starts: steps_per_generation * num_iterations "
+                    f"({spg} * {iters}) must be a multiple of gradient_accumulation_steps ({ga}). Change "
+                    "steps_per_generation, or turn batch normalisation off."
+                )
+        elif ga % spg != 0 or generate_every % ga != 0:
+            # decoupled: the weights are normalised once per generation batch, which must be the step's global batch
+            _refuse(
+                "rollout_is_batch_normalize=True in decoupled mode normalises over the generation batch, which is "
+                "the optimizer step's global batch only when each step trains on whole generation batches of one "
+                f"generation: gradient_accumulation_steps ({ga}) must be a multiple of steps_per_generation ({spg}), "
+                f"and steps_per_generation * num_iterations ({generate_every}) a multiple of "
+                "gradient_accumulation_steps. Set steps_per_generation=gradient_accumulation_steps (TRL's default), "
+                "use bypass_mode=True, or turn batch normalisation off."
+            )
+
+    def _check_bypass(self, correction: RolloutCorrectionConfig) -> None:
+        """Bypass mode: our loss replaces TRL's, so only what it reproduces exactly is allowed."""
         if self.rs_keep_rejected_in_baseline:
             logger.warning(
                 "rs_keep_rejected_in_baseline has no effect in bypass mode: RS runs in the loss, after the "
                 "advantages, so rejected rows always stay in their group's baseline."
             )
-        if self.loss_type not in supported:
-            fail(f"bypass_mode=True supports loss_type in {supported}, got {self.loss_type!r}.")
         unsupported = {
             "importance_sampling_level": (self.importance_sampling_level != "token", "'token'"),
             "top_entropy_quantile": (self.top_entropy_quantile < 1.0, "1.0"),
             "off_policy_mask_threshold": (self.off_policy_mask_threshold is not None, "None"),
             "entropy_coef": (self.entropy_coef != 0.0, "0.0"),
             "use_adaptive_entropy": (bool(self.use_adaptive_entropy), "False"),
-            "delta": (self.delta is not None, "None"),
         }
         for name, (bad, needed) in unsupported.items():
             if bad:
-                fail(f"bypass_mode=True replaces TRL's loss and does not support {name}={getattr(self, name)!r}; "
-                     f"set {name}={needed}.")
+                _refuse(f"bypass_mode=True replaces TRL's loss and does not support {name}={getattr(self, name)!r}; "
+                        f"set {name}={needed}.")
+        if self.delta is not None and correction.bypass_loss_type == "reinforce":
+            _refuse(
+                f"delta={self.delta} bounds the PPO ratio, but bypass_loss_type='reinforce' has no ratio in its loss; "
+                "unset delta or use bypass_loss_type='ppo_clip'."
+            )
+        epsilon_high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
+        if correction.bypass_loss_type == "ppo_clip" and self.delta is not None and not self.delta > 1 + epsilon_high:
+            _refuse(
+                f"bypass_mode=True uses delta as the dual-clip bound of PPO-clip on pi_theta / mu (for A < 0 the "
+                f"per-token loss is capped at -A * delta), which is TRL's two-sided clip only for delta > 1 + "
+                f"epsilon_high; got delta={self.delta}, epsilon_high={epsilon_high}."
+            )
+
+
+# Settings of TRL's own vLLM IS (inert while it is off, i.e. whenever a rollout correction is on) and TRL's defaults
+_TRL_VLLM_IS_SETTINGS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+                         "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")
+_GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+
+
+def _refuse(msg: str) -> None:
+    raise ValueError(f"RolloutCorrGRPOConfig: {msg}")
 
 
 @dataclass
@@ -291,59 +419,93 @@ def _accelerate_reducers(accelerator) -> Reducers:
 class RolloutCorrGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` with rollout correction; see the module docstring.
 
-    Args: as ``GRPOTrainer``; ``args`` (by position or keyword) must be a ``RolloutCorrGRPOConfig``.
+    Args: as ``GRPOTrainer``; ``args`` (by position or keyword) must be a ``RolloutCorrGRPOConfig``, or None for
+    the default one (``RolloutCorrGRPOConfig("<model name>-GRPO")``, no correction: TRL's GRPO, as
+    ``GRPOTrainer(args=None)`` builds ``GRPOConfig("<model name>-GRPO")``).
+
+    With no correction configured the trainer is TRL's, with ``rollout_corr/*`` diagnostics on the side: nothing
+    TRL computes (advantages, masks, ``sampling_per_token_logps``, ``old_per_token_logps``, the loss) is changed.
 
     Attributes:
         rollout_correction: the ``RolloutCorrectionConfig`` in use.
         rollout_corr_metrics: the ``RolloutCorrAccumulator`` that buffers the ``rollout_corr/*`` metrics until
             ``log``.
         rollout_corr_reducers: the cross-rank ``Reducers`` (``.all_reduce`` is the batch-normalisation sum).
-        rollout_corr_forward_counts: ``{"old_log_probs": n}``, the pi_old forwards this trainer ran itself (for
-            tests and benchmarks).
+        rollout_corr_forward_counts: ``{"old_log_probs": n, "batch_norm_window": m}``, the no-grad policy forwards
+            this trainer ran itself: pi_old per generation batch (decoupled, and diagnostics when TRL has none) and
+            the optimizer step's rows (bypass + batch normalisation with gradient accumulation; for tests and
+            benchmarks).
         rollout_corr_router_replay: the ``routing.RouteReplayer`` of the policy with ``routing_replay="r3"``, else
             None.
 
     Raises:
-        TypeError: if ``args`` is not a ``RolloutCorrGRPOConfig``.
-        ValueError: when no behaviour log-probs can be obtained (at the first generation, naming the fix), when
-            a row's behaviour log-probs do not match its completion length (naming the row), or when a TRL vLLM
-            server does not report processed log-probs. With ``routing_replay="r3"``: at construction for a dense
-            model, an unsupported MoE family, TRL's own vLLM path (no routes) or tools; at the first generation for
-            missing routes or routes of the wrong shape (naming the row).
+        TypeError: if ``args`` is neither None nor a ``RolloutCorrGRPOConfig``.
+        ValueError: with a correction configured, when no behaviour log-probs can be obtained (at the first
+            generation, naming the fix: e.g. ``model.generate`` replaced by a function that skips transformers'
+            sampling), when a row's behaviour log-probs do not match its completion length (naming the row), or
+            when a TRL vLLM server does not report processed log-probs. With ``routing_replay="r3"``: at
+            construction for a dense model, an unsupported MoE family, TRL's own vLLM path (no routes) or tools; at
+            the first generation for missing routes or routes of the wrong shape (naming the row).
     """
 
     def __init__(self, *args, **kwargs):
-        bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
-        train_args = bound.get("args")
-        if not isinstance(train_args, RolloutCorrGRPOConfig):
+        bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
+        train_args = bound.arguments.get("args")
+        if train_args is None:  # TRL's default, with this trainer's config class
+            model = bound.arguments["model"]
+            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            bound.arguments["args"] = RolloutCorrGRPOConfig(f"{model_name.split('/')[-1]}-GRPO")
+        elif not isinstance(train_args, RolloutCorrGRPOConfig):
             raise TypeError(
                 "RolloutCorrGRPOTrainer needs args=RolloutCorrGRPOConfig(...) (a GRPOConfig subclass with the "
-                f"rollout-correction fields), got {type(train_args).__name__}."
+                f"rollout-correction fields) or args=None, got {type(train_args).__name__}."
             )
-        _check_routing_sources(train_args, bound)  # before TRL loads the model or starts an engine
-        super().__init__(*args, **kwargs)
+        # before TRL loads the model or starts an engine
+        _check_routing_sources(bound.arguments["args"], bound.arguments)
+        super().__init__(*bound.args[1:], **bound.kwargs)
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction()
         self.rollout_corr_reducers = _accelerate_reducers(self.accelerator)
         self.rollout_corr_metrics = RolloutCorrAccumulator(self.rollout_corr_reducers)
-        self.rollout_corr_forward_counts = {"old_log_probs": 0}
+        self.rollout_corr_forward_counts = {"old_log_probs": 0, "batch_norm_window": 0}
         self._rc_correction_fn = make_correction_fn(self.rollout_correction, compile=self.args.rollout_corr_compile)
         # Scoped hand-offs between TRL's hooks: set only inside the context managers below, None/False outside.
         self._rc_skip_old_forward = False
         self._rc_policy_logps: Optional[_Slot] = None
         self._rc_rewards: Optional[_Slot] = None
         self._rc_routes: Optional[_Slot] = None
+        # Per generation batch: mu came from our generate capture (TRL itself has none on that path)
+        self._rc_mu_captured = False
+        self._rc_mu_unusable: Optional[str] = None  # no correction: why this batch has no diagnostics
+        self._rc_warned: set = set()
+        # bypass + batch normalisation with gradient accumulation: (optimizer step, global (sum, count)) of the
+        # step's rows, computed at its first micro-batch
+        self._rc_batch_norm_window: Optional[tuple] = None
         self._check_rollout_source()
         self.rollout_corr_router_replay = self._setup_routing_replay()
 
+    @property
+    def _rc_active(self) -> bool:
+        """True when a correction is configured (IS, RS or bypass): TRL's training is changed. False: TRL's GRPO
+        with diagnostics only."""
+        return self.rollout_correction.enabled
+
     def _check_rollout_source(self) -> None:
         """Vendor-specific checks of where mu comes from (the vLLM server's log-prob mode; a ``rollout_func``)."""
-        if self.use_vllm and self.args.vllm_mode == "server" and self.accelerator.is_main_process:
+        if self._rc_active and self.use_vllm and self.args.vllm_mode == "server" and self.accelerator.is_main_process:
             trl_compat.check_vllm_server_logprobs(self.vllm_generation.vllm_client)
         if self.args.rollout_generate_dtype is not None and self.rollout_func is not None:
             raise ValueError(
                 "rollout_generate_dtype applies to the transformers.generate path, but a rollout_func generates "
                 "here; cast inside the rollout_func (engines.transformers_generate.generate_in_dtype) and unset it."
             )
+        if not self._rc_active and self.use_transformers_continuous_batching:
+            self._warn_once("no rollout_corr/* diagnostics: use_transformers_continuous_batching returns no "
+                            "behaviour log-probs")
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._rc_warned:
+            self._rc_warned.add(message)
+            logger.warning("RolloutCorrGRPOTrainer: %s.", message)
 
     def _setup_routing_replay(self) -> Optional[RouteReplayer]:
         """``routing_replay="r3"``: the policy's ``RouteReplayer`` (its hooks do nothing outside ``_replay_routes``).
@@ -366,14 +528,29 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         On the plain ``generate`` path TRL returns none: ``generate`` is shadowed for this call so that it also
         records the processed scores (``engines.transformers_generate``), from a ``rollout_generate_dtype`` copy of
         the weights when set. Returns ``(completion_ids, logprobs)`` with ``logprobs[i]`` a list of floats as long
-        as ``completion_ids[i]``. With ``routing_replay="r3"`` the routers' choices are recorded too
-        (``_keep_generated_routes``).
+        as ``completion_ids[i]``. Where no behaviour log-probs exist (greedy/beam ``generation_kwargs``, or
+        ``model.generate`` replaced by something that skips transformers' sampling): an error with a correction
+        configured; without one, TRL's result unchanged and no diagnostics for the batch. With ``routing_replay="r3"``
+        the routers' choices are recorded too (``_keep_generated_routes``).
         """
         if self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
         unwrapped = self.accelerator.unwrap_model(self.model)
+        unusable = self._plain_generate_has_no_mu(unwrapped)
+        if unusable is not None:
+            if self._rc_active:
+                raise ValueError(
+                    f"Rollout correction is on but {unusable}, so no behaviour log-probs (mu) exist for its tokens. "
+                    "Use the model's own generate with sampling, a rollout_func that returns 'logprobs', or vLLM "
+                    "(use_vllm=True); or turn the correction off (no rollout_is / rollout_rs / bypass_mode)."
+                )
+            self._rc_mu_unusable = unusable
+            with generate_in_dtype(unwrapped, self.args.rollout_generate_dtype):
+                return super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+                )
         with (
             generate_in_dtype(unwrapped, self.args.rollout_generate_dtype),
             capture_generate_log_probs(unwrapped) as capture,
@@ -383,6 +560,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
         self._keep_generated_routes(routes, prompt_ids, completion_ids)
+        self._rc_mu_captured = True
         return completion_ids, capture.completion_log_probs(completion_ids)
 
     def _record_generate_routes(self):
@@ -396,18 +574,46 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             self._rc_routes.value = recording.generate_rows([len(p) for p in prompt_ids],
                                                             [len(c) for c in completion_ids])
 
+    def _plain_generate_has_no_mu(self, model) -> Optional[str]:
+        """Why ``model.generate`` cannot yield behaviour log-probs here, or None when it can.
+
+        Two cases: the generation config does not sample (``do_sample=False`` or ``num_beams > 1``, e.g. from
+        ``generation_kwargs``), or ``generate`` is not transformers' own: an instance attribute on the model (as
+        ``unittest.mock.patch.object(model, "generate", ...)`` sets, TRL's own tool/environment tests do this) or a
+        patched ``GenerationMixin.generate``. A replacement never runs transformers' logits processing, so the
+        capture would see no processed scores.
+        """
+        config = self.generation_config
+        if not config.do_sample or (config.num_beams or 1) > 1:
+            return "generation does not sample (do_sample=False or num_beams > 1 in generation_kwargs)"
+        own = vars(model).get("generate")
+        if own is not None and not (isinstance(own, types.MethodType) and own.__func__ is _TRANSFORMERS_GENERATE):
+            return f"model.generate has been replaced by {own!r}, which does not run transformers' sampling"
+        if GenerationMixin.generate is not _TRANSFORMERS_GENERATE:
+            return (f"GenerationMixin.generate has been replaced by {GenerationMixin.generate!r}, which does not run "
+                    "transformers' sampling")
+        return None
+
     def _generate(self, prompts: list):
         """TRL's ``_generate``; checks that every row has one behaviour log-prob per completion token."""
         result = super()._generate(prompts)
         completion_ids, logprobs = result[1], result[4]
-        if logprobs is None:
-            raise ValueError(
-                "Rollout correction is on but the generation path returned no behaviour log-probs (mu). Use vLLM "
-                "(use_vllm=True, which requests processed log-probs), the plain transformers.generate path, or a "
-                "rollout_func that returns 'logprobs'."
-            )
-        check_aligned([len(ids) for ids in completion_ids], logprobs)
         self._collect_routes(result)
+        if logprobs is None:
+            if self._rc_active:
+                raise ValueError(
+                    "Rollout correction is on but the generation path returned no behaviour log-probs (mu). Use "
+                    "vLLM (use_vllm=True, which requests processed log-probs), the plain transformers.generate "
+                    "path, or a rollout_func that returns 'logprobs'."
+                )
+            self._rc_mu_unusable = self._rc_mu_unusable or "the generation path returned no behaviour log-probs"
+            return result
+        try:
+            check_aligned([len(ids) for ids in completion_ids], logprobs)
+        except ValueError as err:
+            if self._rc_active:
+                raise
+            self._rc_mu_unusable = str(err)
         return result
 
     def _collect_routes(self, result: tuple) -> None:
@@ -505,10 +711,19 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         ``rollout_log_probs`` (mu), ``rollout_generation_step`` (0-d), and in decoupled mode
         ``old_per_token_logps`` (pi_old), ``rollout_rs_mask`` (RS + invalid tokens removed) and
         ``rollout_is_weights`` (when IS is on); rewrites ``advantages`` (RS-rejected rows) and
-        ``num_items_in_batch`` (kept tokens, global). With routing replay: ``routed_experts`` (B, P + T, L, k).
+        ``num_items_in_batch`` (kept tokens, global). With no correction configured nothing of TRL's is changed:
+        mu goes to ``rollout_log_probs`` only (on the plain generate path TRL has no ``sampling_per_token_logps``,
+        so none is left in the batch: TRL's ``off_policy_mask_threshold`` then measures against pi_old, as in TRL),
+        and pi_old, when TRL computed none, to ``rollout_old_log_probs``. With routing replay: ``routed_experts``
+        (B, P + T, L, k).
         """
+        self._rc_mu_captured, self._rc_mu_unusable = False, None
         with self._skip_trl_old_logps_forward(), self._hold_rewards() as rewards, self._hold_routes() as routes:
             output = super()._generate_and_score_completions(inputs)
+        if not self._rc_active:
+            self._attach_routes(output, routes.value)
+            self._record_diagnostics(output)
+            return output
         rollout_log_probs = output.get("sampling_per_token_logps")
         if rollout_log_probs is None:
             raise ValueError(
@@ -528,14 +743,17 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     def _attach_routes(self, output: dict, rows: Optional[list]) -> None:
         """Routing replay: ``output["routed_experts"]``, (B, P + T, L, k) int16 aligned with ``prompt_ids`` +
         ``completion_ids`` (-1 at padding; a (B, ...) tensor, so TRL's shuffle and split keep it with its rows).
-        Decoupled mode also drops TRL's pi_old placeholder: ``_old_log_probs`` recomputes it with replay."""
+        Decoupled mode also drops TRL's pi_old placeholder: ``_old_log_probs`` recomputes it with replay (without a
+        correction, here; with one, in ``_apply_decoupled_correction``)."""
         if self.rollout_corr_router_replay is None:
             return
         if rows is None:
             raise ValueError("routing_replay='r3' but no routes reached the batch (see _collect_routes).")
         output["routed_experts"] = pad_routes(rows, output["prompt_mask"], output["completion_ids"].size(1))
         if not self.rollout_correction.bypass_mode:
-            output.pop("old_per_token_logps", None)
+            placeholder = output.pop("old_per_token_logps", None)
+            if placeholder is not None and not self._rc_active:  # TRL's loss needs its pi_old: recompute it, replayed
+                output["old_per_token_logps"] = self._old_log_probs(output)
 
     @contextlib.contextmanager
     def _replay_routes(self, batch: dict, *, measure: bool) -> Iterator[None]:
@@ -554,6 +772,23 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         with replayer.replay(routes, input_ids, measure=measure, on_counts=on_counts):
             yield
 
+    def _record_diagnostics(self, output: dict) -> None:
+        """No correction configured: the ``rollout_corr/*`` statistics of pi_old vs mu, leaving TRL's batch as TRL
+        built it (our own keys only are added)."""
+        mu = output.pop("sampling_per_token_logps") if self._rc_mu_captured else output.get("sampling_per_token_logps")
+        if mu is None or self._rc_mu_unusable is not None:
+            self._warn_once(f"no rollout_corr/* diagnostics for a generation batch: {self._rc_mu_unusable or 'no mu'}")
+            return
+        output["rollout_log_probs"] = mu
+        output["rollout_generation_step"] = torch.tensor(self.state.global_step)
+        old_log_probs = output.get("old_per_token_logps")
+        if old_log_probs is None:  # TRL uses pi_theta.detach() as pi_old here; the diagnostics need it explicitly
+            old_log_probs = output["rollout_old_log_probs"] = self._old_log_probs(output)
+        correction = self._rc_correction_fn(
+            old_log_probs, mu, trl_compat.loss_mask(output), all_reduce=self.rollout_corr_reducers.all_reduce
+        )
+        self.rollout_corr_metrics.add_stats(self._mode, correction.stats)
+
     def _apply_decoupled_correction(self, output: dict, rewards_per_func: Optional[torch.Tensor]) -> None:
         """IS weights and RS mask from pi_old vs mu, once per generation batch; RS-aware advantages (in place)."""
         mask = trl_compat.loss_mask(output)
@@ -569,8 +804,12 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if correction.weights is not None:
             output["rollout_is_weights"] = correction.weights
         output["num_items_in_batch"] = self.accelerator.gather(new_mask.sum()).sum()
-        rejected = (mask.sum(dim=1) > 0) & (new_mask.sum(dim=1) == 0)
-        output["advantages"] = self._advantages_after_rejection(output["advantages"], rejected, rewards_per_func)
+        # rows left without a loss token (RS, or every token invalid): advantage 0, out of the baseline by default
+        has_tokens = self.accelerator.gather(mask.sum(dim=1) > 0)
+        rejected = self.accelerator.gather((mask.sum(dim=1) > 0) & (new_mask.sum(dim=1) == 0))
+        output["advantages"] = self._advantages_after_rejection(
+            output["advantages"], rejected, has_tokens, rewards_per_func
+        )
 
     def _old_log_probs(self, output: dict) -> torch.Tensor:
         """pi_old: one no-grad forward of the policy over the local generation batch (routes replayed, and their
@@ -592,40 +831,57 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         return old.float()
 
     def _advantages_after_rejection(
-        self, advantages: torch.Tensor, rejected_local: torch.Tensor, rewards_per_func: Optional[torch.Tensor]
+        self, advantages: torch.Tensor, rejected: torch.Tensor, has_tokens: torch.Tensor,
+        rewards_per_func: Optional[torch.Tensor],
     ) -> torch.Tensor:
         """(B_local,) advantages with RS-rejected rows at 0 and (by default) out of their group's baseline
-        (``trl_compat.advantages_after_rejection``); keeps TRL's completions table consistent."""
+        (``trl_compat.advantages_after_rejection``); keeps TRL's completions table consistent and counts the rows
+        left alone in their group (``rollout_corr/rs_lone_survivor_fraction``). ``rejected``, ``has_tokens``:
+        (B_global,) bool, gathered."""
+        num_generations = self.num_generations if self._mode == "train" else self.num_generations_eval
+        keep_in_baseline = self.args.rs_keep_rejected_in_baseline
         result = trl_compat.advantages_after_rejection(
             advantages,
-            self.accelerator.gather(rejected_local),
+            rejected,
             rewards_per_func,
-            keep_rejected_in_baseline=self.args.rs_keep_rejected_in_baseline,
+            keep_rejected_in_baseline=keep_in_baseline,
             process_index=self.accelerator.process_index,
             reward_weights=self.reward_weights,
-            num_generations=self.num_generations if self._mode == "train" else self.num_generations_eval,
+            num_generations=num_generations,
             multi_objective_aggregation=self.multi_objective_aggregation,
             scale_rewards=self.scale_rewards,
         )
         if result.all_processes is not None:
             trl_compat.replace_logged_advantages(self._logs["advantages"], result.all_processes)
+        elif bool(rejected.any()):  # kept in the baseline: only the rejected rows' advantages changed (to 0)
+            logged = torch.tensor(list(self._logs["advantages"])[-rejected.numel():], dtype=torch.float32)
+            if logged.numel() == rejected.numel():
+                trl_compat.replace_logged_advantages(self._logs["advantages"], logged.masked_fill(rejected.cpu(), 0.0))
+        if self.rollout_correction.rs_enabled and not keep_in_baseline:
+            lone = trl_compat.lone_survivors(rejected, has_tokens, num_generations)
+            self.rollout_corr_metrics.add_fraction(
+                self._mode, "rs_lone_survivor_fraction", int(lone.sum()), int(has_tokens.sum())
+            )
         return result.local
 
     # ------------------------------------------------------------------ the loss
     def _compute_loss(self, model, inputs):
         """Decoupled: TRL's loss with the RS mask as loss mask/normaliser and IS weights after the clip.
-        Bypass: ``_bypass_loss``. Routing replay: the pi_theta forward replays the routes (bypass: and measures
-        their mismatch, as there is no pi_old forward)."""
+        Bypass: ``_bypass_loss``. No correction: TRL's loss on TRL's batch, with the ratio diagnostics.
+        Routing replay: the pi_theta forward replays the routes (bypass: and measures their mismatch, as there is no
+        pi_old forward)."""
         self._record_policy_lag(inputs)
         if self.rollout_correction.bypass_mode:
+            self._batch_norm_all_reduce(model)  # the step's window forward (if any) first: replay blocks do not nest
             with self._replay_routes(inputs, measure=True):
                 return self._bypass_loss(model, inputs)
-        inputs = trl_compat.inject_rs_mask_and_is_weights(inputs)
-        with self._capture_policy_logps() as policy_logps, self._replay_routes(inputs, measure=False):
-            loss = super()._compute_loss(model, inputs)
-        if policy_logps.value is not None:
-            d = ratio_decomposition(policy_logps.value, inputs["old_per_token_logps"], inputs["rollout_log_probs"],
-                                    inputs["tool_mask"])
+        loss_inputs = trl_compat.inject_rs_mask_and_is_weights(inputs) if self._rc_active else inputs
+        with self._capture_policy_logps() as policy_logps, self._replay_routes(loss_inputs, measure=False):
+            loss = super()._compute_loss(model, loss_inputs)
+        mu = inputs.get("rollout_log_probs")
+        if policy_logps.value is not None and mu is not None:
+            old = inputs.get("old_per_token_logps", inputs.get("rollout_old_log_probs"))
+            d = ratio_decomposition(policy_logps.value, old, mu, trl_compat.loss_mask(loss_inputs))
             self.rollout_corr_metrics.add_log_ratios(
                 self._mode, {"engine": d.engine[d.valid], "update": d.update[d.valid], "direct": d.direct[d.valid]}
             )
@@ -638,17 +894,20 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     def _bypass_loss(self, model, inputs):
         """Bypass loss for one micro-batch: correction from pi_theta (no grad) vs mu, then PPO-clip on
-        pi_theta / mu or REINFORCE, aggregated like TRL's ``loss_type``, plus ``beta`` * KL to pi_ref and the MoE
-        aux loss, as TRL's ``_compute_loss`` adds them."""
+        pi_theta / mu (dual clip: TRL's ``delta``, else ``losses.DEFAULT_DUAL_CLIP``) or REINFORCE, aggregated like
+        TRL's ``loss_type``, plus ``beta`` * KL to pi_ref and the MoE aux loss, as TRL's ``_compute_loss`` adds
+        them. Batch normalisation divides by the mean over the optimizer step's rows (``_batch_norm_all_reduce``)."""
         fwd = trl_compat.prompt_completion_inputs(inputs)
         per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model, fwd.input_ids, fwd.attention_mask, fwd.logits_to_keep, compute_entropy=True,
             compute_aux_loss=self.aux_loss_enabled, **fwd.multimodal,
         )
+        dual_clip = self.args.delta if self.args.delta is not None else DEFAULT_DUAL_CLIP
         out = bypass_policy_loss(
             per_token_logps, inputs["rollout_log_probs"], inputs["advantages"], trl_compat.loss_mask(inputs),
             self.rollout_correction, correction_fn=self._rc_correction_fn,
-            clip=PPOClip(self.epsilon_low, self.epsilon_high), all_reduce=self.rollout_corr_reducers.all_reduce,
+            clip=PPOClip(self.epsilon_low, self.epsilon_high, clip_ratio_c=dual_clip),
+            all_reduce=self._batch_norm_all_reduce(model),
         )
         keep = out.mask
         self.rollout_corr_metrics.add_stats(self._mode, out.correction.stats)
@@ -671,6 +930,66 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._log_bypass_loss_metrics(keep, entropies, per_token_kl, out)
         return loss
 
+    def _batch_norm_all_reduce(self, model):
+        """The batch-normalisation sum for this bypass micro-batch (``compute_rollout_correction(all_reduce=...)``).
+
+        Without batch normalisation, in evaluation, or without gradient accumulation the micro-batch is the step's
+        local batch: the cross-rank sum. With gradient accumulation the step's rows are spread over several
+        micro-batches whose pi_theta only exists inside their own loss forward; but the weights do not change within
+        the step, so at its first micro-batch one no-grad forward scores all of the step's rows (the micro-batches
+        TRL will serve next, already generated: ``RolloutCorrGRPOConfig`` checks that they are) and every
+        micro-batch of the step then divides by that global mean. Cost: that one forward per optimizer step.
+        """
+        reducers = self.rollout_corr_reducers
+        if not (self.rollout_correction.rollout_is_batch_normalize and self._mode == "train"
+                and self.current_gradient_accumulation_steps > 1):
+            return reducers.all_reduce
+        step = self.state.global_step
+        if self._rc_batch_norm_window is None or self._rc_batch_norm_window[0] != step:
+            self._rc_batch_norm_window = (step, self._window_batch_norm_total(model))
+        total = self._rc_batch_norm_window[1]
+        return lambda _local_total: total
+
+    def _window_batch_norm_total(self, model) -> torch.Tensor:
+        """The global (sum of weights, count) over every row of the optimizer step now starting (bypass mode).
+
+        The step's micro-batches are TRL's buffered ``_buffered_inputs[(k + i) % steps_per_generation]`` for its
+        micro-steps ``k + i``; their pi_theta is scored with no grad and the correction run on all of them at once
+        (its statistics are discarded; only the batch-normalisation total is kept).
+
+        Raises:
+            RuntimeError: if called anywhere but at the first micro-batch of an optimizer step.
+        """
+        accumulation = self.current_gradient_accumulation_steps
+        if self._step % accumulation != 0:
+            raise RuntimeError(
+                f"bypass batch normalisation: the optimizer step's rows must be scored at its first micro-batch, but "
+                f"micro-step {self._step} is not a multiple of gradient_accumulation_steps ({accumulation})."
+            )
+        spg = self.args.steps_per_generation
+        chunks = [self._buffered_inputs[(self._step + i) % spg] for i in range(accumulation)]
+        log_probs, rollout, masks = [], [], []
+        self.rollout_corr_forward_counts["batch_norm_window"] += 1
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            for chunk in chunks:
+                fwd = trl_compat.prompt_completion_inputs(chunk)
+                with self._replay_routes(chunk, measure=False):
+                    lp, _, _ = self._get_per_token_logps_and_entropies(
+                        model, fwd.input_ids, fwd.attention_mask, fwd.logits_to_keep, **fwd.multimodal
+                    )
+                log_probs.append(lp.float())
+                rollout.append(chunk["rollout_log_probs"])
+                masks.append(trl_compat.loss_mask(chunk))
+        captured = _Slot()
+        cross_rank = self.rollout_corr_reducers.all_reduce
+
+        def capture(local_total: torch.Tensor) -> torch.Tensor:
+            captured.value = local_total if cross_rank is None else cross_rank(local_total)
+            return captured.value
+
+        self._rc_correction_fn(torch.cat(log_probs), torch.cat(rollout), torch.cat(masks), all_reduce=capture)
+        return captured.value
+
     def _accumulation_steps(self) -> float:
         """TRL's gradient-accumulation divisor: ``current_gradient_accumulation_steps`` in training, 1 in eval."""
         return self.current_gradient_accumulation_steps if self._mode == "train" else 1.0
@@ -692,8 +1011,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             metrics["kl"].append(trl_compat.global_masked_mean(per_token_kl, keep, reduce_sum))
         metrics["entropy"].append(trl_compat.global_masked_mean(entropies, keep, reduce_sum))
         if out.clipped_high is not None:
-            for key, clipped in (("clip_ratio/high_mean", out.clipped_high), ("clip_ratio/low_mean", out.clipped_low)):
-                metrics[key].append(trl_compat.global_masked_mean(clipped.float(), keep, reduce_sum))
+            clipped = {"clip_ratio/high_mean": out.clipped_high, "clip_ratio/low_mean": out.clipped_low,
+                       "clip_ratio/region_mean": out.clipped_high | out.clipped_low}
+            for key, flags in clipped.items():
+                metrics[key].append(trl_compat.global_masked_mean(flags.float(), keep, reduce_sum))
 
     # ------------------------------------------------------------------ logging
     def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:

@@ -15,6 +15,7 @@ here                              TRL 1.16
                                   ``scale_rewards``, ``nan_to_num``)
 ``advantages_after_rejection``    the same, plus the per-process slice (2813-2818) and ``_logs["advantages"]``
                                   (2837) through ``replace_logged_advantages``
+``lone_survivors``                which rows ``advantages_after_rejection`` leaves alone in their group (advantage 0)
 ``trl_computes_old_log_probs``    the pi_old rule (2642-2645: ``gradient_accumulation_steps % generate_every``
                                   or vLLM IS)
 ``loss_mask``                     ``mask = completion_mask if "tool_mask" not in inputs else ...`` (3027, 2497)
@@ -192,6 +193,29 @@ def replace_logged_advantages(logged: MutableSequence[float], all_advantages: to
     for _ in range(min(len(logged), all_advantages.numel())):
         logged.pop()
     logged.extend(all_advantages.tolist())
+
+
+def lone_survivors(rejected: torch.Tensor, has_tokens: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """Rows that RS kept while rejecting every other row of their GRPO group.
+
+    With rejected rows out of the baseline (the default), such a row is the only sample its group's mean/std is
+    taken over, so its advantage is 0 (``group_advantages``: ``r - mean(r) = 0``, and TRL's ``nan_to_num`` turns
+    the undefined std of one sample into 0), exactly as TRL treats a group with a single scorable completion.
+    (verl keeps rejected rows in the baseline: in a group of 2 the survivor gets +-0.707.)
+
+    Args:
+        rejected: (B_global,) bool, rows RS rejected entirely.
+        has_tokens: (B_global,) bool, rows with at least one loss token before RS.
+        num_generations: group size; rows are grouped in consecutive blocks, as TRL's advantages.
+
+    Returns:
+        (B_global,) bool.
+    """
+    kept = has_tokens & ~rejected
+    groups_kept = kept.view(-1, num_generations).sum(dim=1)
+    groups_rejected = rejected.view(-1, num_generations).any(dim=1)
+    lone_group = ((groups_kept == 1) & groups_rejected).repeat_interleave(num_generations)
+    return kept & lone_group
 
 
 def trl_computes_old_log_probs(
