@@ -383,7 +383,8 @@ class RolloutRecordWriter:
         eos_token_ids, pad_token_id, max_completion_length: used for ``termination`` and the completion lengths.
 
     Attributes:
-        seconds: wall time spent in ``add`` and ``end_window`` (the writer's cost to the training step).
+        seconds, cpu_seconds: wall and process CPU time spent in ``add`` and ``end_window`` (the writer's cost to
+            the training steps; cumulative, also in each ``logs.jsonl`` line under ``writer``).
         bytes_written: bytes of Parquet written by this rank. rows_written: rows written by this rank.
 
     Raises:
@@ -413,6 +414,7 @@ class RolloutRecordWriter:
         self._windows = 0
         self._previous_logged_step = 0
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
         self.bytes_written = 0
         self.rows_written = 0
 
@@ -431,12 +433,13 @@ class RolloutRecordWriter:
         Raises:
             RecordsError: a per-token column does not have the completions' (B, T) shape, or an unknown column.
         """
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             self._batches.append(self._record_batch(batch))
             self._micro_step += 1
         finally:
             self.seconds += time.perf_counter() - t0
+            self.cpu_seconds += time.process_time() - c0
 
     def _record_batch(self, b: MicroBatch):
         pa = _pa()
@@ -497,7 +500,7 @@ class RolloutRecordWriter:
         Raises:
             RecordsError: the step file already exists (nothing is overwritten).
         """
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             has_metrics = any(str(k).startswith("rollout_corr/") for k in logs)
             if not self._batches and not has_metrics:
@@ -508,13 +511,17 @@ class RolloutRecordWriter:
             self._batches = []
             if self.is_main_process:
                 line = {"logged_step": int(logged_step), "first_step": self._previous_logged_step + 1,
-                        "dumped": keep, "metrics": _json_safe(_numeric(logs))}
+                        "dumped": keep, "metrics": _json_safe(_numeric(logs)),
+                        "writer": {"seconds": self.seconds + time.perf_counter() - t0,
+                                   "cpu_seconds": self.cpu_seconds + time.process_time() - c0,
+                                   "bytes": self.bytes_written, "rows": self.rows_written}}
                 with open(self.dump_dir / LOGS_FILE, "a", encoding="utf-8") as f:
                     f.write(json.dumps(line, sort_keys=True) + "\n")
             self._previous_logged_step = int(logged_step)
             return path
         finally:
             self.seconds += time.perf_counter() - t0
+            self.cpu_seconds += time.process_time() - c0
 
     def _write_rows(self, logged_step: int) -> Optional[Path]:
         if not self._batches:
@@ -589,6 +596,8 @@ class Window:
         metrics: every numeric value logged at that step (``rollout_corr/*``, ``loss``, ...).
         dumped: whether its rows were kept (``rollout_dump_every``).
         files: its step files (one per rank that trained rows).
+        writer: the main process's writer cost up to this step (``seconds``, ``cpu_seconds``, ``bytes``, ``rows``,
+            cumulative), when recorded.
     """
 
     logged_step: int
@@ -596,6 +605,7 @@ class Window:
     metrics: dict[str, float]
     dumped: bool
     files: tuple[Path, ...]
+    writer: dict = field(default_factory=dict)
 
     def contains(self, step_of_update: int) -> bool:
         """Whether the optimizer update number ``step_of_update`` (1-based) falls in this window."""
@@ -678,7 +688,8 @@ class RolloutDump:
                     entry = json.loads(line)
                     step = int(entry["logged_step"])
                     windows.append(Window(step, int(entry["first_step"]), dict(entry.get("metrics", {})),
-                                          bool(entry.get("dumped", True)), tuple(files.pop(step, ()))))
+                                          bool(entry.get("dumped", True)), tuple(files.pop(step, ())),
+                                          dict(entry.get("writer", {}))))
                 except (ValueError, KeyError, TypeError) as e:
                     raise RecordsError(f"{logs_file}:{lineno}: not a logs.jsonl line of a rollout dump ({e}). Restore "
                                        "the line from the run or delete it (that step is then not analysed).") from e
