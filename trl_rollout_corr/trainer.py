@@ -494,6 +494,12 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         """Decoupled: TRL's loss with the RS mask as loss mask/normaliser and IS weights after the clip.
         Bypass: ``_bypass_loss``."""
+        if self._rollout_records is not None and self._mode == "train":
+            return self._recorded_loss(model, inputs)  # rollout records (last section)
+        return self._corrected_loss(model, inputs)
+
+    def _corrected_loss(self, model, inputs):
+        """The body of ``_compute_loss``."""
         self._record_policy_lag(inputs)
         if self.rollout_correction.bypass_mode:
             return self._bypass_loss(model, inputs)
@@ -586,15 +592,12 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ rollout records (records.py, spec 10)
     # Off unless rollout_dump_dir is set. Four call sites, each one line: __init__ opens the writer (and writes the
     # run metadata once), _generate_and_score_completions tags each generated row (rewards, row index, times),
-    # compute_loss hands each trained micro-batch to the writer, log closes the window of the logged step.
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's ``compute_loss``; with ``rollout_dump_dir`` set, also hands the trained micro-batch (and pi_theta
-        of its loss forward) to the rollout-record writer."""
-        if self._rollout_records is None or self._mode != "train":
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+    # _compute_loss hands each trained micro-batch to the writer, log closes the window of the logged step.
+    def _recorded_loss(self, model, inputs):
+        """``_corrected_loss``, then the trained micro-batch and pi_theta of its loss forward go to the writer."""
         with self._capture_policy_logps() as policy_logps:
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        self._rollout_records.add(self._record_micro_batch(inputs, policy_logps.value))
+            loss = self._corrected_loss(model, inputs)
+        self._rollout_records.add(self._micro_batch_record(inputs, policy_logps.value))
         return loss
 
     def _open_rollout_records(self):
@@ -659,7 +662,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             output["rollout_record_rewards"] = rewards_per_func[start:start + rows].float()
         output["rollout_record_times"] = torch.tensor([[started, time.time()]], dtype=torch.float64).expand(rows, 2)
 
-    def _record_micro_batch(self, inputs: dict, log_probs: Optional[torch.Tensor]):
+    def _micro_batch_record(self, inputs: dict, log_probs: Optional[torch.Tensor]):
         """The ``records.MicroBatch`` of one trained micro-batch (TRL's keys mapped to record column names)."""
         from .records import MicroBatch
 
