@@ -180,3 +180,40 @@ def test_records_do_not_change_training_and_are_off_by_default(llama_dir, tmp_pa
     assert run["sampling"]["max_completion_length"] == 8 and run["rewards"]["names"] == ["reward_len"]
     assert len(run["tokenizer"]["tokenizer_sha256"]) == 64 and run["trainer"]["per_device_train_batch_size"] == 4
     assert dumped._rollout_records.rows_written == 8 and dumped._rollout_records.seconds > 0
+
+
+@pytest.mark.slow
+def test_two_rank_dump_is_reproduced(llama_dir, tmp_path):
+    """2 ranks (torchrun + gloo, real DDP): each rank writes its own step files; the recomputation merges both ranks'
+    rows of each generation batch (global batch-normalisation mean) and matches the logged values."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dump = tmp_path / "dump"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(Path(__file__).with_name("dist_records_worker.py")), str(dump), str(llama_dir)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"dump.rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2] and [r["rows"] for r in ranks] == [8, 8]
+    d = open_dump(dump)
+    assert [len(w.files) for w in d.windows] == [2, 2] and d.metadata["world_size"] == 2
+    unnormalised = NamedConfig("no batch norm", RolloutCorrectionConfig(
+        rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3", rollout_rs_threshold=0.05))
+    check, analyses, recomputer = analyse_dump(d, [unnormalised])
+    assert check.ok and check.compared > 100 and check.max_abs_diff <= 1e-5, check.failures[:5]
+    assert set(recomputer.rows.scalar["rank"].tolist()) == {0, 1}
+    assert all(len(index) == 8 for index in recomputer.generations.values())  # 4 rows x 2 ranks per batch
+    # without batch normalisation the weights differ by the global mean factor only: the same kept tokens and the
+    # same (scale-free) Kish ESS
+    trained, plain = (a.total.metrics() for a in analyses)
+    for key in ("rollout_rs_masked_fraction", "rollout_is_eff_sample_size"):
+        assert trained[f"rollout_corr/{key}"] == pytest.approx(plain[f"rollout_corr/{key}"], abs=1e-9)
+    assert trained["rollout_corr/rollout_is_batch_norm_factor"] != 1.0
+    assert "rollout_corr/rollout_is_batch_norm_factor" not in plain
