@@ -142,17 +142,18 @@ class Rows:
         self.n = self.table.num_rows
         self.scalar = {name: torch.tensor(self.table.column(name).to_numpy(), dtype=torch.int64)
                        for name in self.SCALARS}
-        self._cache: dict[str, torch.Tensor] = {}
+        self._cache: dict[tuple, torch.Tensor] = {}
 
     def has(self, name: str) -> bool:
         """Whether column ``name`` is present with at least one non-null row."""
         return name in self.columns and self.table.column(name).null_count < self.n
 
     def full(self, name: str, *, dtype=torch.float32, fill: float = 0.0) -> torch.Tensor:
-        """(N, T_max) padded column ``name`` over all rows (cached)."""
-        if name not in self._cache:
-            self._cache[name] = padded(self.table, name, fill=fill, dtype=dtype)
-        return self._cache[name]
+        """(N, T_max) padded column ``name`` over all rows, ``fill`` after each row's end (cached)."""
+        key = (name, dtype, fill if fill == fill else "nan")
+        if key not in self._cache:
+            self._cache[key] = padded(self.table, name, fill=fill, dtype=dtype)
+        return self._cache[key]
 
     def batch(self, index: torch.Tensor, *, policy: str) -> dict[str, torch.Tensor]:
         """The (n, T) tensors of rows ``index``: ``mask`` (completion_mask * tool_mask), ``rollout`` (mu), and
@@ -161,11 +162,12 @@ class Rows:
         if self.has("tool_mask"):
             mask = mask * self.full("tool_mask", dtype=torch.int64, fill=1)[index]
         width = int((mask != 0).any(0).nonzero().max()) + 1 if bool((mask != 0).any()) else mask.shape[1]
-        out = {"mask": mask[:, :width], "rollout": self.full("rollout_log_probs")[index][:, :width]}
-        out["policy"] = self.full(policy)[index][:, :width]
+        nan = float("nan")  # a log-prob missing from a row reads as NaN (an invalid token), never as 0
+        out = {"mask": mask[:, :width], "rollout": self.full("rollout_log_probs", fill=nan)[index][:, :width]}
+        out["policy"] = self.full(policy, fill=nan)[index][:, :width]
         for name, key in (("log_probs", "log_probs"), ("old_log_probs", "old")):
             if self.has(name):
-                out[key] = self.full(name)[index][:, :width]
+                out[key] = self.full(name, fill=nan)[index][:, :width]
         return out
 
 
@@ -181,6 +183,10 @@ def check_config_fits(rows: Rows, named: NamedConfig, dump: RolloutDump) -> None
     """
     needed = _needed_column(named.config)
     if rows.has(needed):
+        missing = rows.table.column(needed).null_count
+        if missing:
+            raise ConfigError(f"config {named.label!r} needs column {needed!r}, which {missing} of the {rows.n} rows "
+                              "lack (micro-batches trained without it); analyse the steps that have it (--steps).")
         return
     mode = "bypass" if named.config.bypass_mode else "decoupled"
     trained = dump.metadata.get("correction", {}).get("mode", "?")

@@ -543,11 +543,12 @@ def run(args: argparse.Namespace, say=print) -> tuple[dict[str, Any], list[Sampl
     if "train_fp32_head" in samples[0].scores:
         lf = flat(samples, "train_fp32_head")["l"]
         variants["engine_vs_train_fp32_head"] = log_ratio_stats(lf, bands)
-        series["train with float32 LM head"] = lf.tolist()
+        series[f"{args.engine} {args.rollout_dtype} vs train {args.train_dtype} with float32 LM head"] = lf.tolist()
     if fp32_head.get("rollout", "").startswith("measured"):
         lr = flat(fp32_samples, "train")["l"]
         variants["engine_fp32_head_vs_train"] = log_ratio_stats(lr, bands)
-        series["engine with float32 LM head"] = lr.tolist()
+        series[f"{args.engine} {args.rollout_dtype} with float32 LM head (resampled) vs train {args.train_dtype}"] = \
+            lr.tolist()
     sc = flat(samples, "train_batch1", minus="train")["l"]
     report = {
         "identity": identity(args),
@@ -623,8 +624,8 @@ def print_report(report: dict[str, Any], say=print) -> None:
                       for r in report["by_length"]]))
     say("\nMost mismatched tokens (context [[token]] next):")
     for t in report["top_tokens"]:
-        say(f"  l={t['log_ratio']:+.4f}  mu={t['mu']:.4f} pi={t['pi_train']:.4f}  sample {t['sample']} pos "
-            f"{t['position']}: {t['context']!r}")
+        say(f"  l={t['log_ratio']:+.3e}  mu={t['mu']:.4g} pi_train={t['pi_train']:.4g}  sample {t['sample']} "
+            f"pos {t['position']}: {t['context']!r}")
 
 
 def main(args: argparse.Namespace) -> int:

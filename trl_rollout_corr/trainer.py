@@ -38,7 +38,8 @@ Who knows TRL 1.16's internals: this file (the overridden hooks, their signature
 
 The class reads top to bottom in the order TRL calls its hooks: ``__init__``, ``_generate_single_turn``,
 ``_generate``, ``_calculate_rewards``, ``_get_per_token_logps_and_entropies``, ``_generate_and_score_completions``,
-``_compute_loss``, ``log``; private helpers follow the hook that uses them.
+``_compute_loss``, ``log``; private helpers follow the hook that uses them. The rollout-records hook
+(``rollout_dump_dir``, ``records.py``) is the last section: one call in four of those hooks, off by default.
 """
 
 from __future__ import annotations
