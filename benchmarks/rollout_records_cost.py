@@ -7,7 +7,9 @@ Two measurements, for the issue-13 section of benchmarks/RESULTS.md:
    the CPU main job (16 rows, 64 prompt + 32 completion tokens), a medium GPU step (256 rows, 256 + 1024 tokens, 4
    micro-batches) and a large one (1024 rows, 512 + 4096 tokens, 16 micro-batches). Random ids and log-probs do
    not compress: an upper bound on size. Wall and process-CPU seconds per step, median of REPEATS, 1 torch thread.
-2. A real dump (optional argument): the writer's own cumulative cost recorded in `logs.jsonl` (`writer.seconds`,
+2. The worst case for the ratio: the tiny random model of the tests (steps of a tenth of a second), the same
+   8-step run with and without `rollout_dump_dir`, interleaved, process CPU time per step.
+3. A real dump (optional argument): the writer's own cumulative cost recorded in `logs.jsonl` (`writer.seconds`,
    `writer.cpu_seconds`) against TRL's `step_time` of the same steps, and the dump's bytes per 1k samples.
 
     python benchmarks/rollout_records_cost.py [DUMP_DIR]
@@ -103,8 +105,38 @@ def real(dump_dir: str) -> None:
           f"{100 * max(shares):.3f}%")
 
 
+def tiny_trainer_ab(rounds: int = 4, steps: int = 8) -> None:
+    """Worst case: the tiny random Llama of the tests (steps of ~0.1 s CPU), the same run with and without
+    rollout_dump_dir, interleaved, process CPU seconds per optimizer step (median over rounds)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny_model import make_tiny_model_dir, prompt_dataset, reward_len
+    from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
+
+    work = Path(tempfile.mkdtemp(prefix="records_ab_"))
+    model_dir = make_tiny_model_dir(str(work / "model"), "llama", seed=0)
+    per_step = {"off": [], "on": []}
+    for r in range(rounds):
+        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            dump = str(work / f"dump{r}") if mode == "on" else None
+            args = RolloutCorrGRPOConfig(
+                output_dir=str(work / "out"), per_device_train_batch_size=4, num_generations=4,
+                max_completion_length=8, max_steps=steps, logging_steps=1, report_to=[], use_cpu=True,
+                learning_rate=1e-3, save_strategy="no", beta=0.0, seed=0, disable_tqdm=True, bf16=False,
+                rollout_corr_preset="decoupled_k3_rs_token_tis", rollout_dump_dir=dump)
+            trainer = RolloutCorrGRPOTrainer(model=model_dir, reward_funcs=reward_len, args=args,
+                                             train_dataset=prompt_dataset(8))
+            c0 = time.process_time()
+            trainer.train()
+            per_step[mode].append((time.process_time() - c0) / steps)
+    shutil.rmtree(work)
+    off, on = statistics.median(per_step["off"]), statistics.median(per_step["on"])
+    print(f"\nTiny model (worst case), CPU s per step, median of {rounds}: without records {off:.4f}, with records "
+          f"{on:.4f} ({100 * (on - off) / off:+.1f}%); all rounds: off {per_step['off']}, on {per_step['on']}")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     synthetic()
+    tiny_trainer_ab()
     if len(sys.argv) > 1:
         real(sys.argv[1])

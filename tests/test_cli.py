@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 import sys
 import tomllib
 from pathlib import Path
@@ -118,6 +119,20 @@ def test_bad_input_names_the_file_and_overwrites_nothing(dump, tmp_path, capsys)
     code, _, err = _analyze(tmp_path, "--no-plots", capsys=capsys)
     assert code == EXIT_BAD_INPUT and "is not a rollout dump (no run.json)" in err
     assert (dump / "analysis" / "analysis.json").read_bytes() == earlier
+    code, _, err = _analyze(dump, "--no-plots", "--out", tmp_path / "fresh", "--config", cfg, capsys=capsys)
+    assert code == EXIT_BAD_INPUT and not (tmp_path / "fresh").exists()  # not even an empty folder
+
+
+def test_a_deleted_step_file_is_reported_not_checked(tmp_path, capsys):
+    dump = hand_dump(tmp_path / "d")
+    # a second logged step whose file is then deleted (as the truncated-file error suggests)
+    shutil.copy(next((dump / "steps").iterdir()), dump / "steps" / "step-00000002.rank-00000.parquet")
+    line = json.loads((dump / "logs.jsonl").read_text())
+    (dump / "logs.jsonl").write_text(json.dumps(line) + "\n" + json.dumps({**line, "logged_step": 2,
+                                                                           "first_step": 2}) + "\n")
+    (dump / "steps" / "step-00000002.rank-00000.parquet").unlink()
+    code, out, _ = _analyze(dump, "--no-plots", capsys=capsys)
+    assert code == EXIT_OK and "step 2 not checked: its step file is missing" in out
 
 
 def test_plots_without_matplotlib_name_the_extra(dump, monkeypatch, capsys):

@@ -322,7 +322,8 @@ class Recomputer:
 
     def __init__(self, dump: RolloutDump, windows: Optional[Sequence[Window]] = None) -> None:
         self.dump = dump
-        self.windows = [w for w in (dump.windows if windows is None else windows) if w.files]
+        self.selected = list(dump.windows if windows is None else windows)
+        self.windows = [w for w in self.selected if w.files]
         self.rows = Rows(dump, self.windows)
         s = self.rows.scalar
         # generation batches: (generation_batch) -> the first use of each (rank, generation_row), in that order
@@ -483,6 +484,10 @@ def check_against_logs(analysis: Analysis, recomputer: Recomputer,
     Windows whose generation batches are incomplete in the dump are skipped (named in ``skipped``).
     """
     result = CheckResult(tolerance=tolerance)
+    for w in recomputer.selected:
+        if not w.files:
+            result.skipped[w.logged_step] = ("its rows were not kept (rollout_dump_every)" if not w.dumped
+                                             else "its step file is missing")
     for w in analysis.windows:
         logged = {k: v for k, v in w.metrics.items() if k.startswith(PREFIX)}
         if not logged:

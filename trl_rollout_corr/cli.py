@@ -36,8 +36,9 @@ class UsageError(ValueError):
     """A flag's value cannot be parsed; the message names the flag and an example."""
 
 
-def prepare_out_dir(out: Path, names: Sequence[str], overwrite: bool) -> None:
-    """Create ``out``; refuse when one of ``names`` already exists there and ``overwrite`` is False.
+def check_outputs(out: Path, names: Sequence[str], overwrite: bool) -> None:
+    """Refuse when one of ``names`` already exists in ``out`` and ``overwrite`` is False (checked before any work;
+    the folder is created only when the results are written).
 
     Raises:
         OutputExists: naming the file and the fix.
@@ -46,7 +47,6 @@ def prepare_out_dir(out: Path, names: Sequence[str], overwrite: bool) -> None:
     if existing and not overwrite:
         raise OutputExists(f"{existing[0]} already exists; nothing was written. Pass --overwrite to replace it, or "
                            "choose another --out.")
-    out.mkdir(parents=True, exist_ok=True)
 
 
 def _fmt(value: Optional[float], kind: str = "g") -> str:
@@ -91,9 +91,9 @@ def run_analyze(args: argparse.Namespace) -> int:
         from .plotting import require_matplotlib
 
         require_matplotlib()  # fail before any work
-    prepare_out_dir(out, ANALYZE_OUTPUTS, args.overwrite)
+    check_outputs(out, ANALYZE_OUTPUTS, args.overwrite)
     check, analyses, recomputer = analyse_dump(dump, configs, length_buckets=buckets, steps=steps,
-                                               tolerance=args.tolerance)
+                                               tolerance=args.tolerance)  # reads and validates every file
     meta = dump.metadata
     preset = meta.get("correction", {}).get("rollout_corr_preset")
     analyses[0].named = type(analyses[0].named)(_config_label(analyses[0].named, preset), analyses[0].named.config)
@@ -131,6 +131,7 @@ def run_analyze(args: argparse.Namespace) -> int:
                          _fmt(s["kept_k3"])])
     print(format_table(["config", "lag", "uses", "kept tokens", "kept rows", "ESS", "kl", "k3_kl", "k3 kept"], rows))
     report = _analysis_report(dump, check, analyses)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "analysis.json").write_text(json.dumps(report, indent=2) + "\n")
     written = [out / "analysis.json"]
     if not args.no_plots:

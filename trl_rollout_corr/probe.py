@@ -630,7 +630,7 @@ def print_report(report: dict[str, Any], say=print) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """The ``probe`` sub-command. Returns 0, or 1 when ``--fail-above`` is exceeded."""
-    from .cli import EXIT_CHECK_FAILED, EXIT_OK, prepare_out_dir
+    from .cli import EXIT_CHECK_FAILED, EXIT_OK, check_outputs
 
     out = Path(args.out or f"probe-{args.engine}-{args.rollout_dtype}-{args.train_dtype}")
     if not args.no_plots:
@@ -638,9 +638,10 @@ def main(args: argparse.Namespace) -> int:
 
         require_matplotlib()
     _check_args(args)
-    prepare_out_dir(out, OUTPUTS, args.overwrite)
+    check_outputs(out, OUTPUTS, args.overwrite)
     report, samples, series = run(args)
     print_report(report)
+    out.mkdir(parents=True, exist_ok=True)
     written = [out / REPORT]
     if not args.no_plots:
         from .plotting import probe_figures
