@@ -12,7 +12,9 @@ ones), 4 samples each, at most 48 tokens, temperature 1, no truncation, seed 0, 
 and prints one Markdown table (mean |log ratio|, p99 |log ratio|, max, fraction of tokens with ratio outside
 [0.9, 1.1], batch-1 vs batch-8 self-consistency). Reports and figures go to OUT/<case>/.
 
-    python benchmarks/probe_smollm2.py [MODEL_DIR] [OUT]   # .venv-vllm; about 20 min on a busy 2-core machine
+    python benchmarks/probe_smollm2.py [MODEL_DIR] [OUT] [--reuse]  # .venv-vllm; ~20 min on a busy 2-core machine
+
+`--reuse`: a case whose OUT/<case>/report.json exists is read, not rerun (to finish an interrupted run).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-MODEL = sys.argv[1] if len(sys.argv) > 1 else "models/SmolLM2-135M-Instruct"
-OUT = Path(sys.argv[2] if len(sys.argv) > 2 else "outputs/probe_smollm2")
+REUSE = "--reuse" in sys.argv
+ARGS = [a for a in sys.argv[1:] if a != "--reuse"]
+MODEL = ARGS[0] if ARGS else "models/SmolLM2-135M-Instruct"
+OUT = Path(ARGS[1] if len(ARGS) > 1 else "outputs/probe_smollm2")
 CASES = {
     "vllm_fp32__train_fp32": ("float32", "float32"),
     "vllm_bf16__train_fp32": ("bfloat16", "float32"),
@@ -36,6 +40,10 @@ COMMON = ["--engine", "vllm", "--num-prompts", "16", "--samples-per-prompt", "4"
 
 def run(case: str, rollout: str, train: str) -> dict:
     out = OUT / case
+    if REUSE and (out / "report.json").exists():
+        report = json.loads((out / "report.json").read_text())
+        report["wall_s"] = float("nan")
+        return report
     cmd = [sys.executable, "-m", "trl_rollout_corr.cli", "probe", "--model", MODEL, "--rollout-dtype", rollout,
            "--train-dtype", train, "--out", str(out), *COMMON]
     t0 = time.perf_counter()
