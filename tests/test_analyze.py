@@ -180,6 +180,13 @@ def test_records_do_not_change_training_and_are_off_by_default(llama_dir, tmp_pa
     assert run["sampling"]["max_completion_length"] == 8 and run["rewards"]["names"] == ["reward_len"]
     assert len(run["tokenizer"]["tokenizer_sha256"]) == 64 and run["trainer"]["per_device_train_batch_size"] == 4
     assert dumped._rollout_records.rows_written == 8 and dumped._rollout_records.seconds > 0
+    # logs.jsonl holds every numeric value the step logged, TRL's own (reward, step_time, ...) included
+    lines = [json.loads(line) for line in (tmp_path / "b" / "dump" / "logs.jsonl").read_text().splitlines()]
+    logged = [h for h in dumped.state.log_history if "loss" in h]
+    assert [line["logged_step"] for line in lines] == [h["step"] for h in logged] == [1, 2]
+    for line, h in zip(lines, logged):
+        assert {"reward", "step_time", "completions/mean_length", "rollout_corr/kl"} <= set(line["metrics"])
+        assert all(line["metrics"][k] == v for k, v in h.items() if isinstance(v, (int, float)))
 
 
 @pytest.mark.slow

@@ -586,14 +586,16 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         Runs on every rank (the Trainer calls ``log`` on all processes), so the cross-rank reduction is safe.
         """
         logs.update(self.rollout_corr_metrics.flush(self._mode))  # in place, like TRL: evaluate() returns this dict
-        if self._rollout_records is not None and self._mode == "train":
-            self._rollout_records.end_window(self.state.global_step, logs)  # rollout records (last section)
         super().log(logs, start_time)
+        if self._rollout_records is not None and self._mode == "train":  # rollout records (last section)
+            self._rollout_records.end_window(self.state.global_step, self.state.log_history[-1])
 
     # ------------------------------------------------------------------ rollout records (records.py, spec 10)
     # Off unless rollout_dump_dir is set. Four call sites, each one line: __init__ opens the writer (and writes the
     # run metadata once), _generate_and_score_completions tags each generated row (rewards, row index, times),
-    # _compute_loss hands each trained micro-batch to the writer, log closes the window of the logged step.
+    # _compute_loss hands each trained micro-batch to the writer, log closes the window of the logged step (after
+    # TRL's log has added its own values, reward, step_time, ...: the Trainer's copy in log_history, which callbacks
+    # that edit the dict they are shown cannot change).
     def _recorded_loss(self, model, inputs):
         """``_corrected_loss``, then the trained micro-batch and pi_theta of its loss forward go to the writer."""
         with self._capture_policy_logps() as policy_logps:
