@@ -468,3 +468,35 @@ def test_check_vllm_server_logprobs():
     trl_compat.check_vllm_server_logprobs(Client("processed_logprobs"))
     with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs"):
         trl_compat.check_vllm_server_logprobs(Client("raw_logprobs"))
+
+
+# ---------------------------------------------------------------------------------------------- the training forward
+def test_training_log_probs_are_the_trainers_forward(llama_dir, tmp_path, make_trainer):
+    """``trl-rollout-corr probe`` scores tokens with ``trl_compat.training_log_probs`` on a model patched as TRL
+    patches the policy: bit for bit the trainer's own ``_get_per_token_logps_and_entropies`` (float32), with TRL's
+    labels rule and fused-head call pinned."""
+    from transformers import AutoModelForCausalLM
+
+    trainer = make_trainer(llama_dir, tmp_path, temperature=0.7)
+    prompt = torch.tensor([[0, 0, 5, 6], [0, 7, 8, 9], [4, 5, 6, 7]])  # left-padded (pad id 0)
+    completion = torch.tensor([[10, 11, 12], [13, 1, 0], [14, 0, 0]])  # right-padded
+    ids = torch.cat([prompt, completion], 1)
+    mask = torch.cat([(prompt != 0).long(), torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]])], 1)
+    with torch.no_grad():
+        expected, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 3)
+        model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+        trl_compat.add_training_lm_head(model, temperature=0.7)
+        got = trl_compat.training_log_probs(model, ids, mask, 3)
+    assert torch.equal(got, expected)
+    assert got[1, 2] == 0.0 and got[2, 1:].eq(0).all()  # padding scores 0
+    # and it is the temperature-scaled full-vocabulary log-softmax (an independent forward)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, -4:-1].float() / 0.7
+    reference = torch.log_softmax(logits, -1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(got[0], reference[0], atol=1e-5)
+    src = inspect.getsource(GRPOTrainer._get_per_token_logps_and_entropies)
+    assert "labels = input_ids_batch.masked_fill(attention_mask_batch == 0, -100)" in src
+    assert "labels[:, :-logits_to_keep] = -100" in src
+    assert "outputs = model(**model_inputs, labels=labels, fused_lm_head=True)" in src
+    init = inspect.getsource(GRPOTrainer.__init__)
+    assert "temperature=self.temperature,\n            cast_lm_head_to_fp32=args.cast_lm_head_to_fp32," in init

@@ -361,3 +361,29 @@ def test_vllm_cpu_refuses_routed_experts(tmp_path):
     model_dir = make_tiny_model_dir(str(tmp_path / "moe"), "qwen3_moe", seed=0)
     with pytest.raises(Exception, match="Model Runner V2"):
         LLM(model=model_dir, dtype="bfloat16", enable_return_routed_experts=True, max_model_len=128)
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_probe_cli_with_vllm_cpu(tmp_path):
+    """`trl-rollout-corr probe --engine vllm` on SmolLM2 (one subprocess per dtype pair): float32 vs float32 agrees
+    to rounding, bfloat16 vs float32 shows the bf16 engine mismatch; the trainer's float32 self-consistency holds."""
+    if importlib.util.find_spec("vllm") is None or not (MODEL_DIR / "model.safetensors").is_file():
+        pytest.skip("needs vllm (the .venv-vllm environment) and the converted SmolLM2")
+    import json
+    import subprocess
+    import sys
+
+    reports = {}
+    for rollout in ("float32", "bfloat16"):
+        out = tmp_path / rollout
+        cmd = [sys.executable, "-m", "trl_rollout_corr.cli", "probe", "--model", str(MODEL_DIR), "--engine", "vllm",
+               "--rollout-dtype", rollout, "--train-dtype", "float32", "--num-prompts", "4", "--samples-per-prompt",
+               "2", "--max-tokens", "24", "--threads", "1", "--no-fp32-lm-head", "--no-plots", "--out", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports[rollout] = json.loads((out / "report.json").read_text())
+    fp32, bf16 = reports["float32"]["log_ratio"], reports["bfloat16"]["log_ratio"]
+    assert fp32["tokens"] > 40 and bf16["tokens"] > 40
+    assert fp32["mean_abs"] < 1e-3 and fp32["out_of_band"]["0.9_1.1"] == 0.0
+    assert bf16["mean_abs"] > 10 * fp32["mean_abs"] and bf16["max_abs"] > 0.05  # spec 11: 0.035 mean, 0.39 max
+    for report in reports.values():
+        assert report["self_consistency"]["max_abs"] < 1e-3 and report["self_consistency"]["dtype"] == "float32"

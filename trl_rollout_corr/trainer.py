@@ -47,7 +47,8 @@ Who knows TRL 1.16's internals: this file (the overridden hooks, their signature
 
 The class reads top to bottom in the order TRL calls its hooks: ``__init__``, ``_generate_single_turn``,
 ``_generate``, ``_calculate_rewards``, ``_get_per_token_logps_and_entropies``, ``_generate_and_score_completions``,
-``_compute_loss``, ``log``; private helpers follow the hook that uses them.
+``_compute_loss``, ``log``; private helpers follow the hook that uses them. The rollout-records hook
+(``rollout_dump_dir``, ``records.py``) is the last section: one call in four of those hooks, off by default.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import time
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -72,7 +74,7 @@ from trl.trainer.utils import get_config_model_id
 from . import trl_compat
 from .accumulator import Reducers, RolloutCorrAccumulator
 from .config import CORRECTION_FIELDS, RolloutCorrectionArguments, RolloutCorrectionConfig
-from .correction import make_correction_fn, ratio_decomposition
+from .correction import DEFAULT_LENGTH_BUCKETS, make_correction_fn, ratio_decomposition
 from .engines.alignment import check_aligned
 from .engines.transformers_generate import GENERATE_DTYPES, capture_generate_log_probs, generate_in_dtype
 from .losses import DEFAULT_DUAL_CLIP, PPOClip, bypass_policy_loss
@@ -135,6 +137,14 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         rollout_corr_compile (`bool`, defaults to `False`):
             Run the correction math through ``torch.compile`` (``correction.make_correction_fn(..., compile=True)``):
             same values, faster on large batches; the first step pays the compile. Used in both modes.
+        rollout_dump_dir (`str`, *optional*):
+            Write rollout records (``records.py``, spec 10) into this folder: every trained sample of every logged
+            step as Parquet, plus ``run.json`` (model, engine, sampling, tokenizer, correction) and ``logs.jsonl``
+            (the logged values), for ``trl-rollout-corr analyze``. Unset (default): nothing is written. A folder
+            that already holds a dump is refused.
+        rollout_dump_every (`int`, defaults to `1`):
+            Keep the rows of one logged window in N (every window's logged values are still written): bounds the
+            size of a long run's dump.
         routing_replay (`str`, defaults to `"off"`):
             ``"r3"``: Rollout Routing Replay for mixture-of-experts models (``routing.py``): the rollout's expert
             choices (``transformers.generate``: recorded while sampling; a ``rollout_func``: its ``routed_experts``)
@@ -171,6 +181,17 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             "help": "torch.compile the correction math (same values, several times faster on large batches); the "
             "first step pays the compile (tens of seconds on CPU)."
         },
+    )
+    rollout_dump_dir: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Write rollout records (every trained sample per logged step, Parquet, plus run metadata) into "
+            "this folder for `trl-rollout-corr analyze`. Unset: off."
+        },
+    )
+    rollout_dump_every: int = field(
+        default=1,
+        metadata={"help": "With rollout_dump_dir: keep the rows of one logged window in N (bounds the dump size)."},
     )
     routing_replay: str = field(
         default="off",
@@ -216,6 +237,8 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         GRPOConfig.__post_init__(self)
         self._check_generate_dtype()
         self._check_routing_replay()
+        if not isinstance(self.rollout_dump_every, int) or self.rollout_dump_every < 1:
+            _refuse(f"rollout_dump_every must be an integer >= 1, got {self.rollout_dump_every!r}.")
         if correction.enabled:
             self._check_compatibility(correction)
         self._warn_cpu_autocast()
@@ -482,6 +505,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._rc_batch_norm_window: Optional[tuple] = None
         self._check_rollout_source()
         self.rollout_corr_router_replay = self._setup_routing_replay()
+        self._rollout_records = self._open_rollout_records()  # None unless rollout_dump_dir is set
 
     @property
     def _rc_active(self) -> bool:
@@ -696,7 +720,11 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     @contextlib.contextmanager
     def _capture_policy_logps(self) -> Iterator[_Slot]:
-        """Within the block, the first log-prob forward's (B, T) log-probs (detached) go into the yielded slot."""
+        """Within the block, the first log-prob forward's (B, T) log-probs (detached) go into the yielded slot.
+        Nested (the rollout-records hook around the loss), the inner block shares the outer slot."""
+        if self._rc_policy_logps is not None:
+            yield self._rc_policy_logps
+            return
         self._rc_policy_logps = slot = _Slot()
         try:
             yield slot
@@ -718,11 +746,13 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         (B, P + T, L, k).
         """
         self._rc_mu_captured, self._rc_mu_unusable = False, None
+        started = time.time()
         with self._skip_trl_old_logps_forward(), self._hold_rewards() as rewards, self._hold_routes() as routes:
             output = super()._generate_and_score_completions(inputs)
         if not self._rc_active:
             self._attach_routes(output, routes.value)
             self._record_diagnostics(output)
+            self._tag_rows_for_records(output, rewards.value, started)
             return output
         rollout_log_probs = output.get("sampling_per_token_logps")
         if rollout_log_probs is None:
@@ -734,6 +764,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         # 0-d tensor: TRL's shuffle/split pass it to every micro-batch unchanged
         output["rollout_generation_step"] = torch.tensor(self.state.global_step)
         self._attach_routes(output, routes.value)
+        self._tag_rows_for_records(output, rewards.value, started)
         if self.rollout_correction.bypass_mode:
             output.pop("old_per_token_logps", None)  # bypass: pi_old := mu, handled in the loss
             return output
@@ -870,6 +901,12 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         Bypass: ``_bypass_loss``. No correction: TRL's loss on TRL's batch, with the ratio diagnostics.
         Routing replay: the pi_theta forward replays the routes (bypass: and measures their mismatch, as there is no
         pi_old forward)."""
+        if self._rollout_records is not None and self._mode == "train":
+            return self._recorded_loss(model, inputs)  # rollout records (last section)
+        return self._corrected_loss(model, inputs)
+
+    def _corrected_loss(self, model, inputs):
+        """The body of ``_compute_loss``."""
         self._record_policy_lag(inputs)
         if self.rollout_correction.bypass_mode:
             self._batch_norm_all_reduce(model)  # the step's window forward (if any) first: replay blocks do not nest
@@ -1024,3 +1061,117 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """
         logs.update(self.rollout_corr_metrics.flush(self._mode))  # in place, like TRL: evaluate() returns this dict
         super().log(logs, start_time)
+        if self._rollout_records is not None and self._mode == "train":  # rollout records (last section)
+            self._rollout_records.end_window(self.state.global_step, self.state.log_history[-1])
+
+    # ------------------------------------------------------------------ rollout records (records.py, spec 10)
+    # Off unless rollout_dump_dir is set. Four call sites, each one line: __init__ opens the writer (and writes the
+    # run metadata once), _generate_and_score_completions tags each generated row (rewards, row index, times),
+    # _compute_loss hands each trained micro-batch to the writer, log closes the window of the logged step (after
+    # TRL's log has added its own values, reward, step_time, ...: the Trainer's copy in log_history, which callbacks
+    # that edit the dict they are shown cannot change).
+    def _recorded_loss(self, model, inputs):
+        """``_corrected_loss``, then the trained micro-batch and pi_theta of its loss forward go to the writer."""
+        with self._capture_policy_logps() as policy_logps:
+            loss = self._corrected_loss(model, inputs)
+        if "rollout_log_probs" in inputs:  # without a correction a batch can lack mu (warned: no diagnostics)
+            self._rollout_records.add(self._micro_batch_record(inputs, policy_logps.value))
+        return loss
+
+    def _open_rollout_records(self):
+        """The ``records.RolloutRecordWriter`` for ``rollout_dump_dir`` (``run.json`` written now), or None."""
+        if self.args.rollout_dump_dir is None:
+            return None
+        from . import records
+
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        writer = records.RolloutRecordWriter(
+            self.args.rollout_dump_dir, rank=self.accelerator.process_index,
+            world_size=self.accelerator.num_processes, is_main_process=self.accelerator.is_main_process,
+            every=self.args.rollout_dump_every, eos_token_ids=self.eos_token_ids,
+            pad_token_id=tokenizer.pad_token_id, max_completion_length=self.max_completion_length,
+        )
+        self._rc_record_batches = 0
+        writer.write_run_metadata(records.run_metadata(
+            model=self.accelerator.unwrap_model(self.model), tokenizer=self.processing_class,
+            engine=self._rollout_engine_record(), sampling=dict(
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                repetition_penalty=self.repetition_penalty, max_completion_length=self.max_completion_length,
+                generation_kwargs=self.args.generation_kwargs, use_vllm=self.use_vllm,
+                generation_config=_generation_config_dict(self.accelerator.unwrap_model(self.model)),
+            ),
+            correction=self.rollout_correction, correction_extra=dict(
+                mode="bypass" if self.rollout_correction.bypass_mode else "decoupled",
+                rollout_corr_preset=self.args.rollout_corr_preset, length_buckets=list(DEFAULT_LENGTH_BUCKETS),
+                rs_keep_rejected_in_baseline=self.args.rs_keep_rejected_in_baseline,
+            ),
+            trainer={name: getattr(self.args, name, None) for name in _RECORDED_TRAINER_FIELDS},
+            rewards=dict(names=list(self.reward_func_names), weights=self.reward_weights.tolist()),
+        ))
+        return writer
+
+    def _rollout_engine_record(self) -> dict:
+        """What produced mu: the ``rollout_func``'s own ``describe()`` when it has one, else TRL's path."""
+        describe = getattr(self.rollout_func, "describe", None)
+        if callable(describe):
+            return dict(describe())
+        if self.use_vllm:
+            return dict(rollout_engine=f"trl_vllm_{self.args.vllm_mode}", rollout_logprobs_mode="processed_logprobs",
+                        rollout_dtype="checkpoint dtype (TRL's vLLM)")
+        if self.rollout_func is not None:
+            return dict(rollout_engine=f"rollout_func {type(self.rollout_func).__name__}")
+        import transformers
+
+        dtype = self.args.rollout_generate_dtype or str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        return dict(rollout_engine="transformers.generate", rollout_engine_version=transformers.__version__,
+                    rollout_dtype=f"{dtype}{' (bf16 autocast)' if self.args.bf16 else ''}",
+                    rollout_logprobs_mode="processed (log_softmax of the final processed scores)")
+
+    def _tag_rows_for_records(self, output: dict, rewards_per_func: Optional[torch.Tensor], started: float) -> None:
+        """Per-row fields the records need that TRL does not carry to the loss: (B,) row index, 0-d batch index,
+        (B, F) local rewards, (B, 2) generation times. TRL's shuffle and split carry them with the rows."""
+        if self._rollout_records is None or self._mode != "train":
+            return
+        rows = output["completion_ids"].size(0)
+        device = output["completion_ids"].device
+        output["rollout_record_row"] = torch.arange(rows, device=device)
+        output["rollout_record_batch"] = torch.tensor(self._rc_record_batches)
+        self._rc_record_batches += 1
+        if rewards_per_func is not None:
+            start = self.accelerator.process_index * rows
+            output["rollout_record_rewards"] = rewards_per_func[start:start + rows].float()
+        output["rollout_record_times"] = torch.tensor([[started, time.time()]], dtype=torch.float64).expand(rows, 2)
+
+    def _micro_batch_record(self, inputs: dict, log_probs: Optional[torch.Tensor]):
+        """The ``records.MicroBatch`` of one trained micro-batch (TRL's keys mapped to record column names)."""
+        from .records import MicroBatch
+
+        return MicroBatch(
+            step=self.state.global_step, generation_step=int(inputs["rollout_generation_step"]),
+            generation_batch=int(inputs["rollout_record_batch"]),
+            prompt_ids=inputs["prompt_ids"], prompt_mask=inputs["prompt_mask"],
+            completion_ids=inputs["completion_ids"], completion_mask=inputs["completion_mask"],
+            rollout_log_probs=inputs["rollout_log_probs"], advantages=inputs["advantages"],
+            generation_row=inputs["rollout_record_row"], rewards=inputs.get("rollout_record_rewards"),
+            times=inputs.get("rollout_record_times"),
+            per_token=dict(
+                tool_mask=inputs.get("tool_mask"),
+                old_log_probs=inputs.get("old_per_token_logps", inputs.get("rollout_old_log_probs")),
+                log_probs=log_probs, ref_log_probs=inputs.get("ref_per_token_logps"),
+                rollout_is_weights=inputs.get("rollout_is_weights"), rollout_rs_mask=inputs.get("rollout_rs_mask"),
+            ),
+        )
+
+
+# GRPOConfig fields recorded in run.json: what shapes the batches, the windows and the loss.
+_RECORDED_TRAINER_FIELDS = (
+    "loss_type", "beta", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+    "steps_per_generation", "num_iterations", "logging_steps", "max_steps", "learning_rate", "seed", "bf16",
+    "mask_truncated_completions", "scale_rewards", "epsilon", "epsilon_high", "importance_sampling_level",
+)
+
+
+def _generation_config_dict(model) -> Optional[dict]:
+    """The model's generation config, as the differences from transformers' defaults (what generate falls back to)."""
+    config = getattr(model, "generation_config", None)
+    return None if config is None else config.to_diff_dict()

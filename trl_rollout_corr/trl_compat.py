@@ -424,3 +424,35 @@ def check_vllm_server_logprobs(vllm_client: Any) -> None:
             "distribution that sampled (after temperature/top-p/top-k). Restart it with "
             "--logprobs-mode processed_logprobs."
         )
+
+
+# ---------------------------------------------------------------------------------------------- the training forward
+def add_training_lm_head(model: Any, *, temperature: float, cast_lm_head_to_fp32: bool = False) -> None:
+    """Give ``model`` the log-prob head TRL 1.16's ``GRPOTrainer.__init__`` gives the policy: TRL's own
+    ``add_fused_lm_head`` with the trainer's ``temperature`` and ``cast_lm_head_to_fp32`` (1059-1073).
+
+    Used by ``trl-rollout-corr probe`` to score tokens exactly as the trainer does, outside a trainer.
+    """
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, temperature=temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32)
+
+
+def training_log_probs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       logits_to_keep: int) -> torch.Tensor:
+    """TRL 1.16's per-token log-probs of the last ``logits_to_keep`` positions for one chunk
+    (``_get_per_token_logps_and_entropies``, 1495-1499: labels -100 at padding and before the completion, then
+    ``model(..., labels=labels, fused_lm_head=True).log_probs``), without autocast.
+
+    Args:
+        model: a model patched with ``add_training_lm_head``.
+        input_ids, attention_mask: (B, P + T) prompt (left-padded) then completion (right-padded), 0/1 mask.
+        logits_to_keep: T.
+
+    Returns:
+        (B, T) float32 log-probs in nats of the temperature-scaled full-vocabulary distribution; 0 at padding.
+    """
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :-logits_to_keep] = -100
+    outputs = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+    return outputs.log_probs[:, -logits_to_keep:]

@@ -1,0 +1,54 @@
+"""A hand-made rollout dump (tests of analyze and the CLI): one decoupled step of two rows whose engine ratios
+pi_old / mu are [1, 3, 1] and [0.5, 1], logged with the values the trainer computes."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from trl_rollout_corr.accumulator import exact_ratio_quantiles
+from trl_rollout_corr.config import RolloutCorrectionConfig
+from trl_rollout_corr.correction import compute_rollout_correction
+from trl_rollout_corr.records import MicroBatch, RolloutRecordWriter
+
+LN = math.log
+# Two rows of one generation batch: pi_old / mu = [1, 3, 1] and [0.5, 1] (one padding position in row 1).
+MU = torch.tensor([[LN(0.5), LN(0.5), LN(0.5)], [LN(0.25), LN(0.25), 0.0]])
+OLD = MU + torch.tensor([[0.0, LN(3.0), 0.0], [LN(0.5), 0.0, 0.0]])
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+TRAINED = RolloutCorrectionConfig.decoupled_token_is(threshold=2.0)
+
+
+def hand_dump(path: Path, logged: Optional[dict] = None) -> Path:
+    """A decoupled dump of one step with the rows above (pi_theta = pi_old: ratio 1 updates), logged with the
+    values the trainer computes for TRAINED (or ``logged``)."""
+    w = RolloutRecordWriter(path, eos_token_ids=[1], pad_token_id=0, max_completion_length=3)
+    w.write_run_metadata({
+        "schema": "trl-rollout-corr/rollout-records", "schema_version": "1.0",
+        "correction": {**TRAINED.to_dict(), "mode": "decoupled", "length_buckets": [2, 3],
+                       "rollout_corr_preset": "decoupled_token_is"},
+        "trainer": {"per_device_train_batch_size": 2, "steps_per_generation": 1}, "model": {}, "engine": {},
+    })
+    out = compute_rollout_correction(OLD, MU, MASK, TRAINED, length_buckets=(2, 3))
+    w.add(MicroBatch(step=0, generation_step=0, generation_batch=0, prompt_ids=torch.tensor([[2], [2]]),
+                     prompt_mask=torch.ones(2, 1), completion_ids=torch.tensor([[5, 6, 1], [7, 1, 0]]),
+                     completion_mask=MASK, rollout_log_probs=MU, advantages=torch.tensor([1.0, -1.0]),
+                     generation_row=torch.tensor([0, 1]),
+                     per_token=dict(old_log_probs=OLD, log_probs=OLD, rollout_is_weights=out.weights,
+                                    rollout_rs_mask=out.response_mask)))
+    metrics = dict(out.metrics)
+    metrics.update({f"rollout_corr/{n}_ratio_{q}": v for n in ("engine", "update", "direct")
+                    for q, v in quantiles(n).items()})
+    metrics.update({"rollout_corr/policy_lag_mean": 0.0, "rollout_corr/policy_lag_max": 0.0})
+    w.end_window(1, logged if logged is not None else metrics)
+    return path
+
+
+def quantiles(name: str) -> dict:
+    """The logged ratio quantiles: pi_theta = pi_old, so update = 1 and direct = engine."""
+    valid = MASK.bool()
+    engine = (OLD - MU)[valid].double()
+    return exact_ratio_quantiles(engine if name in ("engine", "direct") else torch.zeros_like(engine))

@@ -1,0 +1,254 @@
+"""Rollout records (records.py): the schema, the writer's layout (unpadded rows, windows, atomic files), and the
+reader's validation of bad input (another schema version, a truncated Parquet file, misaligned per-token columns),
+each error naming the file and the fix, nothing overwritten."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from trl_rollout_corr import records
+from trl_rollout_corr.records import (
+    COLUMNS,
+    PER_TOKEN_COLUMNS,
+    REQUIRED_COLUMNS,
+    SCHEMA_VERSION,
+    MicroBatch,
+    RecordsError,
+    RolloutRecordWriter,
+    completion_lengths,
+    open_dump,
+    terminations,
+)
+
+pytestmark = pytest.mark.unit
+
+EOS, PAD = 1, 0
+
+
+def _batch(step=0, generation_batch=0, per_token=True):
+    """2 rows: row 0 generated 3 tokens ending in EOS; row 1 filled max_completion_length=4 (truncated)."""
+    completion_ids = torch.tensor([[5, 6, EOS, PAD], [7, 8, 9, 10]])
+    completion_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    mu = torch.tensor([[-0.5, -1.0, -0.25, 0.0], [-2.0, float("nan"), -0.75, -1.5]])
+    extra = dict(old_log_probs=mu + 0.125, log_probs=mu + 0.25, rollout_rs_mask=completion_mask.clone(),
+                 tool_mask=None) if per_token else {}
+    return MicroBatch(
+        step=step, generation_step=step, generation_batch=generation_batch,
+        prompt_ids=torch.tensor([[PAD, 3, 4], [2, 3, 4]]), prompt_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+        completion_ids=completion_ids, completion_mask=completion_mask, rollout_log_probs=mu,
+        advantages=torch.tensor([0.5, -0.5]), generation_row=torch.tensor([1, 0]),
+        rewards=torch.tensor([[1.0], [float("nan")]]), times=torch.tensor([[10.0, 12.5], [10.0, 12.5]],
+                                                                         dtype=torch.float64),
+        per_token=extra,
+    )
+
+
+def _metadata(**correction):
+    from trl_rollout_corr.config import RolloutCorrectionConfig
+
+    config = RolloutCorrectionConfig(**correction)
+    return {"schema": records.SCHEMA_NAME, "schema_version": SCHEMA_VERSION,
+            "correction": {**config.to_dict(), "mode": "bypass" if config.bypass_mode else "decoupled",
+                           "length_buckets": [64, 256, 1024]},
+            "trainer": {"per_device_train_batch_size": 2, "steps_per_generation": 1}, "model": {}, "engine": {}}
+
+
+def _writer(path, **kw):
+    return RolloutRecordWriter(path, eos_token_ids=[EOS], pad_token_id=PAD, max_completion_length=4, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- schema
+def test_schema_is_versioned_and_has_room_for_lag_support_and_routes():
+    assert SCHEMA_VERSION == "1.0"
+    names = [c.name for c in COLUMNS]
+    assert len(names) == len(set(names))
+    for name in ("prompt_ids", "completion_ids", "completion_mask", "rollout_log_probs", "step", "generation_step",
+                 "generation_start_time", "generation_end_time", "rewards", "advantage", "termination"):
+        assert name in REQUIRED_COLUMNS  # spec section 10's per-sample fields
+    reserved = {c.name: c.spec for c in COLUMNS if c.reserved}
+    assert reserved == {"policy_version": "7", "policy_version_tokens": "7", "support_log_mass": "8",
+                        "support_size": "8", "routes": "9"}
+    assert all(not COLUMNS[names.index(n)].required for n in reserved)  # optional: adding them is not a break
+    assert records.arrow_type("list<list<list<int16>>>") == pa.list_(pa.list_(pa.list_(pa.int16())))
+    table = records.schema_markdown()
+    assert table.count("\n") == len(COLUMNS) + 1 and "`routes`" in table
+
+
+def test_completion_lengths_and_termination_by_hand():
+    ids = torch.tensor([[5, EOS, PAD, PAD], [5, 6, 7, 8], [5, 6, 7, PAD], [EOS, PAD, PAD, PAD]])
+    # row 2: TRL zeroed the mask of a truncated row (mask_truncated_completions); its pads are stripped
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0]])
+    lengths = completion_lengths(ids, mask, PAD)
+    assert lengths.tolist() == [2, 4, 3, 1]
+    assert terminations(ids, lengths, 4, [EOS]) == ["eos", "length", "other", "eos"]
+    # pad == eos (SmolLM2): the EOS is kept because the mask covers it
+    assert completion_lengths(torch.tensor([[5, 1, 1]]), torch.tensor([[1, 1, 0]]), 1).tolist() == [2]
+
+
+# ---------------------------------------------------------------------------------------------- writer + reader
+def test_round_trip_unpadded_rows_windows_and_logs(tmp_path):
+    w = _writer(tmp_path / "dump")
+    w.write_run_metadata(_metadata())
+    w.add(_batch(step=0))
+    path = w.end_window(1, {"loss": 0.5, "rollout_corr/kl": 0.25, "text": "ignored"})
+    w.add(_batch(step=1, generation_batch=1, per_token=False))  # no optional columns in this micro-batch
+    w.end_window(2, {"rollout_corr/kl": 0.125})
+    assert w.end_window(2, {"train_runtime": 1.0}) is None  # the Trainer's closing summary log: nothing to write
+    assert path.name == "step-00000001.rank-00000.parquet" and w.rows_written == 4 and w.bytes_written > 0
+
+    dump = open_dump(tmp_path / "dump")
+    assert [(x.logged_step, x.first_step, len(x.files)) for x in dump.windows] == [(1, 1, 1), (2, 2, 1)]
+    assert dump.windows[0].metrics == {"loss": 0.5, "rollout_corr/kl": 0.25}
+    rows = dump.read_table().to_pylist()
+    r0, r1 = rows[0], rows[1]
+    assert r0["prompt_ids"] == [3, 4] and r1["prompt_ids"] == [2, 3, 4]  # left padding removed
+    assert r0["completion_ids"] == [5, 6, EOS] and r1["completion_ids"] == [7, 8, 9, 10]
+    assert r0["completion_mask"] == [1, 1, 1] and r0["rollout_log_probs"] == [-0.5, -1.0, -0.25]
+    assert math.isnan(r1["rollout_log_probs"][1])  # NaN kept: an invalid token, never replaced
+    assert r0["old_log_probs"] == [-0.375, -0.875, -0.125] and r0["log_probs"] == [-0.25, -0.75, 0.0]
+    assert (r0["termination"], r1["termination"]) == ("eos", "length")
+    assert r0["generation_row"] == 1 and r0["advantage"] == 0.5 and r0["rewards"] == [1.0]
+    assert math.isnan(r1["rewards"][0])
+    assert (r0["generation_start_time"], r0["generation_end_time"]) == (10.0, 12.5)
+    assert [r["logged_step"] for r in rows] == [1, 1, 2, 2] and [r["micro_step"] for r in rows] == [0, 0, 1, 1]
+    assert rows[2]["old_log_probs"] is None  # an optional column absent from a file reads as null
+    assert "tool_mask" not in dump.read_table().column_names
+    ds = dump.to_dataset()
+    assert len(ds) == 4 and ds[0]["completion_ids"] == [5, 6, EOS]
+
+
+def test_dump_every_keeps_one_window_in_n(tmp_path):
+    w = _writer(tmp_path / "d", every=2)
+    w.write_run_metadata(_metadata())
+    for step in range(1, 5):
+        w.add(_batch(step=step - 1, generation_batch=step - 1))
+        w.end_window(step, {"rollout_corr/kl": float(step)})
+    dump = open_dump(tmp_path / "d")
+    assert [(x.logged_step, x.dumped, len(x.files)) for x in dump.windows] == [
+        (1, True, 1), (2, False, 0), (3, True, 1), (4, False, 0)]
+    assert set(dump.read_table().column("logged_step").to_pylist()) == {1, 3}
+    with pytest.raises(RecordsError, match="rollout_dump_every must be >= 1"):
+        _writer(tmp_path / "e", every=0)
+
+
+def test_nothing_is_overwritten(tmp_path):
+    w = _writer(tmp_path / "d")
+    w.write_run_metadata(_metadata())
+    w.add(_batch())
+    w.end_window(1, {"rollout_corr/kl": 0.0})
+    run_json = (tmp_path / "d" / "run.json").read_bytes()
+    with pytest.raises(RecordsError, match="already holds a rollout dump.*Choose another rollout_dump_dir"):
+        _writer(tmp_path / "d")
+    other_rank = _writer(tmp_path / "d", is_main_process=False)  # another rank of the same run: no check
+    other_rank.add(_batch())
+    step_file = tmp_path / "d" / "steps" / "step-00000001.rank-00000.parquet"
+    before = step_file.read_bytes()
+    with pytest.raises(RecordsError, match="already exists; records are never overwritten"):
+        other_rank.end_window(1, {})
+    assert step_file.read_bytes() == before and (tmp_path / "d" / "run.json").read_bytes() == run_json
+    assert not list((tmp_path / "d" / "steps").glob("*.tmp-*"))
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.fixture
+def dump_dir(tmp_path):
+    w = _writer(tmp_path / "d")
+    w.write_run_metadata(_metadata())
+    w.add(_batch())
+    w.end_window(1, {"rollout_corr/kl": 0.0})
+    return tmp_path / "d"
+
+
+def test_not_a_dump(tmp_path):
+    with pytest.raises(RecordsError, match="no such folder"):
+        open_dump(tmp_path / "missing")
+    with pytest.raises(RecordsError, match=r"is not a rollout dump \(no run.json\)"):
+        open_dump(tmp_path)
+
+
+def test_another_schema_major_version_names_the_file_and_the_fix(dump_dir):
+    run = json.loads((dump_dir / "run.json").read_text())
+    run["schema_version"] = "2.0"
+    (dump_dir / "run.json").write_text(json.dumps(run))
+    with pytest.raises(RecordsError, match=r"run.json: rollout records schema 2.0.*reads schema 1.0.*release that "
+                                           r"wrote it"):
+        open_dump(dump_dir)
+    run["schema_version"] = "1.0"
+    (dump_dir / "run.json").write_text(json.dumps(run))
+    step_file = next((dump_dir / "steps").iterdir())
+    table = pq.read_table(step_file)
+    pq.write_table(table.replace_schema_metadata({b"trl_rollout_corr.schema": records.SCHEMA_NAME.encode(),
+                                                  b"trl_rollout_corr.schema_version": b"0.9"}), step_file)
+    dump = open_dump(dump_dir)
+    with pytest.raises(RecordsError, match=rf"{step_file.name}: rollout records schema 0.9"):
+        dump.read_table()
+
+
+def test_newer_minor_version_is_read_with_a_warning(dump_dir):
+    step_file = next((dump_dir / "steps").iterdir())
+    table = pq.read_table(step_file).append_column("future_column", pa.array([1, 2], pa.int64()))
+    pq.write_table(table.replace_schema_metadata({b"trl_rollout_corr.schema": records.SCHEMA_NAME.encode(),
+                                                  b"trl_rollout_corr.schema_version": b"1.7"}), step_file)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        table = open_dump(dump_dir).read_table()
+    assert any("newer than 1.0" in str(w.message) for w in caught)
+    assert "future_column" not in table.column_names and table.num_rows == 2
+
+
+def test_truncated_parquet_names_the_file(dump_dir):
+    step_file = next((dump_dir / "steps").iterdir())
+    data = step_file.read_bytes()
+    step_file.write_bytes(data[: len(data) // 2])
+    dump = open_dump(dump_dir)  # opening reads only run.json and logs.jsonl
+    with pytest.raises(RecordsError, match=rf"{step_file.name}: not a readable Parquet file.*truncated or corrupt"):
+        dump.read_table()
+
+
+def test_corrupt_run_json_and_logs_name_the_line(dump_dir):
+    (dump_dir / "logs.jsonl").write_text('{"logged_step": 1, "first_step": 1, "metrics": {}}\n{"logged_st')
+    with pytest.raises(RecordsError, match=r"logs.jsonl:2: not a logs.jsonl line"):
+        open_dump(dump_dir)
+    (dump_dir / "run.json").write_text('{"schema": ')
+    with pytest.raises(RecordsError, match=r"run.json:1:\d+: not valid JSON"):
+        open_dump(dump_dir)
+
+
+def test_misaligned_per_token_column_names_the_row(dump_dir):
+    step_file = next((dump_dir / "steps").iterdir())
+    table = pq.read_table(step_file)
+    bad = pa.array([[-0.5, -1.0, -0.25], [-1.0]], pa.list_(pa.float32()))
+    table = table.set_column(table.schema.get_field_index("log_probs"), "log_probs", bad)
+    pq.write_table(table, step_file)
+    with pytest.raises(RecordsError, match=r"row 1: column 'log_probs' has 1 entries for 4 completion tokens"):
+        open_dump(dump_dir).read_table()
+    assert set(PER_TOKEN_COLUMNS) >= {"log_probs", "old_log_probs", "rollout_log_probs", "completion_mask"}
+
+
+def test_wrong_column_type_and_missing_required_column(dump_dir):
+    step_file = next((dump_dir / "steps").iterdir())
+    table = pq.read_table(step_file)
+    meta = table.schema.metadata
+    pq.write_table(table.set_column(table.schema.get_field_index("step"), "step",
+                                    pa.array(["a", "b"])).replace_schema_metadata(meta), step_file)
+    with pytest.raises(RecordsError, match=r"column 'step' has type string, expected int64"):
+        open_dump(dump_dir).read_table()
+    pq.write_table(table.drop_columns(["advantage"]).replace_schema_metadata(meta), step_file)
+    with pytest.raises(RecordsError, match=r"required column 'advantage' is missing"):
+        open_dump(dump_dir).read_table()
+
+
+def test_rows_without_a_logged_step_are_read_with_a_warning(dump_dir):
+    (dump_dir / "logs.jsonl").unlink()  # the run stopped after writing its rows, before logging
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dump = open_dump(dump_dir)
+    assert any("no logged values to check" in str(w.message) for w in caught)
+    assert [(w.logged_step, w.metrics) for w in dump.windows] == [(1, {})]

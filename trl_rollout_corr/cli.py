@@ -1,0 +1,282 @@
+"""``trl-rollout-corr``: the console command (``[project.scripts]`` in ``pyproject.toml``).
+
+Sub-commands (``trl-rollout-corr SUBCOMMAND --help`` for each):
+
+* ``analyze DUMP_DIR [--preset NAME | --config YAML]...``: recompute every ``rollout_corr/*`` metric of the stored
+  steps of a rollout dump (``rollout_dump_dir``), check them against the logged values, and print a what-if table
+  (kept tokens and rows, ESS, kl, k3, per response length and per policy lag) for each config; PNG plots and an
+  ``analysis.json`` go to ``--out`` (default ``DUMP_DIR/analysis``).
+* ``probe --model PATH --engine vllm|transformers --rollout-dtype ... --train-dtype ...``: sample with the engine,
+  score the same tokens with the training forward, and report the log-ratio distribution, the trainer's batch-1 vs
+  batch-B self-consistency, the truncation term and the float32-LM-head effect; ``--fail-above X`` exits 1 when the
+  chosen statistic exceeds X (for CI).
+
+Exit codes: 0 success; 1 a check failed (``analyze``: the recomputed metrics differ from the logged ones beyond the
+tolerance; ``probe``: ``--fail-above`` exceeded); 2 bad input (the message names the file and the fix; nothing is
+written or overwritten).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class OutputExists(ValueError):
+    """An output file exists and ``--overwrite`` was not given."""
+
+
+class UsageError(ValueError):
+    """A flag's value cannot be parsed; the message names the flag and an example."""
+
+
+def check_outputs(out: Path, names: Sequence[str], overwrite: bool) -> None:
+    """Refuse when one of ``names`` already exists in ``out`` and ``overwrite`` is False (checked before any work;
+    the folder is created only when the results are written).
+
+    Raises:
+        OutputExists: naming the file and the fix.
+    """
+    existing = [out / n for n in names if (out / n).exists()]
+    if existing and not overwrite:
+        raise OutputExists(f"{existing[0]} already exists; nothing was written. Pass --overwrite to replace it, or "
+                           "choose another --out.")
+
+
+def _fmt(value: Optional[float], kind: str = "g") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if kind == "%":
+        return f"{100.0 * value:.1f}%"
+    if kind == "f":
+        return f"{value:.3f}"
+    return f"{value:.3g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain fixed-width text table (first column left-aligned, the others right-aligned)."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    def line(cells):
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+# ---------------------------------------------------------------------------------------------- analyze
+ANALYZE_OUTPUTS = ("analysis.json", "analyze_per_step.png", "analyze_slices.png")
+
+
+def _config_label(named, trained_preset: Optional[str]) -> str:
+    if named.label == "trained" and trained_preset:
+        return f"trained ({trained_preset})"
+    return named.label
+
+
+def run_analyze(args: argparse.Namespace) -> int:
+    """``analyze``: see ``trl_rollout_corr.analyze``. Returns the exit code."""
+    from .analyze import analyse_dump, length_slices, preset_config, summary_row, yaml_config
+    from .records import open_dump
+
+    dump = open_dump(args.dump_dir)
+    configs = [preset_config(v) if kind == "preset" else yaml_config(v) for kind, v in args.configs or ()]
+    buckets = _int_list(args.length_buckets, "--length-buckets") if args.length_buckets else None
+    steps = _step_range(args.steps) if args.steps else None
+    out = Path(args.out) if args.out else Path(args.dump_dir) / "analysis"
+    if not args.no_plots:
+        from .plotting import require_matplotlib
+
+        require_matplotlib()  # fail before any work
+    check_outputs(out, ANALYZE_OUTPUTS, args.overwrite)
+    check, analyses, recomputer = analyse_dump(dump, configs, length_buckets=buckets, steps=steps,
+                                               tolerance=args.tolerance)  # reads and validates every file
+    meta = dump.metadata
+    preset = meta.get("correction", {}).get("rollout_corr_preset")
+    analyses[0].named = type(analyses[0].named)(_config_label(analyses[0].named, preset), analyses[0].named.config)
+    steps_seen = [w.logged_step for w in analyses[0].windows]
+    print(f"Dump {dump.path}: {len(steps_seen)} logged steps with rows ({steps_seen[0]}..{steps_seen[-1]}), "
+          f"{recomputer.rows.n} rows, mode {meta.get('correction', {}).get('mode')}, model "
+          f"{meta.get('model', {}).get('name_or_path')}, engine {meta.get('engine', {}).get('rollout_engine')} "
+          f"({meta.get('engine', {}).get('rollout_dtype')}).")
+    _print_check(check)
+    header = ["config", "mode", "kept tokens", "kept rows", "ESS", "kl", "k3_kl", "k3 kept", "rows", "tokens"]
+    rows = []
+    for a in analyses:
+        s = summary_row(a.total)
+        mode = "bypass" if a.named.config.bypass_mode else "decoupled"
+        rows.append([a.named.label, mode, _fmt(s["kept_tokens"], "%"), _fmt(s["kept_rows"], "%"),
+                     _fmt(s["ess"], "f"), _fmt(s["kl"]), _fmt(s["k3_kl"]), _fmt(s["kept_k3"]),
+                     f"{s['valid_rows']:.0f}", f"{s['valid_tokens']:.0f}"])
+    print("\nWhat-if over the analysed steps. kl, k3_kl: nats/token over the valid tokens (as logged); k3 kept: over "
+          "the tokens the config keeps; ESS: Kish fraction of the IS weights (tokens); rows: each generated row once "
+          "for decoupled configs, each use for bypass configs (as each mode runs its correction).")
+    print(format_table(header, rows))
+    print("\nBy response length (valid tokens per row):")
+    rows = [[a.named.label, r["bucket"], f"{r['rows']:.0f}", _fmt(r["kept_tokens"], "%"), _fmt(r["kept_rows"], "%"),
+             _fmt(r["ess"], "f"), _fmt(r["kl"]), _fmt(r["k3_kl"]), _fmt(r["kept_k3"])]
+            for a in analyses for r in length_slices(a) if r["rows"]]
+    header = ["config", "length", "rows", "kept tokens", "kept rows", "ESS", "kl", "k3_kl", "k3 kept"]
+    print(format_table(header, rows))
+    print("\nBy policy lag (optimizer steps between generation and use; each use of a row counted):")
+    rows = []
+    for a in analyses:
+        for lag, part in sorted(a.by_lag.items()):
+            s = summary_row(part)
+            rows.append([a.named.label, str(lag), f"{s['valid_rows']:.0f}", _fmt(s["kept_tokens"], "%"),
+                         _fmt(s["kept_rows"], "%"), _fmt(s["ess"], "f"), _fmt(s["kl"]), _fmt(s["k3_kl"]),
+                         _fmt(s["kept_k3"])])
+    print(format_table(["config", "lag", "uses", "kept tokens", "kept rows", "ESS", "kl", "k3_kl", "k3 kept"], rows))
+    report = _analysis_report(dump, check, analyses)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "analysis.json").write_text(json.dumps(report, indent=2) + "\n")
+    written = [out / "analysis.json"]
+    if not args.no_plots:
+        from .plotting import analyze_figures
+
+        identity = {"model": meta.get("model", {}).get("name_or_path"),
+                    "engine": meta.get("engine", {}).get("rollout_engine"),
+                    "rollout dtype": meta.get("engine", {}).get("rollout_dtype"),
+                    "train dtype": meta.get("model", {}).get("dtype"),
+                    "trained": f"{preset or 'custom'} ({meta.get('correction', {}).get('mode')})",
+                    "dump": str(dump.path)}
+        written += analyze_figures(analyses, out, identity)
+    print("\nWrote " + ", ".join(str(p) for p in written))
+    return EXIT_OK if check.ok or args.no_check else EXIT_CHECK_FAILED
+
+
+def _print_check(check) -> None:
+    verdict = "OK" if check.ok else ("NO VALUES COMPARED" if not check.compared else "MISMATCH")
+    print(f"\nCheck (training config vs logged): {check.compared} rollout_corr/* values recomputed, max |diff| "
+          f"{check.max_abs_diff:.2e}, max relative diff {check.max_rel_diff:.2e} (tolerance {check.tolerance:g} x "
+          f"max(1, |value|)): {verdict}")
+    for step, key, logged, ours in check.failures[:10]:
+        print(f"  step {step}: {key} logged {logged!r} recomputed {ours!r}")
+    for step, why in sorted(check.skipped.items()):
+        print(f"  step {step} not checked: {why}")
+    if check.not_recomputed:
+        print(f"  logged but not recomputed by this version: {', '.join(sorted(check.not_recomputed))}")
+
+
+def _analysis_report(dump, check, analyses) -> dict[str, Any]:
+    from .analyze import length_slices, summary_row
+
+    return {
+        "dump": str(dump.path),
+        "check": {"ok": check.ok, "compared": check.compared, "max_abs_diff": check.max_abs_diff,
+                  "max_rel_diff": check.max_rel_diff, "tolerance": check.tolerance,
+                  "failures": [list(f) for f in check.failures], "skipped": check.skipped,
+                  "not_recomputed": sorted(check.not_recomputed)},
+        "configs": [{
+            "label": a.named.label,
+            "config": a.named.config.to_dict(),
+            "total": summary_row(a.total),
+            "per_step": {str(w.logged_step): {"summary": summary_row(a.per_window[w.logged_step]),
+                                              "metrics": a.per_window[w.logged_step].metrics()} for w in a.windows},
+            "by_length": length_slices(a),
+            "by_lag": {str(lag): summary_row(p) for lag, p in sorted(a.by_lag.items())},
+        } for a in analyses],
+    }
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise UsageError(f"{flag} {text!r}: expected comma-separated integers, e.g. 8,16,32.") from e
+
+
+def _step_range(text: str) -> tuple[int, int]:
+    try:
+        first, _, last = text.partition(":")
+        return int(first or 0), int(last) if last else 10**12
+    except ValueError as e:
+        raise UsageError(f"--steps {text!r}: expected FIRST:LAST logged steps, e.g. 2:8 (either may be empty).") from e
+
+
+# ---------------------------------------------------------------------------------------------- probe
+def run_probe(args: argparse.Namespace) -> int:
+    """``probe``: see ``trl_rollout_corr.probe``. Returns the exit code."""
+    from . import probe
+
+    return probe.main(args)
+
+
+# ---------------------------------------------------------------------------------------------- parser
+class _AppendConfig(argparse.Action):
+    """``--preset`` and ``--config`` append ``(kind, value)`` to one list, so the command line's order is kept."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = list(getattr(namespace, self.dest) or [])
+        items.append(("preset" if option_string == "--preset" else "yaml", values))
+        setattr(namespace, self.dest, items)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``trl-rollout-corr`` argument parser (sub-commands ``analyze`` and ``probe``)."""
+    parser = argparse.ArgumentParser(
+        prog="trl-rollout-corr",
+        description="Rollout-correction tools: replay stored rollouts under other correction configs (analyze), "
+                    "measure an engine/trainer mismatch before training (probe).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{analyze,probe}")
+
+    a = sub.add_parser(
+        "analyze", help="recompute rollout_corr/* of a rollout dump under one or more correction configs",
+        description="Recompute every rollout_corr/* metric of the stored steps of a rollout dump (a run trained with "
+                    "rollout_dump_dir), check the training config against the logged values, and print a what-if "
+                    "table for each --preset / --config (in the order given).",
+    )
+    a.add_argument("dump_dir", metavar="DUMP_DIR", help="the rollout_dump_dir of a run")
+    a.add_argument("--preset", dest="configs", action=_AppendConfig, metavar="NAME",
+                   help="a what-if correction preset (repeatable), e.g. decoupled_token_icepop")
+    a.add_argument("--config", dest="configs", action=_AppendConfig, metavar="YAML",
+                   help="a what-if correction config: a YAML file with rollout_corr_preset and/or the correction "
+                        "fields (a recipe config works; other keys are ignored); repeatable")
+    a.add_argument("--length-buckets", metavar="E1,E2,...",
+                   help="response-length slice edges in valid tokens per row (default: the trainer's, 64,256,1024)")
+    a.add_argument("--steps", metavar="FIRST:LAST", help="only these logged steps (inclusive)")
+    a.add_argument("--tolerance", type=float, default=1e-5,
+                   help="check tolerance: |logged - recomputed| <= TOL * max(1, |logged|) (default 1e-5)")
+    a.add_argument("--no-check", action="store_true", help="exit 0 even when the check fails (still printed)")
+    a.add_argument("--out", metavar="DIR", help="where analysis.json and the PNGs go (default DUMP_DIR/analysis)")
+    a.add_argument("--overwrite", action="store_true", help="replace existing output files in --out")
+    a.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    a.set_defaults(func=run_analyze)
+
+    from .probe import add_arguments
+
+    p = sub.add_parser(
+        "probe", help="measure the engine/trainer log-prob mismatch on your model before training",
+        description="Sample completions with the rollout engine, score the same tokens with the training forward, "
+                    "and report log pi_train - log mu (quantiles, out-of-band fractions, max; by position and by "
+                    "length; the most mismatched tokens in context), the trainer's self-consistency (batch 1 vs "
+                    "batch B), the truncation term when sampling truncates, and the effect of a float32 LM head. "
+                    "Writes report.json and PNG histograms.",
+    )
+    add_arguments(p)
+    p.set_defaults(func=run_probe)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code (see the module docstring)."""
+    from .analyze import ConfigError
+    from .plotting import PlottingUnavailable
+    from .probe import ProbeError
+    from .records import RecordsError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (RecordsError, ConfigError, OutputExists, PlottingUnavailable, UsageError, ProbeError) as e:
+        print(f"trl-rollout-corr {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
