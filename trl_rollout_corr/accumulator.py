@@ -7,7 +7,9 @@ log call:
   micro-batch): reducible sums, maxima and minima, O(number of metrics) memory;
 * the valid per-token log ratios of the trained tokens (``engine``, ``update``, ``direct``), for exact order
   statistics (``exact_ratio_quantiles``);
-* the policy lag of every micro-batch (optimizer steps between generation and use).
+* the policy lag of every micro-batch (optimizer steps between generation and use);
+* the merged ``support.SupportStats`` of every support forward (sampling-support matching): sums and the
+  per-token kept-set sizes (for exact quantiles).
 
 ``flush(mode)`` reduces everything across ranks once, finalises once, and returns the metrics with TRL's
 ``eval_`` prefix in evaluation. Cross-rank operations are passed in (``Reducers``), so this module knows neither
@@ -31,6 +33,7 @@ from .correction import SAFETY_BOUND
 
 if TYPE_CHECKING:
     from .correction import CorrectionStats
+    from .support import SupportStats
 
 MODES = ("train", "eval")
 PREFIX = "rollout_corr/"
@@ -122,6 +125,7 @@ class _ModeBuffer:
     lag_sum: int = 0
     lag_count: int = 0
     lag_max: int = 0
+    support: Optional["SupportStats"] = None
 
 
 class RolloutCorrAccumulator:
@@ -174,13 +178,20 @@ class RolloutCorrAccumulator:
         buffer.lag_count += 1
         buffer.lag_max = max(buffer.lag_max, int(lag))
 
+    def add_support(self, mode: str, stats: "SupportStats") -> None:
+        """Merge one support forward's ``support.SupportStats`` (decoupled: once per generation batch, at pi_old;
+        bypass: once per micro-batch, at pi_theta) into ``mode``; flushed as ``rollout_corr/support_*``."""
+        buffer = self._buffer(mode)
+        buffer.support = stats if buffer.support is None else buffer.support.merge(stats)
+
     def flush(self, mode: str) -> dict[str, float]:
         """The metrics of ``mode`` since the previous flush, exact over all ranks; empties the buffer.
 
         Returns:
             ``rollout_corr/*`` (``eval_rollout_corr/*`` for ``mode="eval"``) -> float: the finalised
             ``CorrectionStats`` (if any were added), ``{name}_ratio_{mean,p01,p50,p99,max}`` per ratio name (if
-            any), and ``policy_lag_{mean,max}`` (if any micro-batch was recorded).
+            any), ``policy_lag_{mean,max}`` (if any micro-batch was recorded) and ``support_*`` (if any support
+            statistics were added).
         """
         buffer = self._buffer(mode)
         self._buffers[mode] = _ModeBuffer()
@@ -195,6 +206,9 @@ class RolloutCorrAccumulator:
         if buffer.lag_count:
             metrics[f"{PREFIX}policy_lag_mean"] = buffer.lag_sum / buffer.lag_count
             metrics[f"{PREFIX}policy_lag_max"] = float(buffer.lag_max)
+        if buffer.support is not None:
+            reduced = buffer.support.reduce(self.reducers.sum, lambda v: gather_uneven(v, self.reducers))
+            metrics.update(reduced.finalize())
         if mode == "eval":
             metrics = {f"{EVAL_PREFIX}{k}": v for k, v in metrics.items()}
         return metrics
