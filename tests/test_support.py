@@ -335,3 +335,19 @@ def test_chunking_does_not_change_the_result():
     big = S.SupportScorer(spec, "recompute", chunk_elements=10**9).score(hidden, weight, None, ids, mask, T)
     for a, b in zip(one, big):
         torch.testing.assert_close(a, b)
+
+
+def test_accumulator_flushes_support_metrics_per_mode():
+    from trl_rollout_corr.accumulator import RolloutCorrAccumulator
+
+    hidden, weight, ids, mask, T = _random_batch(seed=2)
+    spec = S.sampler_from_generation_config({"do_sample": True, "top_k": 7})
+    stats = S.SupportStats.from_score(S.SupportScorer(spec, "recompute").score(hidden, weight, None, ids, mask, T),
+                                      mask[:, -T:])
+    acc = RolloutCorrAccumulator()
+    acc.add_support("eval", stats)
+    acc.add_support("eval", stats)
+    flushed = acc.flush("eval")
+    assert flushed == {f"eval_{k}": v for k, v in stats.finalize().items()}  # merging equal parts keeps the means
+    assert flushed["eval_rollout_corr/support_size_p50"] == 7.0
+    assert acc.flush("eval") == {} and acc.flush("train") == {}
