@@ -29,6 +29,13 @@ anchor, never used for the correction).
   p99,max}`` (ratios pi_old/mu, pi_theta/pi_old, pi_theta/mu over the trained tokens, exact order statistics over
   all ranks; bypass: ``direct`` only) and ``rollout_corr/policy_lag_{mean,max}`` (optimizer steps between
   generation and use). In evaluation the keys carry TRL's ``eval_`` prefix.
+* Sampling support (``rollout_support_matching``, ``support``): at start-up the sampler contract
+  (``rollout_sampler``: what the engine applies, from the config, ``generation_kwargs`` and the model's
+  ``generation_config.json``, or a ``rollout_func``'s ``sampler_contract``) and a report of every parameter that
+  shapes mu but not the trainer's log-probs (``rollout_sampler_report``). ``"recompute"`` / ``"replay"``: the pi_old
+  and pi_theta forwards score over the engine's support (``_support_forward``), missed tokens are made invalid,
+  ``rollout_corr/support_*`` are logged. ``"off"`` with truncation: TRL's log-probs, the kept mass measured once on
+  the first training batch and reported in one warning.
 
 Who knows TRL 1.16's internals: this file (the overridden hooks, their signatures and call order, TRL's private
 ``_metrics`` / ``_logs`` / ``vllm_generation`` attributes, the ``GRPOConfig`` fields checked in

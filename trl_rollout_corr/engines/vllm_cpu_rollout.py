@@ -15,6 +15,9 @@ This is the module of the engine that knows TRL. What it relies on, all in TRL 1
 * public trainer attributes: ``state.global_step``, ``accelerator``, ``model``, ``args.generation_kwargs``,
   ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_completion_length``;
 * ``GRPOTrainer._metrics`` for the two timing metrics (``log_trl_metric``).
+
+``VLLMCPURollout.sampler_contract(trainer)`` tells ``RolloutCorrGRPOTrainer`` what the engine samples with (the
+same keyword arguments it passes to ``SamplingParams``), for the start-up report and support matching.
 """
 
 from __future__ import annotations
