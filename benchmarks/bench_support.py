@@ -58,6 +58,8 @@ def measure(kind: str, b: int, p: int, t: int, sampler: dict, scale: float) -> d
     from trl_rollout_corr import support
 
     torch.set_num_threads(1)
+    if b * p * t > 8:  # warm-up on a tiny input first (one-off compilation and allocator growth are not measured)
+        measure(kind, 1, 2, 2, sampler, scale)
     grad = kind != "support_fwd"
     hidden, weight, ids, mask = _inputs(b, p, t, scale, grad)
     spec = support.sampler_from_vllm_params(sampler)
@@ -108,7 +110,7 @@ def report(rows, sampler, load) -> str:
              "",
              f"SmolLM2-135M's head shape (V = {V}, H = {H}), float32, one thread, sampler {sampler} (vLLM order); "
              "random inputs scaled to ~3 nats of next-token entropy. *peak* = peak RSS above the inputs (MiB), in a "
-             "fresh process per cell; *cpu* = process CPU seconds (forward + backward unless noted). "
+             "fresh process per cell after a warm-up call on a tiny input; *cpu* = process CPU seconds (forward + backward unless noted). "
              f"Load average {load[0]:.1f} / {load[1]:.1f} before / after (shared 2-core machine).", "",
              "| B x P x T | positions scored (TRL / ours) | TRL fused head fwd+bwd: cpu, peak | ours pi_old "
              "(fwd, no grad): cpu, peak | ours pi_theta (fwd+bwd): cpu, peak | dense (B, T, V) fwd+bwd: cpu, peak "

@@ -352,6 +352,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         # matching off with a reproducible truncation: measure log S once (first training batch), warn at the next log
         self._rc_support_measure = matching == "off" and spec is not None and bool(spec.set_steps)
         self._rc_support_warn = self._rc_support_measure
+        self._rc_processors_warned = False
         if spec is None:
             logger.warning("Sampler contract unknown: the rollout_func declares no sampler_contract(trainer), so the "
                            "sampling parameters that shape mu cannot be checked against the trainer's log-probs.")
@@ -456,7 +457,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if self._rc_support_scorer is not None:
             raise RuntimeError(f"Support matching: {message}. The trainer would score with other processors than "
                                "the engine's; report this with the generation config.")
-        if not getattr(self, "_rc_processors_warned", False):
+        if not self._rc_processors_warned:
             self._rc_processors_warned = True
             logger.warning("Sampler contract: %s.", message)
 
