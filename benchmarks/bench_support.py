@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from results_md import replace_section  # noqa: E402  (benchmarks/, next to this file)
+
 BEGIN = "<!-- BEGIN bench_support.py output -->"
 END = "<!-- END bench_support.py output -->"
 V, H = 49152, 576
@@ -110,7 +113,8 @@ def report(rows, sampler, load) -> str:
              "",
              f"SmolLM2-135M's head shape (V = {V}, H = {H}), float32, one thread, sampler {sampler} (vLLM order); "
              "random inputs scaled to ~3 nats of next-token entropy. *peak* = peak RSS above the inputs (MiB), in a "
-             "fresh process per cell after a warm-up call on a tiny input; *cpu* = process CPU seconds (forward + backward unless noted). "
+             "fresh process per cell after a warm-up call on a tiny input; *cpu* = process CPU seconds (forward + "
+             "backward unless noted). "
              f"Load average {load[0]:.1f} / {load[1]:.1f} before / after (shared 2-core machine).", "",
              "| B x P x T | positions scored (TRL / ours) | TRL fused head fwd+bwd: cpu, peak | ours pi_old "
              "(fwd, no grad): cpu, peak | ours pi_theta (fwd+bwd): cpu, peak | dense (B, T, V) fwd+bwd: cpu, peak "
@@ -134,15 +138,6 @@ def report(rows, sampler, load) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path = ROOT / "benchmarks" / "RESULTS.md") -> None:
-    current = path.read_text()
-    if BEGIN in current and END in current:
-        current = current[:current.index(BEGIN)] + text + current[current.index(END) + len(END):]
-    else:
-        current = current.rstrip("\n") + "\n\n" + text + "\n"
-    path.write_text(current)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="16x80x32,16x80x512,4x80x4096", help="comma list of BxPxT")
@@ -163,7 +158,7 @@ def main() -> None:
     text = report(rows, sampler, (load_before, os.getloadavg()[0]))
     print(text)
     if args.write:
-        write_section(text)
+        replace_section(text, BEGIN, END)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_main_job_comparison as comparison  # noqa: E402  (benchmarks/, next to this file)
+from results_md import replace_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "cpu_smollm2_decoupled"
@@ -126,17 +127,7 @@ def main() -> None:
     text = report(out_root)
     print(text)
     if not args.no_write:
-        _write(text)
-
-
-def _write(text: str, path: Path = ROOT / "benchmarks" / "RESULTS.md") -> None:
-    """Replace this script's section of RESULTS.md (or append it)."""
-    current = path.read_text()
-    if BEGIN in current and END in current:
-        current = current[:current.index(BEGIN)] + text + current[current.index(END) + len(END):]
-    else:
-        current = current.rstrip("\n") + "\n\n" + text + "\n"
-    path.write_text(current)
+        replace_section(text, BEGIN, END)
 
 
 if __name__ == "__main__":

