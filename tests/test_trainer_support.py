@@ -222,3 +222,22 @@ def test_matching_off_changes_nothing(llama_dir, tmp_path, make_args):
         trainer.train()
         runs.append([r["loss"] for r in trainer.state.log_history if "loss" in r])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("matching", ["recompute", "replay"])
+def test_support_matching_with_routing_replay(matching, tmp_path, make_trainer, step_logs):
+    """With routing replay (issue 14) TRL's pi_old forward is skipped and pi_old is recomputed with the routes
+    replayed: that forward is the one scored over the support. Float32 on both sides: routes equal the recorded
+    ones, and pi_old / mu is 1 to 1e-5 at top_p 0.8 (without matching it would sit at the kept mass)."""
+    moe_dir = make_tiny_model_dir(str(tmp_path / "moe"), "qwen3_moe", seed=0)
+    trainer = make_trainer(moe_dir, tmp_path / "run", routing_replay="r3", rollout_support_matching=matching,
+                           top_p=0.8, rollout_corr_preset="decoupled_token_is", max_steps=2)
+    trainer.train()
+    logs = step_logs(trainer)
+    assert trainer.rollout_corr_forward_counts["old_log_probs"] == 2  # ours (TRL's skipped), once per batch
+    for log in logs:
+        assert log["rollout_corr/routing_mismatch_fraction"] == 0.0
+        assert log["rollout_corr/engine_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+        for key in ("p01", "max"):
+            assert log[f"rollout_corr/engine_ratio_{key}"] == pytest.approx(1.0, abs=1e-5)
+        assert -1.0 < log[f"{SUPPORT}log_mass_mean"] < -1e-3 and log[f"{SUPPORT}miss_fraction"] == 0.0
