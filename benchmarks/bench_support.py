@@ -17,11 +17,13 @@ tokens at top_p 0.9, like SmolLM2 on the main job); near-uniform distributions a
 ``--entropy-scale`` flag). Memory is the peak RSS above the process's RSS once the inputs exist (MiB).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_support.py [--shapes 16x80x32,16x80x512,4x80x4096] [--write]
+        [--resume earlier_stdout.log]   # reuse the cells an interrupted run printed
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import resource
@@ -91,10 +93,24 @@ def measure(kind: str, b: int, p: int, t: int, sampler: dict, scale: float) -> d
     return {"cpu_s": cpu, "peak_mib": max(peak - base, 0.0), "size_p50": size_p50}
 
 
-def run_all(shapes, sampler, scale, dense_limit_gib) -> list[dict]:
+def earlier_rows(log_path: str) -> dict:
+    """The cells an earlier run printed (its stdout, one dict per line), keyed by (shape, kind)."""
+    rows = {}
+    for line in Path(log_path).read_text().splitlines():
+        if line.startswith("{'shape'"):
+            row = ast.literal_eval(line)
+            rows[(tuple(row["shape"]), row["kind"])] = {**row, "earlier": True}
+    return rows
+
+
+def run_all(shapes, sampler, scale, dense_limit_gib, earlier=None) -> list[dict]:
     rows = []
     for b, p, t in shapes:
         for kind in ("trl_head", "support_fwd", "support_fwd_bwd", "dense"):
+            if earlier and ((b, p, t), kind) in earlier:
+                rows.append(earlier[((b, p, t), kind)])
+                print(rows[-1], flush=True)
+                continue
             dense_gib = 3 * b * t * V * 4 / 2**30  # logits, masked logits, log-softmax (+ their gradients)
             if kind == "dense" and dense_gib > dense_limit_gib:
                 rows.append({"shape": (b, p, t), "kind": kind, "skipped": f"needs > {dense_gib:.1f} GiB"})
@@ -115,7 +131,9 @@ def report(rows, sampler, load) -> str:
              "random inputs scaled to ~3 nats of next-token entropy. *peak* = peak RSS above the inputs (MiB), in a "
              "fresh process per cell after a warm-up call on a tiny input; *cpu* = process CPU seconds (forward + "
              "backward unless noted). "
-             f"Load average {load[0]:.1f} / {load[1]:.1f} before / after (shared 2-core machine).", "",
+             f"Load average {load[0]:.1f} / {load[1]:.1f} before / after (shared 2-core machine)."
+             + (" Cells marked * were measured by an earlier run of this script (same code, `--resume`)."
+                if any(r.get("earlier") for r in rows) else ""), "",
              "| B x P x T | positions scored (TRL / ours) | TRL fused head fwd+bwd: cpu, peak | ours pi_old "
              "(fwd, no grad): cpu, peak | ours pi_theta (fwd+bwd): cpu, peak | dense (B, T, V) fwd+bwd: cpu, peak "
              "| kept-set p50 |",
@@ -130,7 +148,7 @@ def report(rows, sampler, load) -> str:
                 return "n/a"
             if "skipped" in r:
                 return f"not run ({r['skipped']})"
-            return f"{r['cpu_s']:.1f} s, {r['peak_mib']:.0f} MiB"
+            return f"{r['cpu_s']:.1f} s, {r['peak_mib']:.0f} MiB{' *' if r.get('earlier') else ''}"
         p50 = cells.get("support_fwd", {}).get("size_p50")
         lines.append(f"| {b} x {p} x {t} | {b * (p + t - 1)} / {b * t} | {cell('trl_head')} | {cell('support_fwd')} "
                      f"| {cell('support_fwd_bwd')} | {cell('dense')} | {p50 if p50 is not None else 'n/a'} |")
@@ -145,6 +163,7 @@ def main() -> None:
     ap.add_argument("--entropy-scale", type=float, default=0.5, help="logit scale (0.5: ~3 nats; 0.05: ~uniform)")
     ap.add_argument("--dense-limit-gib", type=float, default=4.0)
     ap.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
+    ap.add_argument("--resume", help="stdout of an earlier run: its cells are reused, only the others measured")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -154,7 +173,8 @@ def main() -> None:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     sampler = {"top_p": args.top_p}
     load_before = os.getloadavg()[0]
-    rows = run_all(shapes, sampler, args.entropy_scale, args.dense_limit_gib)
+    earlier = earlier_rows(args.resume) if args.resume else None
+    rows = run_all(shapes, sampler, args.entropy_scale, args.dense_limit_gib, earlier)
     text = report(rows, sampler, (load_before, os.getloadavg()[0]))
     print(text)
     if args.write:
