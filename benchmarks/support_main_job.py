@@ -16,6 +16,7 @@ benchmarks/RESULTS.md: greedy accuracy before/after on the 128 held-out problems
 (rows with a nonzero weight and not rejected), the mean sequence IS weight, the engine ratio and the kept mass.
 
     PYTHONPATH=. .venv-vllm/bin/python benchmarks/support_main_job.py [--out outputs/support_main_job]
+    PYTHONPATH=. .venv-vllm/bin/python benchmarks/support_main_job.py --extra "--max_steps 4 --eval_size 64"  # shorter
     PYTHONPATH=. .venv-vllm/bin/python benchmarks/support_main_job.py --report-only
 """
 
@@ -74,14 +75,18 @@ def summarize(out: Path) -> dict:
 
 def report(out_root: Path) -> str:
     fmt = comparison.fmt
+    done = [comparison.summarize(out_root / key) for key, _, _ in RUNS if (out_root / key / "results.json").exists()]
+    steps = sorted({s["steps"] for s in done}) or ["?"]
+    held_out = sorted({(s["before"] or {}).get("total") for s in done} - {None}) or ["?"]
     lines = [BEGIN, "", "### Main job at top_p 0.9: TRL's IS vs ours without / with support matching "
              "(`benchmarks/support_main_job.py`)", "",
-             "SmolLM2-135M-Instruct, vLLM CPU bf16 rollouts, float32 training, 12 steps of 16 completions, lr 3e-5, "
-             "same data and seed as the main job, `--top_p 0.9`; greedy accuracy on the 128 held-out problems (vLLM, "
-             "greedy, so it does not depend on top_p). *kept* = fraction of rows with a nonzero weight that RS did "
-             "not reject, mean over steps; *IS seq mean* = mean sequence weight; *engine ratio* = mean pi_old / mu "
-             "over trained tokens; *log S* = mean log kept mass (nats; measured once, at step 1, when matching is "
-             "off); *miss* = sampled tokens outside the trainer's recomputed support (made invalid).", "",
+             f"SmolLM2-135M-Instruct, vLLM CPU bf16 rollouts, float32 training, {'/'.join(map(str, steps))} steps of "
+             "16 completions, lr 3e-5, same data and seed as the main job, `--top_p 0.9`; greedy accuracy on "
+             f"{'/'.join(map(str, held_out))} held-out problems (vLLM, greedy, so it does not depend on top_p). "
+             "*kept* = fraction of rows with a nonzero weight that RS did not reject, mean over steps; "
+             "*IS seq mean* = mean sequence weight; *engine ratio* = mean pi_old / mu over trained tokens; "
+             "*log S* = mean log kept mass (nats; measured once, at step 1, when matching is off); "
+             "*miss* = sampled tokens outside the trainer's recomputed support (made invalid).", "",
              "| run | greedy acc before | greedy acc after | after - before (paired s.e.) | kept | IS seq mean "
              "| engine ratio | log S | miss | steps with loss 0 | reward first/last quarter | step time (s) "
              "| load before/after |",
