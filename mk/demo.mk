@@ -55,4 +55,4 @@ demo: demo-model
 ## tests/test_e2e_vllm_cpu.py (2 real training steps of the main job) and tests/test_recipe.py with reasoning-gym.
 ## About 4 minutes on 2 cores (plus the install and conversion above when not done yet).
 test-vllm: demo-model
-	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) tests/test_vllm_cpu.py tests/test_e2e_vllm_cpu.py tests/test_recipe.py
+	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) tests/test_vllm_cpu.py tests/test_e2e_vllm_cpu.py tests/test_recipe.py tests/test_support_vllm.py

@@ -139,3 +139,33 @@ def test_generate_dtype_names():
     for bad in ("bf16", torch.int8, "float64"):
         with pytest.raises(ValueError, match="bfloat16, float16, float32"):
             resolve_generate_dtype(bad)
+
+
+def test_recorded_kept_sets_equal_the_finite_output_scores():
+    """record_support=True: each row's kept-token sets are exactly where generate's processed scores were finite
+    (output_scores reference), cut to the caller's completions; the log-probs are unchanged; the processors generate
+    applied are recorded."""
+    model, tok = make_tiny_model("qwen2", seed=5)
+    model.eval()
+    prompt = torch.tensor([[tok.bos_token_id, 5, 6, 7], [tok.bos_token_id, 9, 9, 10]])
+    torch.manual_seed(1)
+    with capture_generate_log_probs(model, record_support=True) as capture:
+        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True, top_k=10,
+                             top_p=0.8, no_repeat_ngram_size=2, max_new_tokens=6, pad_token_id=tok.pad_token_id,
+                             eos_token_id=[], output_scores=True, return_dict_in_generate=True)
+    torch.testing.assert_close(capture.log_probs[0], behaviour_log_probs_from_scores(out.scores, out.sequences, 4),
+                               atol=0, rtol=0)
+    completions = [out.sequences[0, 4:].tolist(), out.sequences[1, 4:7].tolist()]
+    capture.completion_log_probs(completions)
+    kept = capture.completion_kept_tokens(completions)
+    assert [len(k) for k in kept] == [6, 3]
+    for row, k in enumerate(kept):
+        expected = torch.stack([torch.isfinite(out.scores[t][row]) for t in range(len(k))])
+        assert torch.equal(k.mask(), expected)
+    assert [type(p).__name__ for p in capture.processors[0]] == [
+        "NoRepeatNGramLogitsProcessor", "TopKLogitsWarper", "TopPLogitsWarper"]
+    with capture_generate_log_probs(model) as plain:
+        model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=True, max_new_tokens=2,
+                       pad_token_id=tok.pad_token_id, eos_token_id=[])
+    with pytest.raises(RuntimeError, match="record_support=True"):
+        plain.completion_kept_tokens([[1, 2], [3, 4]])

@@ -500,3 +500,57 @@ def test_training_log_probs_are_the_trainers_forward(llama_dir, tmp_path, make_t
     assert "outputs = model(**model_inputs, labels=labels, fused_lm_head=True)" in src
     init = inspect.getsource(GRPOTrainer.__init__)
     assert "temperature=self.temperature,\n            cast_lm_head_to_fp32=args.cast_lm_head_to_fp32," in init
+# ---------------------------------------------------------------------------------------------- sampling support
+def test_trl_coupling_support_matching_pins():
+    """What support matching relies on in TRL 1.16 and transformers 5 (see trl_compat's sampler helpers)."""
+    import transformers
+    from transformers.generation.utils import GenerationMixin
+    from trl.generation import vllm_generation
+    from trl.models import utils as trl_model_utils
+    from trl.trainer import utils as trl_utils
+
+    # the log-prob forward: one model call per row chunk, in row order, the prompt masked out of the labels
+    src_fwd = inspect.getsource(GRPOTrainer._get_per_token_logps_and_entropies)
+    assert "for start in range(0, input_ids.size(0), batch_size):" in src_fwd
+    assert "labels[:, :-logits_to_keep] = -100" in src_fwd
+    assert "outputs = model(**model_inputs, labels=labels, fused_lm_head=True)" in src_fwd
+    assert "all_logps.append(outputs.log_probs[:, -logits_to_keep:])" in src_fwd
+    # the fused head: the backbone called by keyword, its last hidden state shifted by one, the output embeddings
+    src_head = inspect.getsource(trl_utils.add_fused_lm_head)
+    assert 'backbone_attr = "base_model"' in src_head
+    assert "backbone_outputs = getattr(self, backbone_attr)(*args, **kwargs)" in src_head
+    assert "hidden_states = backbone_outputs.last_hidden_state[:, :-1]" in src_head
+    assert "lm_head = self.get_output_embeddings()" in src_head
+    for name in trl_compat.LOGIT_TRANSFORM_FIELDS:  # every logit rescaling the head applies is refused by us
+        assert f'"{name}"' in src_head, name
+    # TRL's samplers: the GRPOConfig fields they take, generation_kwargs on top
+    src_init = inspect.getsource(GRPOTrainer.__init__)
+    for name in trl_compat.SAMPLER_ARGS:
+        assert f'"{name}": self.{name},' in src_init and f"{name}=self.{name}," in src_init, name
+    assert "generation_kwargs.update(args.generation_kwargs)" in src_init
+    assert "self.generation_config = GenerationConfig(**generation_kwargs, disable_compile=True)" in src_init
+    src_vllm = inspect.getsource(vllm_generation.VLLMGeneration.generate)
+    assert '"min_p": 0.0 if min_p is None else min_p,' in src_vllm
+    assert "generation_kwargs.update(self.generation_kwargs)" in src_vllm
+    # transformers 5: generate fills the caller's None fields from the model's generation config; TRL overrides
+    # nothing on the model under transformers 5
+    assert transformers.__version__.startswith("5.")
+    assert list(inspect.signature(GenerationMixin._prepare_generation_config).parameters)[:2] == [
+        "self", "generation_config"]
+    src_prepare = inspect.getsource(GenerationMixin._prepare_generation_config)
+    assert "generation_config.update(**self.generation_config.to_dict(), defaults_only=True" in src_prepare
+    assert 'Version(transformers.__version__) >= Version("5.0.0")' in inspect.getsource(
+        trl_model_utils._override_model_generation_config)
+
+
+def test_vllm_sampling_kwargs_and_sources():
+    from trl_rollout_corr.trainer import RolloutCorrGRPOConfig
+
+    kwargs = trl_compat.vllm_sampling_kwargs(temperature=0.9, top_p=0.8, top_k=0, min_p=None, repetition_penalty=1.0,
+                                             max_tokens=16, generation_kwargs={"top_k": 5, "seed": 1})
+    assert kwargs == {"n": 1, "repetition_penalty": 1.0, "temperature": 0.9, "top_p": 0.8, "top_k": 5, "min_p": 0.0,
+                      "max_tokens": 16, "logprobs": 0, "seed": 1}
+    args = RolloutCorrGRPOConfig("out", use_cpu=True, report_to=[], generation_kwargs={"top_k": 5})
+    assert trl_compat.sampler_sources(args, args.generation_kwargs) == {
+        "temperature": "RolloutCorrGRPOConfig.temperature", "top_p": "RolloutCorrGRPOConfig.top_p",
+        "top_k": "generation_kwargs", "repetition_penalty": "RolloutCorrGRPOConfig.repetition_penalty"}

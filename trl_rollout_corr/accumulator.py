@@ -8,6 +8,8 @@ log call:
 * the valid per-token log ratios of the trained tokens (``engine``, ``update``, ``direct``), for exact order
   statistics (``exact_ratio_quantiles``);
 * the policy lag of every micro-batch (optimizer steps between generation and use);
+* the merged ``support.SupportStats`` of every support forward (sampling-support matching): sums and the
+  per-token kept-set sizes (for exact quantiles).
 * exact fractions kept as reducible integer counts (``add_fraction_counts``: numerator and denominator summed over
   calls and ranks, divided once at flush; e.g. the MoE ``routing_mismatch_fraction`` of ``routing.py``).
 * global row counts behind fractions (``add_fraction``: ``rs_lone_survivor_fraction``).
@@ -34,6 +36,7 @@ from .correction import SAFETY_BOUND
 
 if TYPE_CHECKING:
     from .correction import CorrectionStats
+    from .support import SupportStats
 
 MODES = ("train", "eval")
 PREFIX = "rollout_corr/"
@@ -125,6 +128,7 @@ class _ModeBuffer:
     lag_sum: int = 0
     lag_count: int = 0
     lag_max: int = 0
+    support: Optional["SupportStats"] = None
     fractions: dict[str, list] = field(default_factory=dict)  # name -> [numerator, denominator] running sums
     global_fractions: dict[str, list[int]] = field(default_factory=dict)  # already global: summed over calls only
 
@@ -179,6 +183,12 @@ class RolloutCorrAccumulator:
         buffer.lag_count += 1
         buffer.lag_max = max(buffer.lag_max, int(lag))
 
+    def add_support(self, mode: str, stats: "SupportStats") -> None:
+        """Merge one support forward's ``support.SupportStats`` (decoupled: once per generation batch, at pi_old;
+        bypass: once per micro-batch, at pi_theta) into ``mode``; flushed as ``rollout_corr/support_*``."""
+        buffer = self._buffer(mode)
+        buffer.support = stats if buffer.support is None else buffer.support.merge(stats)
+
     def add_fraction_counts(self, mode: str, counts: Mapping[str, tuple]) -> None:
         """Add integer counts to exact fractions: ``name`` is logged as ``rollout_corr/<name>`` =
         (sum of numerators) / (sum of denominators) over every call since the previous flush, on all ranks.
@@ -224,8 +234,9 @@ class RolloutCorrAccumulator:
         Returns:
             ``rollout_corr/*`` (``eval_rollout_corr/*`` for ``mode="eval"``) -> float: the finalised
             ``CorrectionStats`` (if any were added), ``{name}_ratio_{mean,p01,p50,p99,max}`` per ratio name (if
-            any), ``policy_lag_{mean,max}`` (if any micro-batch was recorded), the ``add_fraction_counts``
-            fractions (those with a non-zero denominator) and each ``add_fraction`` name (0.0 for a zero total).
+            any), ``policy_lag_{mean,max}`` (if any micro-batch was recorded), ``support_*`` (if any support
+            statistics were added), the ``add_fraction_counts`` fractions (those with a non-zero denominator) and
+            each ``add_fraction`` name (0.0 for a zero total).
         """
         buffer = self._buffer(mode)
         self._buffers[mode] = _ModeBuffer()
@@ -240,6 +251,9 @@ class RolloutCorrAccumulator:
         if buffer.lag_count:
             metrics[f"{PREFIX}policy_lag_mean"] = buffer.lag_sum / buffer.lag_count
             metrics[f"{PREFIX}policy_lag_max"] = float(buffer.lag_max)
+        if buffer.support is not None:
+            reduced = buffer.support.reduce(self.reducers.sum, lambda v: gather_uneven(v, self.reducers))
+            metrics.update(reduced.finalize())
         metrics.update(self._flush_fractions(buffer.fractions))
         for name, (hits, total) in sorted(buffer.global_fractions.items()):
             metrics[f"{PREFIX}{name}"] = hits / total if total else 0.0

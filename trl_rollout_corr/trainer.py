@@ -35,6 +35,13 @@ anchor, never used for the correction).
   p99,max}`` (ratios pi_old/mu, pi_theta/pi_old, pi_theta/mu over the trained tokens, exact order statistics over
   all ranks; bypass: ``direct`` only) and ``rollout_corr/policy_lag_{mean,max}`` (optimizer steps between
   generation and use). In evaluation the keys carry TRL's ``eval_`` prefix.
+* Sampling support (``rollout_support_matching``, ``support``): at start-up the sampler contract
+  (``rollout_sampler``: what the engine applies, from the config, ``generation_kwargs`` and the model's
+  ``generation_config.json``, or a ``rollout_func``'s ``sampler_contract``) and a report of every parameter that
+  shapes mu but not the trainer's log-probs (``rollout_sampler_report``). ``"recompute"`` / ``"replay"``: the pi_old
+  and pi_theta forwards score over the engine's support (``_support_forward``), missed tokens are made invalid,
+  ``rollout_corr/support_*`` are logged. ``"off"`` with truncation: TRL's log-probs, the kept mass measured once on
+  the first training batch and reported in one warning.
 * Routing replay (``routing_replay="r3"``, MoE models; ``routing.py``, ``docs/routing-replay.md``): the rollout's
   expert choices ride in the batch as ``routed_experts`` and are replayed in the pi_old and pi_theta forwards;
   ``rollout_corr/routing_mismatch_fraction`` (overall, ``/layer_<i>``) and ``routing_token_mismatch_fraction``.
@@ -59,6 +66,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import math
 import time
 import types
 import warnings
@@ -71,7 +79,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.grpo_trainer import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id
 
-from . import trl_compat
+from . import support, trl_compat
 from .accumulator import Reducers, RolloutCorrAccumulator
 from .config import CORRECTION_FIELDS, RolloutCorrectionArguments, RolloutCorrectionConfig
 from .correction import DEFAULT_LENGTH_BUCKETS, make_correction_fn, ratio_decomposition
@@ -145,6 +153,13 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         rollout_dump_every (`int`, defaults to `1`):
             Keep the rows of one logged window in N (every window's logged values are still written): bounds the
             size of a long run's dump.
+        rollout_support_matching (`str`, defaults to `"off"`):
+            Sampling-support matching (``support``): ``"off"`` scores TRL's full-vocabulary log-probs (the start-up
+            report names every sampler parameter that shapes mu but not them, and with truncation on one warning
+            gives the measured mean log kept mass); ``"recompute"`` applies the engine's processors (penalties,
+            temperature, top-k / top-p / min-p, in the engine's order) to the trainer's own logits in every policy
+            forward (pi_old and pi_theta, gradients through the normaliser); ``"replay"`` uses the engine's
+            kept-token sets (the ``transformers.generate`` path). Adds ``rollout_corr/support_*`` metrics.
         routing_replay (`str`, defaults to `"off"`):
             ``"r3"``: Rollout Routing Replay for mixture-of-experts models (``routing.py``): the rollout's expert
             choices (``transformers.generate``: recorded while sampling; a ``rollout_func``: its ``routed_experts``)
@@ -193,6 +208,15 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         default=1,
         metadata={"help": "With rollout_dump_dir: keep the rows of one logged window in N (bounds the dump size)."},
     )
+    rollout_support_matching: str = field(
+        default="off",
+        metadata={
+            "help": "Sampling-support matching: 'off' (TRL's full-vocabulary log-probs; the sampler parameters they "
+            "ignore are reported), 'recompute' (the engine's top-k/top-p/min-p, penalties and temperature applied "
+            "to the trainer's logits in every policy forward) or 'replay' (the engine's kept-token sets; "
+            "transformers.generate path only)."
+        },
+    )
     routing_replay: str = field(
         default="off",
         metadata={
@@ -218,7 +242,15 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
     )
 
     def __post_init__(self):
+        support.check_matching_mode(self.rollout_support_matching)
         correction = self.resolve()
+        if self.rollout_support_matching != "off" and not correction.enabled:
+            _refuse(
+                f"rollout_support_matching={self.rollout_support_matching!r} changes the log-probs the trainer "
+                "trains on, but no correction is configured (TRL's GRPO runs unchanged then); configure one "
+                "(rollout_is / rollout_rs / bypass_mode or a rollout_corr_preset) or set "
+                "rollout_support_matching='off'."
+            )
         self._store_effective_fields(correction)
         if self.vllm_importance_sampling_correction is None:
             self.vllm_importance_sampling_correction = not correction.enabled
@@ -396,6 +428,31 @@ class _Slot:
     value: Any = None
 
 
+@dataclass
+class _SupportScope:
+    """One policy log-prob forward that also scores the completion tokens over the sampling support.
+
+    Attributes:
+        replace: the forward returns the support-matched log-probs (matching on); False: it only measures them
+            (matching off, first training batch, for the one-time warning).
+        kept: replay: the rows' kept-token sets (``support.KeptTokens``), in the forward's row order; filled during
+            generation for TRL's own pi_old forward.
+        only_trl_old: accept only TRL's pi_old forward in ``_generate_and_score_completions`` (its first no-grad
+            call on the policy; pinned in ``tests/test_trl_compat.py``).
+        score: the ``support.SupportScore`` of the forward, once it ran (one forward per scope).
+    """
+
+    replace: bool
+    kept: _Slot = field(default_factory=_Slot)
+    only_trl_old: bool = False
+    score: Optional[support.SupportScore] = None
+
+    def accepts(self, model_is_policy: bool) -> bool:
+        if self.score is not None:
+            return False
+        return not self.only_trl_old or (model_is_policy and not torch.is_grad_enabled())
+
+
 def _check_routing_sources(args: RolloutCorrGRPOConfig, trainer_args: dict) -> None:
     """``routing_replay="r3"`` needs routes from the generation path: refuse, before anything loads, TRL's own vLLM
     path (it returns none: use a ``rollout_func`` returning ``routed_experts``, e.g. built with
@@ -505,6 +562,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._rc_batch_norm_window: Optional[tuple] = None
         self._check_rollout_source()
         self.rollout_corr_router_replay = self._setup_routing_replay()
+        self._init_support_matching()
         self._rollout_records = self._open_rollout_records()  # None unless rollout_dump_dir is set
 
     @property
@@ -538,6 +596,87 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             ValueError: from ``routing.find_moe_routers`` (a dense model, an unsupported MoE family).
         """
         return RouteReplayer(self.model) if self.args.routing_replay == "r3" else None
+
+    # ------------------------------------------------------------------ the sampler contract (support matching)
+    def _init_support_matching(self) -> None:
+        """The sampler contract (``rollout_sampler``), its start-up report and the ``rollout_support_matching``
+        checks.
+
+        Raises:
+            ValueError: matching requested where it cannot be delivered (each message names the fix): a
+                ``rollout_func`` that declares no sampler, replay on a path that cannot return kept-token sets,
+                a processor the trainer cannot reproduce, a model whose LM head rescales its logits, ZeRO-3/FSDP.
+        """
+        matching = self.args.rollout_support_matching
+        spec = self.rollout_sampler = self._sampler_contract()
+        self.rollout_sampler_report = [] if spec is None else spec.report(matching)
+        self._rc_support_scorer: Optional[support.SupportScorer] = None
+        self._rc_support: Optional[_SupportScope] = None  # the open scope (see _support_scope)
+        self._rc_kept: Optional[_Slot] = None  # replay: kept sets of the generation in progress
+        # matching off with a reproducible truncation: measure log S once (first training batch), warn at the next log
+        self._rc_support_measure = matching == "off" and spec is not None and bool(spec.set_steps)
+        self._rc_support_warn = self._rc_support_measure
+        self._rc_processors_warned = False
+        if spec is None:
+            logger.warning("Sampler contract unknown: the rollout_func declares no sampler_contract(trainer), so the "
+                           "sampling parameters that shape mu cannot be checked against the trainer's log-probs.")
+        else:
+            logger.info("Sampler contract: %s (rollout_support_matching=%r).", spec.describe(), matching)
+        if self.rollout_sampler_report:
+            logger.warning("Sampler contract (rollout_support_matching=%r):\n  - %s%s", matching,
+                           "\n  - ".join(self.rollout_sampler_report),
+                           "\nSet rollout_support_matching='recompute' to score with the engine's processors."
+                           if matching == "off" else "")
+        if matching == "off":
+            return
+        self._check_support_matching(spec, matching)
+        self._rc_support_scorer = support.SupportScorer(spec, matching)
+
+    def _check_support_matching(self, spec: Optional[support.SamplerSpec], matching: str) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(f"rollout_support_matching={matching!r}: {msg}")
+
+        if spec is None:
+            fail("the rollout_func declares no sampler, so the trainer cannot know the engine's processors; give it "
+                 "a sampler_contract(trainer) method returning a support.SamplerSpec (as "
+                 "engines.vllm_cpu.VLLMCPURollout does), or set rollout_support_matching='off'.")
+        if matching == "replay" and (self.use_vllm or self.rollout_func is not None):
+            fail("this generation path cannot return the engine's kept-token sets (vLLM 0.32 returns them only with "
+                 "return_sampling_mask=True on Model Runner V2, which TRL's vLLM paths and the CPU build do not "
+                 "offer); use rollout_support_matching='recompute', or the transformers.generate path for replay.")
+        if matching == "replay" and self.tools:
+            fail("tool calling generates each completion in several generate() calls, whose kept sets this trainer "
+                 "does not stitch; use rollout_support_matching='recompute'.")
+        spec.check(matching)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        transforms = trl_compat.unsupported_logit_transforms(unwrapped)
+        if transforms:
+            fail(f"the model's LM head rescales its logits ({', '.join(transforms)}), which support matching does "
+                 "not reproduce; set rollout_support_matching='off'.")
+        ds = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if self.is_fsdp_enabled or (ds is not None and getattr(ds, "zero_stage", 0) == 3):
+            fail("the support computation reads the full LM head outside the model's forward, which ZeRO-3 / FSDP "
+                 "shard; use DDP or ZeRO-1/2, or rollout_support_matching='off'.")
+
+    def _sampler_contract(self) -> Optional[support.SamplerSpec]:
+        """What the rollout engine samples with: a ``rollout_func``'s own ``sampler_contract(trainer)``, TRL's vLLM
+        ``SamplingParams``, or the generation config ``transformers.generate`` resolves (TRL's config, then
+        ``generation_kwargs``, then the model's ``generation_config.json``). None: a ``rollout_func`` without one."""
+        if self.rollout_func is not None:
+            contract = getattr(self.rollout_func, "sampler_contract", None)
+            return None if contract is None else contract(self)
+        generation_kwargs = self.args.generation_kwargs
+        sources = trl_compat.sampler_sources(self.args, generation_kwargs)
+        if self.use_vllm:
+            params = trl_compat.vllm_sampling_kwargs(
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                repetition_penalty=self.repetition_penalty, max_tokens=self.max_completion_length,
+                generation_kwargs=generation_kwargs,
+            )
+            return support.sampler_from_vllm_params(params, sources=sources, trainer_temperature=self.temperature)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        config = trl_compat.resolved_generation_config(unwrapped, self.generation_config).to_dict()
+        return support.sampler_from_generation_config(config, sources=sources, trainer_temperature=self.temperature)
 
     @property
     def _mode(self) -> str:
@@ -577,15 +716,33 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 )
         with (
             generate_in_dtype(unwrapped, self.args.rollout_generate_dtype),
-            capture_generate_log_probs(unwrapped) as capture,
+            capture_generate_log_probs(unwrapped, record_support=self._rc_kept is not None) as capture,
             self._record_generate_routes() as routes,
         ):
             completion_ids, _ = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
         self._keep_generated_routes(routes, prompt_ids, completion_ids)
+        logprobs = capture.completion_log_probs(completion_ids)
+        self._check_engine_processors(capture.processors[0])
+        if self._rc_kept is not None:
+            self._rc_kept.value = capture.completion_kept_tokens(completion_ids)
         self._rc_mu_captured = True
-        return completion_ids, capture.completion_log_probs(completion_ids)
+        return completion_ids, logprobs
+
+    def _check_engine_processors(self, processors: list) -> None:
+        """The processors ``generate`` applied must be the sampler contract's (matching on: an error; off: a
+        warning, once)."""
+        problems = support.check_transformers_processors(self.rollout_sampler, processors)
+        if not problems:
+            return
+        message = "; ".join(problems)
+        if self._rc_support_scorer is not None:
+            raise RuntimeError(f"Support matching: {message}. The trainer would score with other processors than "
+                               "the engine's; report this with the generation config.")
+        if not self._rc_processors_warned:
+            self._rc_processors_warned = True
+            logger.warning("Sampler contract: %s.", message)
 
     def _record_generate_routes(self):
         """With routing replay on, a ``routing.record_routes`` block over the policy's routers; else a no-op."""
@@ -690,9 +847,13 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             self._rc_skip_old_forward = False  # one shot: TRL's pi_old forward is its first no-grad policy call
             placeholder = torch.full((input_ids.size(0), logits_to_keep), float("nan"), device=input_ids.device)
             return placeholder, None, None
-        result = super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-        )
+        scope = self._rc_support
+        if scope is not None and scope.accepts(model is self.model):
+            result = self._support_forward(scope, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        else:
+            result = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
         if self._rc_policy_logps is not None and self._rc_policy_logps.value is None:
             self._rc_policy_logps.value = result[0].detach()  # the loss forward inside GRPOTrainer._compute_loss
         return result
@@ -704,19 +865,23 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         afterwards with the routes replayed (``_attach_routes`` drops the placeholder). Pinned: TRL's pi_old
         forward is the first no-grad call on the policy in ``_generate_and_score_completions`` (before the reference
         forward)."""
-        args = self.args
         skip = self.rollout_correction.bypass_mode or self.rollout_corr_router_replay is not None
-        self._rc_skip_old_forward = skip and trl_compat.trl_computes_old_log_probs(
+        self._rc_skip_old_forward = skip and self._trl_runs_old_forward()
+        try:
+            yield
+        finally:
+            self._rc_skip_old_forward = False
+
+    def _trl_runs_old_forward(self) -> bool:
+        """Whether TRL's ``_generate_and_score_completions`` runs its own pi_old forward (its 1.16 rule)."""
+        args = self.args
+        return trl_compat.trl_computes_old_log_probs(
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             steps_per_generation=args.steps_per_generation,
             num_iterations=self.num_iterations,
             use_vllm=self.use_vllm,
             vllm_importance_sampling_correction=self.vllm_importance_sampling_correction,
         )
-        try:
-            yield
-        finally:
-            self._rc_skip_old_forward = False
 
     @contextlib.contextmanager
     def _capture_policy_logps(self) -> Iterator[_Slot]:
@@ -730,6 +895,98 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             yield slot
         finally:
             self._rc_policy_logps = None
+
+    def _support_forward(self, scope: _SupportScope, model, input_ids, attention_mask, logits_to_keep, *args,
+                         **kwargs):
+        """TRL's log-prob forward, with the completion tokens also scored over the sampling support.
+
+        A forward hook on the policy's backbone (``trl_compat.lm_head_input``: the module whose last hidden state
+        TRL's fused LM head scores) runs ``support.SupportScorer`` on each row chunk TRL forwards, over the
+        completion positions only (TRL's own head, on devices without Triton, scores every position). With
+        ``scope.replace`` the support-matched log-probs replace TRL's (TRL's are then unused: its head's backward
+        does not run); the entropies are TRL's (full vocabulary at ``GRPOConfig.temperature``).
+        """
+        backbone, head = trl_compat.lm_head_input(self.accelerator.unwrap_model(model))
+        scorer = self._rc_support_scorer or support.SupportScorer(self.rollout_sampler, "recompute")
+        kept, done = scope.kept.value, [0]
+
+        def score(_args, chunk_kwargs, output):
+            ids, mask = chunk_kwargs["input_ids"], chunk_kwargs["attention_mask"]
+            rows = None if kept is None else kept[done[0]:done[0] + ids.size(0)]
+            done[0] += ids.size(0)
+            grad = contextlib.nullcontext() if scope.replace else torch.no_grad()
+            with grad, torch.autocast(ids.device.type, enabled=False):
+                return scorer.score(output.last_hidden_state, head.weight, head.bias, ids, mask, logits_to_keep, rows)
+
+        with support.capture_module_outputs(backbone, score) as scores:
+            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
+        if done[0] != input_ids.size(0):
+            raise RuntimeError(f"Support matching scored {done[0]} rows of a {input_ids.size(0)}-row forward: the "
+                               "policy's backbone was not called once per row chunk (unsupported model wrapper?).")
+        scope.score = support.SupportScore.cat(scores)
+        return (scope.score.log_probs if scope.replace else logps), entropies, aux_loss
+
+    @contextlib.contextmanager
+    def _support_scope(self, kept: Optional[_Slot], *, measure: bool = False,
+                       only_trl_old: bool = False) -> Iterator[Optional[_SupportScope]]:
+        """Within the block, one policy log-prob forward scores over the sampling support (``_support_forward``).
+
+        Opened when matching is on, or with ``measure`` when matching is off and the one-time measurement of the
+        kept mass is still due (training only); otherwise the block runs as TRL and yields None. ``kept`` holds the
+        rows' replayed kept sets (None: not replaying). ``only_trl_old``: the scope of TRL's own pi_old forward
+        in ``_generate_and_score_completions``, opened only when TRL runs one and it is not skipped (decoupled mode,
+        no routing replay).
+        """
+        matching = self._rc_support_scorer is not None
+        wanted = matching or (measure and self._rc_support_measure and self._mode == "train")
+        if only_trl_old:
+            # not when TRL's pi_old forward is skipped (bypass; routing replay recomputes pi_old in _old_log_probs)
+            wanted = wanted and not self._rc_skip_old_forward and not self.rollout_correction.bypass_mode \
+                and self._trl_runs_old_forward()
+        if not wanted:
+            yield None
+            return
+        self._rc_support = scope = _SupportScope(replace=matching, kept=kept or _Slot(), only_trl_old=only_trl_old)
+        try:
+            yield scope
+        finally:
+            self._rc_support = None
+
+    @contextlib.contextmanager
+    def _hold_kept_sets(self) -> Iterator[Optional[_Slot]]:
+        """Replay: within the block, ``_generate_single_turn`` puts the completions' kept-token sets (one
+        ``support.KeptTokens`` per row) into the yielded slot; None when not replaying."""
+        if self.args.rollout_support_matching != "replay":
+            yield None
+            return
+        self._rc_kept = slot = _Slot()
+        try:
+            yield slot
+        finally:
+            self._rc_kept = None
+
+    def _record_support(self, batch: dict, scope: Optional[_SupportScope]) -> Optional[torch.Tensor]:
+        """After a support forward: its ``rollout_corr/support_*`` statistics over the batch's loss mask, and the
+        (B, T) bool mask of missed tokens (sampled outside the trainer's support) when matching is on (the caller
+        makes them invalid), else None."""
+        if scope is None or scope.score is None:
+            return None
+        self.rollout_corr_metrics.add_support(self._mode, support.SupportStats.from_score(scope.score,
+                                                                                           trl_compat.loss_mask(batch)))
+        self._rc_support_measure = False
+        return scope.score.miss if scope.replace else None
+
+    def _attach_support(self, output: dict, kept: Optional[_Slot], scope: Optional[_SupportScope]) -> None:
+        """Generation batch: the replayed kept sets (``rollout_support``, a list of B ``support.KeptTokens``) and,
+        after the pi_old support forward, its statistics and missed tokens (``rollout_support_miss``, (B, T) bool,
+        made invalid in the decoupled correction)."""
+        if kept is not None:
+            output["rollout_support"] = kept.value
+        miss = self._record_support(output, scope)
+        if miss is not None:
+            output["rollout_support_miss"] = miss
 
     # ------------------------------------------------------------------ scoring: the decoupled correction
     def _generate_and_score_completions(self, inputs):
@@ -747,8 +1004,13 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """
         self._rc_mu_captured, self._rc_mu_unusable = False, None
         started = time.time()
-        with self._skip_trl_old_logps_forward(), self._hold_rewards() as rewards, self._hold_routes() as routes:
+        with (
+            self._skip_trl_old_logps_forward(), self._hold_rewards() as rewards, self._hold_routes() as routes,
+            self._hold_kept_sets() as kept,
+            self._support_scope(kept, measure=True, only_trl_old=True) as trl_old_support,
+        ):
             output = super()._generate_and_score_completions(inputs)
+        self._attach_support(output, kept, trl_old_support)
         if not self._rc_active:
             self._attach_routes(output, routes.value)
             self._record_diagnostics(output)
@@ -816,7 +1078,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if old_log_probs is None:  # TRL uses pi_theta.detach() as pi_old here; the diagnostics need it explicitly
             old_log_probs = output["rollout_old_log_probs"] = self._old_log_probs(output)
         correction = self._rc_correction_fn(
-            old_log_probs, mu, trl_compat.loss_mask(output), all_reduce=self.rollout_corr_reducers.all_reduce
+            support.invalidate_misses(old_log_probs, output.get("rollout_support_miss")), mu,
+            trl_compat.loss_mask(output), all_reduce=self.rollout_corr_reducers.all_reduce,
         )
         self.rollout_corr_metrics.add_stats(self._mode, correction.stats)
 
@@ -827,7 +1090,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if old_log_probs is None:
             old_log_probs = output["old_per_token_logps"] = self._old_log_probs(output)
         correction = self._rc_correction_fn(
-            old_log_probs, output["rollout_log_probs"], mask, all_reduce=self.rollout_corr_reducers.all_reduce
+            support.invalidate_misses(old_log_probs, output.get("rollout_support_miss")), output["rollout_log_probs"],
+            mask, all_reduce=self.rollout_corr_reducers.all_reduce,
         )
         self.rollout_corr_metrics.add_stats(self._mode, correction.stats)
         new_mask = correction.response_mask
@@ -851,14 +1115,15 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         )
         self.rollout_corr_forward_counts["old_log_probs"] += 1
         with (
-            torch.no_grad(),
-            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+            torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
             self._replay_routes(output, measure=True),
+            self._support_scope(_Slot(output.get("rollout_support")), measure=True) as scope,
         ):
             old, _, _ = self._get_per_token_logps_and_entropies(
                 self.model, fwd.input_ids, fwd.attention_mask, fwd.logits_to_keep, batch_size=batch_size,
                 **fwd.multimodal,
             )
+        self._attach_support(output, None, scope)
         return old.float()
 
     def _advantages_after_rejection(
@@ -913,7 +1178,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             with self._replay_routes(inputs, measure=True):
                 return self._bypass_loss(model, inputs)
         loss_inputs = trl_compat.inject_rs_mask_and_is_weights(inputs) if self._rc_active else inputs
-        with self._capture_policy_logps() as policy_logps, self._replay_routes(loss_inputs, measure=False):
+        with (
+            self._capture_policy_logps() as policy_logps, self._replay_routes(loss_inputs, measure=False),
+            self._support_scope(_Slot(inputs.get("rollout_support"))),
+        ):
             loss = super()._compute_loss(model, loss_inputs)
         mu = inputs.get("rollout_log_probs")
         if policy_logps.value is not None and mu is not None:
@@ -935,13 +1203,15 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         TRL's ``loss_type``, plus ``beta`` * KL to pi_ref and the MoE aux loss, as TRL's ``_compute_loss`` adds
         them. Batch normalisation divides by the mean over the optimizer step's rows (``_batch_norm_all_reduce``)."""
         fwd = trl_compat.prompt_completion_inputs(inputs)
-        per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-            model, fwd.input_ids, fwd.attention_mask, fwd.logits_to_keep, compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled, **fwd.multimodal,
-        )
+        with self._support_scope(_Slot(inputs.get("rollout_support")), measure=True) as scope:
+            per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+                model, fwd.input_ids, fwd.attention_mask, fwd.logits_to_keep, compute_entropy=True,
+                compute_aux_loss=self.aux_loss_enabled, **fwd.multimodal,
+            )
+        rollout_log_probs = support.invalidate_misses(inputs["rollout_log_probs"], self._record_support(inputs, scope))
         dual_clip = self.args.delta if self.args.delta is not None else DEFAULT_DUAL_CLIP
         out = bypass_policy_loss(
-            per_token_logps, inputs["rollout_log_probs"], inputs["advantages"], trl_compat.loss_mask(inputs),
+            per_token_logps, rollout_log_probs, inputs["advantages"], trl_compat.loss_mask(inputs),
             self.rollout_correction, correction_fn=self._rc_correction_fn,
             clip=PPOClip(self.epsilon_low, self.epsilon_high, clip_ratio_c=dual_clip),
             all_reduce=self._batch_norm_all_reduce(model),
@@ -1010,12 +1280,16 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             for chunk in chunks:
                 fwd = trl_compat.prompt_completion_inputs(chunk)
-                with self._replay_routes(chunk, measure=False):
+                with (
+                    self._replay_routes(chunk, measure=False),
+                    self._support_scope(_Slot(chunk.get("rollout_support"))) as scope,  # matching on only
+                ):
                     lp, _, _ = self._get_per_token_logps_and_entropies(
                         model, fwd.input_ids, fwd.attention_mask, fwd.logits_to_keep, **fwd.multimodal
                     )
                 log_probs.append(lp.float())
-                rollout.append(chunk["rollout_log_probs"])
+                miss = scope.score.miss if scope is not None and scope.score is not None else None
+                rollout.append(support.invalidate_misses(chunk["rollout_log_probs"], miss))
                 masks.append(trl_compat.loss_mask(chunk))
         captured = _Slot()
         cross_rank = self.rollout_corr_reducers.all_reduce
@@ -1060,9 +1334,24 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         Runs on every rank (the Trainer calls ``log`` on all processes), so the cross-rank reduction is safe.
         """
         logs.update(self.rollout_corr_metrics.flush(self._mode))  # in place, like TRL: evaluate() returns this dict
+        self._warn_support_bias_once(logs)
         super().log(logs, start_time)
         if self._rollout_records is not None and self._mode == "train":  # rollout records (last section)
             self._rollout_records.end_window(self.state.global_step, self.state.log_history[-1])
+
+    def _warn_support_bias_once(self, logs: dict) -> None:
+        """Matching off, truncation on: one warning with the measured mean log kept mass (first logged step)."""
+        log_mass = logs.get(f"{support.PREFIX}support_log_mass_mean")
+        if not self._rc_support_warn or log_mass is None:
+            return
+        self._rc_support_warn = False
+        names = ", ".join(str(p) for p in self.rollout_sampler.set_steps)
+        logger.warning(
+            "Sampling support: the engine truncates (%s) but the trainer scores the full vocabulary "
+            "(rollout_support_matching='off'). Measured mean log kept mass %.4f nats per token: every engine ratio "
+            "pi_train / mu sits near %.3f from the support alone, a bias that IS/RS read as mismatch. Set "
+            "rollout_support_matching='recompute' to score with the engine's support.", names, log_mass,
+            math.exp(log_mass))
 
     # ------------------------------------------------------------------ rollout records (records.py, spec 10)
     # Off unless rollout_dump_dir is set. Four call sites, each one line: __init__ opens the writer (and writes the

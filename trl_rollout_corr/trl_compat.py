@@ -28,6 +28,16 @@ here                              TRL 1.16
 ``global_masked_mean``            ``_compute_loss``'s nested ``global_masked_mean`` (3259-3265), token level
 ``SUPPORTED_LOSS_TYPES``          which ``loss_type`` values each mode can serve (see its comment)
 ``check_vllm_server_logprobs``    the vLLM server's ``get_server_info()["model_config"]["logprobs_mode"]``
+``vllm_sampling_kwargs``          ``VLLMGeneration.generate``'s colocate ``SamplingParams`` keyword arguments
+                                  (``trl/generation/vllm_generation.py``: the TRL arguments, then
+                                  ``generation_kwargs`` on top)
+``resolved_generation_config``    what ``unwrapped_model.generate(..., generation_config=self.generation_config)``
+                                  samples with (transformers merges the model's ``generation_config.json``)
+``SAMPLER_ARGS``                  the ``GRPOConfig`` fields TRL passes to both samplers (1155-1173, 1131-1138)
+``lm_head_input``                 ``add_fused_lm_head``: the backbone (``base_model``) whose
+                                  ``last_hidden_state[:, :-1]`` the head scores, and the head
+                                  (``get_output_embeddings()``); ``unsupported_logit_transforms``: the config
+                                  fields after which the head's logits are not ``hidden @ W.T + b``
 ================================  ==========================================================================
 
 Nothing here touches a trainer object: every function takes tensors and the few config values it needs, so each
@@ -36,7 +46,8 @@ is tested on its own against hand-computed values and against TRL itself.
 
 from __future__ import annotations
 
-from typing import Any, Callable, MutableSequence, NamedTuple, Optional
+import copy
+from typing import Any, Callable, Mapping, MutableSequence, NamedTuple, Optional
 
 import torch
 from trl.trainer.utils import nanstd
@@ -456,3 +467,73 @@ def training_log_probs(model: Any, input_ids: torch.Tensor, attention_mask: torc
     labels[:, :-logits_to_keep] = -100
     outputs = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
     return outputs.log_probs[:, -logits_to_keep:]
+# ---------------------------------------------------------------------------------------- the sampler (issue 12)
+# The GRPOConfig fields TRL hands to both samplers (transformers.generate's GenerationConfig and vLLM's
+# SamplingParams); ``generation_kwargs`` override them.
+SAMPLER_ARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+# The text-config fields after which add_fused_lm_head's logits are not ``hidden @ W.T + b`` (TRL rescales or
+# soft-caps them); support matching computes plain logits, so it refuses these models.
+LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                          "logits_scaling")
+
+
+def vllm_sampling_kwargs(
+    *, temperature: float, top_p: float, top_k: int, min_p: Optional[float], repetition_penalty: float,
+    max_tokens: int, generation_kwargs: Optional[Mapping[str, Any]] = None,
+) -> dict:
+    """The ``SamplingParams`` keyword arguments of TRL 1.16's vLLM colocate generation (one completion per prompt,
+    the sampled token's log-prob only), ``generation_kwargs`` applied last as TRL does."""
+    kwargs = {
+        "n": 1, "repetition_penalty": repetition_penalty, "temperature": temperature, "top_p": top_p,
+        "top_k": top_k, "min_p": 0.0 if min_p is None else min_p, "max_tokens": max_tokens, "logprobs": 0,
+    }
+    kwargs.update(generation_kwargs or {})
+    return kwargs
+
+
+def sampler_sources(args: Any, generation_kwargs: Optional[Mapping[str, Any]]) -> dict:
+    """Parameter -> where it was set: ``generation_kwargs`` for its keys, ``<ConfigClass>.<field>`` for the
+    ``SAMPLER_ARGS`` set in the config (not None)."""
+    sources = {name: f"{type(args).__name__}.{name}" for name in SAMPLER_ARGS if getattr(args, name, None) is not None}
+    sources.update({name: "generation_kwargs" for name in (generation_kwargs or {})})
+    return sources
+
+
+def resolved_generation_config(model: Any, generation_config: Any) -> Any:
+    """The generation config ``model.generate(generation_config=generation_config)`` samples with.
+
+    transformers fills every field the caller left None from the model's ``generation_config`` (its
+    ``generation_config.json``), then from the global defaults (``GenerationMixin._prepare_generation_config``,
+    transformers 5.x; pinned in ``tests/test_trl_compat.py``). TRL 1.16 overrides nothing on the model under
+    transformers 5 (``_override_model_generation_config`` is a no-op there), so this is what TRL's generate path
+    samples with.
+
+    Args:
+        model: the unwrapped policy (a PEFT wrapper is unwrapped to its base model).
+        generation_config: TRL's ``trainer.generation_config``.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base._prepare_generation_config(copy.deepcopy(generation_config))[0]
+
+
+def lm_head_input(model: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(backbone, head) of the policy as TRL 1.16's fused LM head uses them.
+
+    ``add_fused_lm_head``'s forward runs ``getattr(self, "base_model")(...)`` (transformers 5) and scores
+    ``backbone_outputs.last_hidden_state[:, :-1]`` with ``self.get_output_embeddings()``; a forward hook on the
+    backbone therefore sees exactly the head's input.
+
+    Args:
+        model: the unwrapped policy; a PEFT wrapper is unwrapped to its base model (TRL patches that one).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.base_model, base.get_output_embeddings()
+
+
+def unsupported_logit_transforms(model: Any) -> list[str]:
+    """The ``LOGIT_TRANSFORM_FIELDS`` set (not None) in the policy's text config, as ``name=value``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config.get_text_config()
+    return [f"{name}={getattr(config, name)!r}" for name in LOGIT_TRANSFORM_FIELDS
+            if getattr(config, name, None) is not None]

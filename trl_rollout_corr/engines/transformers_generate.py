@@ -11,7 +11,10 @@ distribution that actually produced the token: the behaviour policy mu of the ro
 This module has no TRL dependency. ``capture_generate_log_probs`` shadows ``model.generate`` for the duration of
 a ``with`` block so that a caller which only expects token ids (TRL's GRPO generation path) keeps working while
 the log-probs are recorded on the side, by a logits processor appended after all the others
-(``SampledTokenLogProbs``; memory O(B * V), where ``output_scores=True`` would keep T tensors of (B, V)).
+(``SampledTokenLogProbs``; memory O(B * V), where ``output_scores=True`` would keep T tensors of (B, V)). With
+``record_support=True`` it also keeps each step's kept-token set (where the processed scores are finite: what
+top-k / top-p / min-p / suppressed tokens ... left), compacted per step (``support.compact_kept``: int32 ids of
+the kept or of the removed tokens, whichever is shorter), for support replay (``support.KeptTokens``).
 ``behaviour_log_probs_from_scores`` computes the same values from ``out.scores`` (reference, used in tests).
 
 ``generate_in_dtype`` makes ``generate`` sample from a down-cast copy of the weights (e.g. a bf16 rollout engine
@@ -26,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
 
 import torch
+
+from ..support import KeptTokens, compact_kept, kept_tokens_from_steps
 
 # The dtypes generate_in_dtype accepts by name (the trainer config's rollout_generate_dtype).
 GENERATE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -81,11 +86,19 @@ class GenerateCapture:
         prompt_lengths: list of ``P`` (padded prompt width) per call.
         log_probs: list of ``(B, T)`` float32 behaviour log-probs per call (see
             ``behaviour_log_probs_from_scores``).
+        kept: per call, the T steps' compacted kept sets (``support.compact_kept``), or None when the block did not
+            record them (``record_support=False``).
+        vocab_sizes: per call, V (the width of the processed scores).
+        processors: per call, the logits processors generate applied (its ``LogitsProcessorList``, the recorder
+            excluded), for checking them against the sampler contract.
     """
 
     sequences: list = field(default_factory=list)
     prompt_lengths: list = field(default_factory=list)
     log_probs: list = field(default_factory=list)
+    kept: list = field(default_factory=list)
+    vocab_sizes: list = field(default_factory=list)
+    processors: list = field(default_factory=list)
 
     def completion_log_probs(self, completion_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         """Cut the recorded log-probs to the caller's completions and check the ids token for token.
@@ -129,6 +142,23 @@ class GenerateCapture:
             out.append(log_probs[row, :n].tolist())
         return out
 
+    def completion_kept_tokens(self, completion_ids: Sequence[Sequence[int]]) -> list[KeptTokens]:
+        """The kept-token sets of the caller's completions, ``len(out[i]) == len(completion_ids[i])``.
+
+        Call after ``completion_log_probs`` (which checks the rows against what was generated).
+
+        Raises:
+            RuntimeError: not exactly one ``generate`` call, or the block did not record kept sets.
+            ValueError: a row has more tokens than recorded steps (naming it).
+        """
+        if len(self.kept) != 1 or self.kept[0] is None:
+            raise RuntimeError(
+                "No kept-token sets were recorded for exactly one generate() call: open the block with "
+                "capture_generate_log_probs(model, record_support=True)."
+            )
+        steps, vocab = self.kept[0], self.vocab_sizes[0]
+        return [kept_tokens_from_steps(steps, row, len(ids), vocab) for row, ids in enumerate(completion_ids)]
+
 
 class SampledTokenLogProbs:
     """A logits processor that records log mu of every sampled token while ``generate`` runs.
@@ -137,16 +167,26 @@ class SampledTokenLogProbs:
     of step t, keeps ``log_softmax`` of them (one ``(B, V)`` float32 tensor), and at step t + 1, when the token
     sampled at step t is the last column of ``input_ids``, gathers its log-prob. ``finish(sequences)`` handles the
     final step. Memory: O(B * V), instead of O(T * B * V) for ``output_scores=True``.
+
+    Args:
+        record_support: also keep each step's kept set (finite processed scores), compacted
+            (``support.compact_kept``): ``kept`` lists one entry per step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, record_support: bool = False) -> None:
         self._previous: Optional[torch.Tensor] = None
         self._values: list[torch.Tensor] = []
+        self.kept: Optional[list] = [] if record_support else None
+        self.vocab_size: Optional[int] = None
+        self.processors: list = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self._previous is not None:
             self._values.append(self._previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
         self._previous = torch.log_softmax(scores.to(torch.float32), dim=-1)
+        self.vocab_size = scores.size(-1)
+        if self.kept is not None:
+            self.kept.append(compact_kept(torch.isfinite(scores)))
         return scores
 
     def finish(self, sequences: torch.Tensor, prompt_length: int) -> torch.Tensor:
@@ -161,6 +201,8 @@ class SampledTokenLogProbs:
                 self._values.append(self._previous.gather(-1, sequences[:, -1:].to(self._previous.device)).squeeze(-1))
             # else: a deferred stop check (transformers on CUDA/MPS) ran one extra step whose token was undone.
             self._previous = None
+        if self.kept is not None:
+            del self.kept[generated:]  # the undone extra step, if any
         if len(self._values) != generated:
             raise RuntimeError(
                 f"Recorded {len(self._values)} sampling steps for {generated} generated tokens; cannot align the "
@@ -172,7 +214,7 @@ class SampledTokenLogProbs:
 
 
 @contextlib.contextmanager
-def _record_last_processor(model: torch.nn.Module, recorders: list) -> Iterator[None]:
+def _record_last_processor(model: torch.nn.Module, recorders: list, record_support: bool = False) -> Iterator[None]:
     """Shadow ``_get_logits_processor`` on every generation module inside ``model`` (the model itself, or the
     wrapped model of a PEFT wrapper) so that the processor list it builds ends with a ``SampledTokenLogProbs``.
 
@@ -189,7 +231,8 @@ def _record_last_processor(model: torch.nn.Module, recorders: list) -> Iterator[
 
             def builder(*args, _original=original, **kwargs):
                 processors = _original(*args, **kwargs)
-                recorder = SampledTokenLogProbs()
+                recorder = SampledTokenLogProbs(record_support)
+                recorder.processors = list(processors)
                 recorders.append(recorder)
                 processors.append(recorder)
                 return processors
@@ -206,7 +249,7 @@ def _record_last_processor(model: torch.nn.Module, recorders: list) -> Iterator[
 
 
 @contextlib.contextmanager
-def capture_generate_log_probs(model: torch.nn.Module) -> Iterator[GenerateCapture]:
+def capture_generate_log_probs(model: torch.nn.Module, *, record_support: bool = False) -> Iterator[GenerateCapture]:
     """Within the block, ``model.generate`` also records the behaviour log-probs of what it samples.
 
     ``generate`` is shadowed by a wrapper that appends a ``SampledTokenLogProbs`` recorder to the END of the
@@ -218,6 +261,7 @@ def capture_generate_log_probs(model: torch.nn.Module) -> Iterator[GenerateCaptu
     Args:
         model: the module whose ``generate`` the caller will use (for DDP / ZeRO-1/2 the unwrapped model; a PEFT
             wrapper works: its inner generation model is instrumented).
+        record_support: also record every step's kept-token set (``GenerateCapture.completion_kept_tokens``).
 
     Yields:
         GenerateCapture, filled by every ``generate`` call in the block: ``log_probs[k]`` is (B, T) float32.
@@ -243,7 +287,7 @@ def capture_generate_log_probs(model: torch.nn.Module) -> Iterator[GenerateCaptu
                 "has no sampling distribution to correct for."
             )
         recorders: list[SampledTokenLogProbs] = []
-        with _record_last_processor(model, recorders):
+        with _record_last_processor(model, recorders, record_support):
             out = original(*args, **kwargs)
         sequences = out if torch.is_tensor(out) else out.sequences
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -253,6 +297,9 @@ def capture_generate_log_probs(model: torch.nn.Module) -> Iterator[GenerateCaptu
         capture.sequences.append(sequences)
         capture.prompt_lengths.append(prompt_length)
         capture.log_probs.append(recorders[0].finish(sequences, prompt_length))
+        capture.kept.append(recorders[0].kept)
+        capture.vocab_sizes.append(recorders[0].vocab_size)
+        capture.processors.append(recorders[0].processors)
         return out
 
     model.generate = generate_with_log_probs

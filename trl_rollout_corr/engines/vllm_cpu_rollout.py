@@ -15,6 +15,9 @@ This is the module of the engine that knows TRL. What it relies on, all in TRL 1
 * public trainer attributes: ``state.global_step``, ``accelerator``, ``model``, ``args.generation_kwargs``,
   ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_completion_length``;
 * ``GRPOTrainer._metrics`` for the two timing metrics (``log_trl_metric``).
+
+``VLLMCPURollout.sampler_contract(trainer)`` tells ``RolloutCorrGRPOTrainer`` what the engine samples with (the
+same keyword arguments it passes to ``SamplingParams``), for the start-up report and support matching.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from .. import trl_compat
+from ..support import SamplerSpec, sampler_from_vllm_params
 from .vllm_cpu import build_cpu_llm, resolve_rollout_dtype, sampled_log_probs_batch, sync_weights
 
 
@@ -204,31 +209,44 @@ class VLLMCPURollout:
         return [list(ids) for ids in prompt_ids]
 
     @staticmethod
-    def sampling_params(trainer: Any, **overrides: Any):
-        """``SamplingParams`` from the trainer's generation settings (as TRL's colocate mode builds them).
+    def sampling_kwargs(trainer: Any, **overrides: Any) -> dict:
+        """The ``SamplingParams`` keyword arguments from the trainer's generation settings, as TRL's colocate mode
+        builds them (``trl_compat.vllm_sampling_kwargs``: the trainer's ``temperature``, ``top_p``, ``top_k``,
+        ``min_p``, ``repetition_penalty``, ``max_completion_length``, then ``args.generation_kwargs``), then
+        ``overrides``.
 
         Raises:
             ValueError: ``generation_kwargs`` or ``overrides`` set ``logprobs`` to anything but 0 (the sampled
                 token's log-prob is the only one this engine returns).
         """
-        from vllm import SamplingParams
-
-        kwargs = {
-            "n": 1,
-            "temperature": trainer.temperature,
-            "top_p": trainer.top_p,
-            "top_k": trainer.top_k,
-            "min_p": 0.0 if trainer.min_p is None else trainer.min_p,
-            "repetition_penalty": trainer.repetition_penalty,
-            "max_tokens": trainer.max_completion_length,
-            "logprobs": 0,
-        }
-        generation_kwargs = getattr(trainer.args, "generation_kwargs", None) or {}
-        kwargs.update(generation_kwargs)
+        kwargs = trl_compat.vllm_sampling_kwargs(
+            temperature=trainer.temperature, top_p=trainer.top_p, top_k=trainer.top_k, min_p=trainer.min_p,
+            repetition_penalty=trainer.repetition_penalty, max_tokens=trainer.max_completion_length,
+            generation_kwargs=getattr(trainer.args, "generation_kwargs", None),
+        )
         kwargs.update(overrides)
         if kwargs.get("logprobs") != 0:
             raise ValueError("VLLMCPURollout needs logprobs=0 (the sampled token's log-prob only).")
-        return SamplingParams(**kwargs)
+        return kwargs
+
+    @classmethod
+    def sampling_params(cls, trainer: Any, **overrides: Any):
+        """``vllm.SamplingParams(**sampling_kwargs(trainer, **overrides))``."""
+        from vllm import SamplingParams
+
+        return SamplingParams(**cls.sampling_kwargs(trainer, **overrides))
+
+    def sampler_contract(self, trainer: Any) -> SamplerSpec:
+        """The sampler contract of this engine for ``trainer`` (``support.sampler_from_vllm_params`` of the very
+        keyword arguments ``__call__`` samples with). ``RolloutCorrGRPOTrainer`` asks a ``rollout_func`` for it to
+        report and match the sampling support. The engine cannot return its kept-token sets (vLLM 0.32 does so
+        only with ``return_sampling_mask`` on Model Runner V2, which needs Triton), so support replay is not
+        available here: ``rollout_support_matching='recompute'``."""
+        kwargs = self.sampling_kwargs(trainer)
+        return sampler_from_vllm_params(
+            kwargs, sources=trl_compat.sampler_sources(trainer.args, getattr(trainer.args, "generation_kwargs", None)),
+            default_source="VLLMCPURollout", trainer_temperature=trainer.temperature,
+        )
 
 
 def log_trl_metric(trainer: Any, key: str, value: float) -> None:
