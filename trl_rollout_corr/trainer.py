@@ -47,13 +47,14 @@ import contextlib
 import inspect
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.grpo_trainer import disable_gradient_checkpointing
 
-from . import trl_compat
+from . import model_card, trl_compat
 from .accumulator import Reducers, RolloutCorrAccumulator
 from .config import CORRECTION_FIELDS, RolloutCorrectionArguments, RolloutCorrectionConfig
 from .correction import make_correction_fn, ratio_decomposition
@@ -245,6 +246,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         rollout_corr_reducers: the cross-rank ``Reducers`` (``.all_reduce`` is the batch-normalisation sum).
         rollout_corr_forward_counts: ``{"old_log_probs": n}``, the pi_old forwards this trainer ran itself (for
             tests and benchmarks).
+        model_card_sections: ``{title: {key: value}}`` tables added to every model card this trainer writes, after
+            the correction and rollout-engine tables (``create_model_card``); empty by default.
 
     Raises:
         TypeError: if ``args`` is not a ``RolloutCorrGRPOConfig``.
@@ -252,6 +255,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             a row's behaviour log-probs do not match its completion length (naming the row), or when a TRL vLLM
             server does not report processed log-probs.
     """
+
+    _tag_names = [*GRPOTrainer._tag_names, *model_card.TAGS]  # on the model (add_model_tags) and in every card
 
     def __init__(self, *args, **kwargs):
         train_args = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments.get("args")
@@ -265,6 +270,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self.rollout_corr_reducers = _accelerate_reducers(self.accelerator)
         self.rollout_corr_metrics = RolloutCorrAccumulator(self.rollout_corr_reducers)
         self.rollout_corr_forward_counts = {"old_log_probs": 0}
+        self.model_card_sections: dict[str, dict[str, Any]] = {}
         self._rc_correction_fn = make_correction_fn(self.rollout_correction, compile=self.args.rollout_corr_compile)
         # Scoped hand-offs between TRL's hooks: set only inside the context managers below, None/False outside.
         self._rc_skip_old_forward = False
@@ -550,3 +556,19 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """
         logs.update(self.rollout_corr_metrics.flush(self._mode))  # in place, like TRL: evaluate() returns this dict
         super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ model card
+    def create_model_card(self, model_name: Optional[str] = None, dataset_name: Optional[str] = None, tags=None):
+        """TRL's model card, plus the rollout-correction section (``model_card.render_section``).
+
+        TRL calls this for every card it writes (``_save_checkpoint``, ``push_to_hub``, so also ``save_model`` with
+        ``push_to_hub=True``), always into ``args.output_dir/README.md``; the section records the effective
+        correction config, the rollout engine and ``model_card_sections`` (``model_card.complete_card``, which also
+        names local base weights where TRL's template prints ``None``). ``model_name`` defaults to the name TRL's
+        ``_save_checkpoint`` gives (the last part of ``hub_model_id``, else of ``output_dir``).
+        """
+        if model_name is None:
+            model_name = (self.args.hub_model_id or Path(self.args.output_dir).name).split("/")[-1]
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if self.is_world_process_zero():
+            model_card.complete_card(Path(self.args.output_dir) / "README.md", self)
