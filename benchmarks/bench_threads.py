@@ -11,7 +11,7 @@ Also compared: the logged reward, ``rollout_corr/kl`` and mean completion length
 the same thread count (the same computation?) and between the two counts.
 
     .venv-vllm/bin/python benchmarks/bench_threads.py [--rounds 2] [--steps 3] [--out outputs/bench_threads]
-        [--write-results benchmarks/RESULTS.md]
+        [--write-results benchmarks/RESULTS.md] [--report-only]
 """
 
 from __future__ import annotations
@@ -90,14 +90,18 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/bench_threads")
     parser.add_argument("--model", default=os.environ.get("TRL_ROLLOUT_CORR_SMOLLM2", "models/SmolLM2-135M-Instruct"))
     parser.add_argument("--write-results", default=None)
+    parser.add_argument("--report-only", action="store_true", help="re-render OUT/runs.json, run nothing")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = []
-    for rnd in range(args.rounds):
-        for threads in ((1, 2) if rnd % 2 == 0 else (2, 1)):
-            runs.append(run(threads, out / f"round{rnd}_threads{threads}", args.steps, args.model))
-    (out / "runs.json").write_text(json.dumps(runs, indent=2))
+    if args.report_only:
+        runs = json.loads((out / "runs.json").read_text())
+    else:
+        runs = []
+        for rnd in range(args.rounds):
+            for threads in ((1, 2) if rnd % 2 == 0 else (2, 1)):
+                runs.append(run(threads, out / f"round{rnd}_threads{threads}", args.steps, args.model))
+        (out / "runs.json").write_text(json.dumps(runs, indent=2))
     text = report(runs, args)
     print(text)
     if args.write_results:

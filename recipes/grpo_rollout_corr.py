@@ -90,6 +90,16 @@ class ScriptArguments:
 
 
 def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, model_args: ModelConfig) -> dict:
+    """The run, top to bottom in its phases (setup, data, engine, eval before, trainer, train, eval after, save):
+    one function so that a reader follows the recipe without jumping (the reusable parts are in grpo_recipe_utils).
+
+    Returns:
+        ``results``: ``engine``, ``correction``, ``train`` and, with the vllm_cpu engine and ``eval_size > 0``,
+        ``before`` / ``after`` / ``improvement`` (what ``results.json`` holds).
+
+    Raises:
+        ValueError: a flag the recipe cannot honour (``grpo_recipe_utils.check_flags``), or from the trainer.
+    """
     say = ru.Progress()
     ru.check_flags(script_args, training_args, model_args)
     threads = ru.pick_threads(script_args.torch_threads)
@@ -150,10 +160,11 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         rollout_func=rollout, quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
+    machine = ru.machine_record()
     identity = {"command": shlex.join([Path(sys.executable).name, *sys.argv]), "output_dir": training_args.output_dir,
                 "preset": training_args.rollout_corr_preset, "engine": f"{engine['rollout_engine']} "
                 f"{engine.get('rollout_dtype', '')}".strip(), "seed": training_args.seed, "torch_threads": threads,
-                "peft": "LoRA" if model_args.use_peft else "none", **ru.machine_record(),
+                "peft": "LoRA" if model_args.use_peft else "none", **machine,
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     run_config = {**engine, **results["correction"], "task": script_args.task, "task_config": script_args.task_config,
                   "train_size": script_args.train_size, "train_seed": script_args.train_seed,
@@ -164,7 +175,7 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
                   "per_device_train_batch_size": training_args.per_device_train_batch_size,
                   "num_generations": training_args.num_generations, "temperature": training_args.temperature,
                   "top_p": training_args.top_p, "top_k": training_args.top_k,
-                  "max_completion_length": training_args.max_completion_length, "machine": ru.machine_record(),
+                  "max_completion_length": training_args.max_completion_length, "machine": machine,
                   "command": identity["command"]}
     trainer.add_callback(ru.make_jsonl_callback(Path(training_args.output_dir) / "log.jsonl", extra=run_config))
     if script_args.console == "short":

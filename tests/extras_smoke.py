@@ -29,9 +29,8 @@ EXTRA_IMPORTS = {
 def main(extra: str) -> None:
     import trl_rollout_corr
 
-    source_tree = Path(__file__).resolve().parents[1]
     installed = Path(trl_rollout_corr.__file__).resolve()
-    assert source_tree not in installed.parents, f"imported the source tree, not the install: {installed}"
+    assert installed.parent.parent.name == "site-packages", f"imported the source tree, not the install: {installed}"
     print(f"[{extra}] trl_rollout_corr from {installed.parent}")
     import torch
 
