@@ -101,7 +101,7 @@ def main() -> None:
         for rnd in range(args.rounds):
             for threads in ((1, 2) if rnd % 2 == 0 else (2, 1)):
                 runs.append(run(threads, out / f"round{rnd}_threads{threads}", args.steps, args.model))
-        (out / "runs.json").write_text(json.dumps(runs, indent=2))
+                (out / "runs.json").write_text(json.dumps(runs, indent=2))  # after every run: partial results
     text = report(runs, args)
     print(text)
     if args.write_results:
