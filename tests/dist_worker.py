@@ -11,7 +11,8 @@ trainers get a ZeRO-2 ``deepspeed=`` config (a real ``DeepSpeedEngine`` on 2 CPU
 
 Part 1 (exact aggregation): a fixed global batch is split unevenly over the ranks (rank 0 holds 10 valid tokens,
 rank 1 holds 1000; with one rank, it holds all), every rank runs the correction on its shard (in one call, or in
-micro-batches), feeds the trainer's metric accumulator (``trainer.rollout_corr_metrics``) and calls ``trainer.log``:
+micro-batches), feeds the trainer's metric accumulator (``trainer.rollout_corr_metrics``: statistics, log ratios and
+integer fraction counts) and calls ``trainer.log``:
 the logged ``rollout_corr/*`` values must not depend on the number of ranks.
 Part 2 (real training): 2 GRPO steps per mode on the tiny model; the logged ``rollout_corr/num_valid_tokens`` must
 equal the global completion-token count TRL logs (``completions/mean_length`` times the global batch rows).
@@ -108,6 +109,11 @@ def main() -> None:
             metrics.add_stats("train", out.stats)
             valid = m[piece] != 0
             metrics.add_log_ratios("train", {"engine": (lp[piece] - mu[piece])[valid & torch.isfinite(mu[piece])]})
+            # exact fractions from integer counts (routing replay's routing_mismatch_fraction): row r counts r % 3
+            # of 4, summed over micro-batches and ranks
+            row_ids = torch.arange(6)[rows][piece]
+            metrics.add_fraction_counts("train", {"routing_mismatch_fraction": (int((row_ids % 3).sum()),
+                                                                                4 * row_ids.numel())})
         trainer.log({})
         logged = trainer.state.log_history[-1]
         result["exact"][name] = {k: v for k, v in logged.items() if k.startswith("rollout_corr/")}

@@ -152,3 +152,23 @@ def test_reducers_all_reduce_is_none_on_one_rank():
     assert Reducers().all_reduce is None
     twin = TwinRank(other_stats=[torch.ones(1)] * 3)
     assert twin.reducers().all_reduce(torch.zeros(1)).tolist() == [1.0]
+
+
+def test_fraction_counts_are_exact_over_calls_and_modes():
+    """Numerators and denominators are summed (ints or 0-d tensors), divided once; never a mean of fractions."""
+    acc = RolloutCorrAccumulator()
+    acc.add_fraction_counts("train", {"f": (1, 4), "g": (torch.tensor(0), torch.tensor(0))})
+    acc.add_fraction_counts("train", {"f": (torch.tensor(2), torch.tensor(2))})
+    acc.add_fraction_counts("eval", {"f": (1, 3)})
+    assert acc.flush("train") == {"rollout_corr/f": 3 / 6}  # not (1/4 + 2/2) / 2; g (denominator 0) omitted
+    assert acc.flush("eval") == {"eval_rollout_corr/f": 1 / 3}
+    assert acc.flush("train") == {}
+
+
+def test_fraction_counts_are_exact_over_two_fake_ranks():
+    """One sum collective over the (name-ordered) counts: rank 1 holds f = 5/10 and g = 0/2."""
+    twin = TwinRank(other_stats=[torch.tensor([5, 10, 0, 2])])
+    acc = RolloutCorrAccumulator(twin.reducers())
+    acc.add_fraction_counts("train", {"g": (1, 2), "f": (1, 6)})
+    assert acc.flush("train") == {"rollout_corr/f": 6 / 16, "rollout_corr/g": 1 / 4}
+    assert twin.calls == ["sum"]

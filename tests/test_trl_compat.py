@@ -111,6 +111,44 @@ def test_trl_coupling_trainer_signature_and_our_names_do_not_shadow_trl():
     assert hooks <= set(vars(RolloutCorrGRPOTrainer)) and all(hasattr(GRPOTrainer, name) for name in hooks)
 
 
+def test_trl_coupling_batch_entries_follow_their_rows():
+    """routing_replay's ``routed_experts`` (B, P + T, L, k) int16 rides in the generation batch dict: TRL 1.16's
+    ``shuffle_sequence_dict`` / ``split_tensor_dict`` index every tensor with ndim >= 1 along dim 0 (in unison) and
+    pass 0-d tensors unchanged, ``_prepare_inputs`` applies them in that order, a ``rollout_func``'s extra keys come
+    back as ``_generate``'s 6th value, and ``_compute_loss`` runs one grad-mode forward per micro-batch (so the
+    backward's gradient-checkpointing recompute belongs to the routes replayed last)."""
+    from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid, split_tensor_dict
+
+    rows = 6
+    prompt_ids = torch.arange(rows)[:, None].repeat(1, 3)
+    routes = (torch.arange(rows)[:, None, None, None] * 10 + torch.zeros(1, 5, 2, 2, dtype=torch.long)).to(torch.int16)
+    batch = {"prompt_ids": prompt_ids, "routed_experts": routes, "rollout_generation_step": torch.tensor(3)}
+    torch.manual_seed(0)
+    shuffled = shuffle_sequence_dict(split_pixel_values_by_grid(batch))
+    assert shuffled["prompt_ids"][:, 0].tolist() != list(range(rows))  # really permuted (seed 0)
+    for part in [shuffled, *split_tensor_dict(shuffled, 2)]:
+        assert part["routed_experts"].dtype == torch.int16 and part["routed_experts"].shape[1:] == (5, 2, 2)
+        assert torch.equal(part["routed_experts"][:, :, 0, 0].long(), part["prompt_ids"][:, :1].repeat(1, 5) * 10)
+        assert part["rollout_generation_step"].item() == 3
+    assert [len(p["prompt_ids"]) for p in split_tensor_dict(shuffled, 2)] == [3, 3]
+    src_prepare = inspect.getsource(GRPOTrainer._prepare_inputs)
+    calls = ("self._generate_and_score_completions(generation_batch)", "shuffle_sequence_dict(generation_batch)",
+             "split_tensor_dict(generation_batch, self.args.steps_per_generation)")
+    assert all(c in src_prepare for c in calls) and sorted(calls, key=src_prepare.index) == list(calls)
+    src_generate = inspect.getsource(GRPOTrainer._generate)
+    assert "extra_fields = {k: v for k, v in output.items() if k not in required_keys}" in src_generate
+    assert ("return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images"
+            in src_generate)
+    src_loss = inspect.getsource(GRPOTrainer._compute_loss)
+    assert src_loss.count("self._get_per_token_logps_and_entropies(") == 1 and "batch_size=" not in src_loss
+    src_forward = inspect.getsource(GRPOTrainer._get_per_token_logps_and_entropies)
+    assert 'model_inputs = {"input_ids": input_ids_batch, "attention_mask": attention_mask_batch}' in src_forward
+    assert src_forward.count("outputs = model(**model_inputs") == 1
+    # generate runs with gradient checkpointing off (its KV cache on: a prefill, then one position per step)
+    assert "gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs" in inspect.getsource(
+        GRPOTrainer._generate_single_turn)
+
+
 @pytest.mark.parametrize("setting", [
     dict(scale_rewards="group"), dict(scale_rewards="batch"), dict(scale_rewards="none"),
     dict(multi_objective_aggregation="normalize_then_sum"),

@@ -372,3 +372,45 @@ def test_synced_perturbation_tracks_trainer(engine_and_trainer):
     # Measured: 0.05 vs 1.17 nats.
     assert d_new < 0.15, d_new
     assert d_old > 0.3, d_old
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Routed experts (routing replay): a GPU-only vLLM path, pinned here on vLLM 0.32's own objects
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.vllm
+def test_routes_from_vllm_on_vllm_output_objects():
+    """routing.routes_from_vllm_outputs on real vllm.outputs objects, laid out as vLLM 0.32 fills them on GPU
+    (routed_experts: (P + T - 1, num_hidden_layers, k) uint8; vLLM CPU cannot produce them, see the next test)."""
+    pytest.importorskip("vllm")
+    import numpy as np
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from tiny_model import make_tiny_model
+    from trl_rollout_corr.routing import check_row_routes, find_moe_routers, routes_from_vllm_outputs
+
+    assert "routed_experts" in CompletionOutput.__dataclass_fields__
+    routers = find_moe_routers(make_tiny_model("qwen3_moe", seed=0)[0])
+    prompt = [2, 10, 11]
+    table = np.array([[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[1, 0], [3, 2]], [[7, 6], [5, 4]]], dtype=np.uint8)
+    completion = CompletionOutput(index=0, text="", token_ids=[20, 21], cumulative_logprob=None, logprobs=None,
+                                  routed_experts=table)
+    request = RequestOutput(request_id="0", prompt=None, prompt_token_ids=prompt, prompt_logprobs=None,
+                            outputs=[completion], finished=True)
+    (row,) = routes_from_vllm_outputs([request], routers)
+    assert row.shape == (5, 2, 2) and torch.equal(row[:4].long(), torch.as_tensor(table.astype("int64")))
+    assert bool((row[4] == -1).all())
+    assert torch.equal(check_row_routes([row], [3], [2], routers)[0], row)
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_refuses_routed_experts(tmp_path):
+    """The fact behind "routed experts are GPU-only": vLLM CPU 0.32 refuses enable_return_routed_experts (it needs
+    Model Runner V2, which needs Triton). Fails when a vLLM CPU release accepts it: the CPU path can then be tested."""
+    pytest.importorskip("vllm")
+    from vllm import LLM
+
+    from tiny_model import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(str(tmp_path / "moe"), "qwen3_moe", seed=0)
+    with pytest.raises(Exception, match="Model Runner V2"):
+        LLM(model=model_dir, dtype="bfloat16", enable_return_routed_experts=True, max_model_len=128)

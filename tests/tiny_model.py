@@ -3,7 +3,9 @@
 ``make_tiny_model_dir(path, arch)`` saves a randomly initialised Llama or Qwen2 (hidden 64, 2 heads -> head_dim 32,
 2 layers, vocab ~40) and a matching char-level ``PreTrainedTokenizerFast`` to ``path`` and returns it, so a
 ``GRPOTrainer`` can load both from a local path (needed for ``beta > 0``: TRL rebuilds the reference model from
-the policy's ``name_or_path``).
+the policy's ``name_or_path``). ``arch`` may also name a mixture-of-experts family (``MOE_ARCHS``: Qwen3-MoE,
+OLMoE, Mixtral, Qwen2-MoE; 8 experts (Mixtral 4), top-2, every layer MoE except Qwen2-MoE's layer 0), for the
+routing-replay tests.
 """
 
 from __future__ import annotations
@@ -30,7 +32,36 @@ def make_tokenizer():
     return fast
 
 
-def make_tiny_model(arch: str = "llama", seed: int = 0, vocab_size: int = None):
+MOE_ARCHS = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe")
+
+
+def _moe_model(arch: str, common: dict, router_scale: float):
+    import transformers as tf
+
+    moe = dict(num_experts=8, num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(head_dim=32, moe_intermediate_size=32, norm_topk_prob=True,
+                                                         **moe, **common))
+    elif arch == "olmoe":  # OLMoE's default: no renormalisation of the top-k weights
+        model = tf.OlmoeForCausalLM(tf.OlmoeConfig(**{**common, "intermediate_size": 32}, **moe))
+    elif arch == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+                                                       **{**common, "intermediate_size": 32}))
+    elif arch == "qwen2_moe":  # a shared expert, and a dense first layer (mixed model: MoE layer indices [1])
+        model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                                         mlp_only_layers=[0], **moe, **common))
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    # std-0.02 routers give near-uniform router probabilities (every top-k a near tie); scaling them gives
+    # routing with some structure, as a trained router has
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.mul_(router_scale)
+    return model
+
+
+def make_tiny_model(arch: str = "llama", seed: int = 0, vocab_size: int = None, router_scale: float = 10.0):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tok = make_tokenizer()
@@ -53,6 +84,8 @@ def make_tiny_model(arch: str = "llama", seed: int = 0, vocab_size: int = None):
         model = LlamaForCausalLM(LlamaConfig(head_dim=32, **common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch in MOE_ARCHS:
+        model = _moe_model(arch, common, router_scale)
     else:
         raise ValueError(f"unknown arch {arch!r}")
     # Random init with std 0.02 gives near-uniform next-token distributions; scale the LM head so sampled

@@ -7,7 +7,9 @@ log call:
   micro-batch): reducible sums, maxima and minima, O(number of metrics) memory;
 * the valid per-token log ratios of the trained tokens (``engine``, ``update``, ``direct``), for exact order
   statistics (``exact_ratio_quantiles``);
-* the policy lag of every micro-batch (optimizer steps between generation and use).
+* the policy lag of every micro-batch (optimizer steps between generation and use);
+* exact fractions kept as reducible integer counts (``add_fraction_counts``: numerator and denominator summed over
+  calls and ranks, divided once at flush; e.g. the MoE ``routing_mismatch_fraction`` of ``routing.py``).
 
 ``flush(mode)`` reduces everything across ranks once, finalises once, and returns the metrics with TRL's
 ``eval_`` prefix in evaluation. Cross-rank operations are passed in (``Reducers``), so this module knows neither
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 import torch
 
@@ -122,6 +124,7 @@ class _ModeBuffer:
     lag_sum: int = 0
     lag_count: int = 0
     lag_max: int = 0
+    fractions: dict[str, list] = field(default_factory=dict)  # name -> [numerator, denominator] running sums
 
 
 class RolloutCorrAccumulator:
@@ -174,13 +177,43 @@ class RolloutCorrAccumulator:
         buffer.lag_count += 1
         buffer.lag_max = max(buffer.lag_max, int(lag))
 
+    def add_fraction_counts(self, mode: str, counts: Mapping[str, tuple]) -> None:
+        """Add integer counts to exact fractions: ``name`` is logged as ``rollout_corr/<name>`` =
+        (sum of numerators) / (sum of denominators) over every call since the previous flush, on all ranks.
+
+        Args:
+            mode: ``"train"`` or ``"eval"``.
+            counts: name -> ``(numerator, denominator)``, Python ints or 0-d integer tensors (kept on their device
+                as int64 running sums: no host transfer until ``flush``).
+
+        Every rank must add the same set of names between two flushes (as it does for the same model and the same
+        forwards): ``flush`` reduces them as one vector in name order.
+        """
+        store = self._buffer(mode).fractions
+        for name, (num, den) in counts.items():
+            total = store.setdefault(name, [0, 0])
+            total[0] = total[0] + num
+            total[1] = total[1] + den
+
+    def _flush_fractions(self, fractions: dict[str, list]) -> dict[str, float]:
+        """The fractions' values over all ranks (one sum reduction); a fraction with denominator 0 is omitted."""
+        if not fractions:
+            return {}
+        names = sorted(fractions)
+        values = [torch.as_tensor(v) for name in names for v in fractions[name]]
+        device = next((v.device for v in values if v.dim() == 0 and v.device.type != "cpu"), torch.device("cpu"))
+        totals = self.reducers.sum(torch.stack([v.to(device=device, dtype=torch.int64) for v in values]))
+        host = totals.view(-1, 2).cpu().tolist()
+        return {f"{PREFIX}{name}": num / den for name, (num, den) in zip(names, host) if den > 0}
+
     def flush(self, mode: str) -> dict[str, float]:
         """The metrics of ``mode`` since the previous flush, exact over all ranks; empties the buffer.
 
         Returns:
             ``rollout_corr/*`` (``eval_rollout_corr/*`` for ``mode="eval"``) -> float: the finalised
             ``CorrectionStats`` (if any were added), ``{name}_ratio_{mean,p01,p50,p99,max}`` per ratio name (if
-            any), and ``policy_lag_{mean,max}`` (if any micro-batch was recorded).
+            any), ``policy_lag_{mean,max}`` (if any micro-batch was recorded) and the ``add_fraction_counts``
+            fractions (those with a non-zero denominator).
         """
         buffer = self._buffer(mode)
         self._buffers[mode] = _ModeBuffer()
@@ -195,6 +228,7 @@ class RolloutCorrAccumulator:
         if buffer.lag_count:
             metrics[f"{PREFIX}policy_lag_mean"] = buffer.lag_sum / buffer.lag_count
             metrics[f"{PREFIX}policy_lag_max"] = float(buffer.lag_max)
+        metrics.update(self._flush_fractions(buffer.fractions))
         if mode == "eval":
             metrics = {f"{EVAL_PREFIX}{k}": v for k, v in metrics.items()}
         return metrics

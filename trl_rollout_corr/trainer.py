@@ -29,6 +29,9 @@ anchor, never used for the correction).
   p99,max}`` (ratios pi_old/mu, pi_theta/pi_old, pi_theta/mu over the trained tokens, exact order statistics over
   all ranks; bypass: ``direct`` only) and ``rollout_corr/policy_lag_{mean,max}`` (optimizer steps between
   generation and use). In evaluation the keys carry TRL's ``eval_`` prefix.
+* Routing replay (``routing_replay="r3"``, MoE models; ``routing.py``, ``docs/routing-replay.md``): the rollout's
+  expert choices ride in the batch as ``routed_experts`` and are replayed in the pi_old and pi_theta forwards;
+  ``rollout_corr/routing_mismatch_fraction`` (overall, ``/layer_<i>``) and ``routing_token_mismatch_fraction``.
 
 Who knows TRL 1.16's internals: this file (the overridden hooks, their signatures and call order, TRL's private
 ``_metrics`` / ``_logs`` / ``vllm_generation`` attributes, the ``GRPOConfig`` fields checked in
@@ -44,6 +47,7 @@ The class reads top to bottom in the order TRL calls its hooks: ``__init__``, ``
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -61,8 +65,11 @@ from .correction import make_correction_fn, ratio_decomposition
 from .engines.alignment import check_aligned
 from .engines.transformers_generate import GENERATE_DTYPES, capture_generate_log_probs, generate_in_dtype
 from .losses import PPOClip, bypass_policy_loss
+from .routing import RouteReplayer, check_row_routes, pad_routes, record_routes
 
 logger = logging.getLogger(__name__)
+
+ROUTING_REPLAY_MODES = ("off", "r3")
 
 __all__ = ["CORRECTION_FIELDS", "RolloutCorrGRPOConfig", "RolloutCorrGRPOTrainer"]
 
@@ -85,6 +92,13 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         rollout_corr_compile (`bool`, defaults to `False`):
             Run the correction math through ``torch.compile`` (``correction.make_correction_fn(..., compile=True)``):
             same values, faster on large batches; the first step pays the compile. Used in both modes.
+        routing_replay (`str`, defaults to `"off"`):
+            ``"r3"``: Rollout Routing Replay for mixture-of-experts models (``routing.py``): the rollout's expert
+            choices (``transformers.generate``: recorded while sampling; a ``rollout_func``: its ``routed_experts``)
+            travel with the batch as ``routed_experts`` and the policy forwards (pi_old, pi_theta; not pi_ref) route
+            every token to them; ``rollout_corr/routing_mismatch_fraction`` (overall, ``/layer_<i>``) and
+            ``rollout_corr/routing_token_mismatch_fraction`` count the trainer's own differing choices before
+            substitution. ``"off"``: no capture, no replay.
         rollout_generate_dtype (`str`, *optional*):
             Plain ``transformers.generate`` path only: sample from a ``bfloat16`` / ``float16`` / ``float32`` copy of
             the weights (``engines.transformers_generate.generate_in_dtype``), e.g. a bf16 rollout engine next to a
@@ -108,6 +122,14 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         metadata={
             "help": "torch.compile the correction math (same values, several times faster on large batches); the "
             "first step pays the compile (tens of seconds on CPU)."
+        },
+    )
+    routing_replay: str = field(
+        default="off",
+        metadata={
+            "help": "MoE models: 'r3' replays the rollout's expert choices in the policy forwards (Rollout Routing "
+            "Replay) and logs rollout_corr/routing_mismatch_fraction; 'off' (default): the trainer routes itself.",
+            "choices": list(ROUTING_REPLAY_MODES),
         },
     )
     rollout_generate_dtype: Optional[str] = field(
@@ -159,6 +181,17 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 "rollout dtype is vLLM's own (its model dtype); unset rollout_generate_dtype."
             )
 
+    def _check_routing_replay(self, fail) -> None:
+        if self.routing_replay not in ROUTING_REPLAY_MODES:
+            fail(f"routing_replay must be one of {ROUTING_REPLAY_MODES}, got {self.routing_replay!r}.")
+        if self.routing_replay == "r3" and self.use_vllm and self.vllm_importance_sampling_correction:
+            fail(
+                "routing_replay='r3' with TRL's own vLLM importance sampling (vllm_importance_sampling_correction="
+                "True): TRL's pi_old forward for it cannot replay the routes. Use this package's correction "
+                "(e.g. rollout_is='token'; TRL's is then switched off) or set "
+                "vllm_importance_sampling_correction=False."
+            )
+
     def _check_compatibility(self, correction: RolloutCorrectionConfig) -> None:
         """Refuse the TRL options the correction cannot serve (each message names the option and the fix)."""
 
@@ -172,6 +205,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 "or vLLM."
             )
         self._check_generate_dtype(fail)
+        self._check_routing_replay(fail)
         if self.loss_type == "vespo":
             fail(
                 "loss_type='vespo' applies its own importance weighting; it cannot be combined with rollout "
@@ -212,6 +246,27 @@ class _Slot:
     value: Any = None
 
 
+def _check_routing_sources(args: RolloutCorrGRPOConfig, trainer_args: dict) -> None:
+    """``routing_replay="r3"`` needs routes from the generation path: refuse, before anything loads, TRL's own vLLM
+    path (it returns none: use a ``rollout_func`` returning ``routed_experts``, e.g. built with
+    ``routing.routes_from_vllm_outputs``) and tools / environments (multi-turn rollouts: the tool turns' routes are
+    not stitched). ``trainer_args``: ``GRPOTrainer.__init__``'s bound arguments."""
+    if args.routing_replay != "r3":
+        return
+    if args.use_vllm and trainer_args.get("rollout_func") is None:
+        raise ValueError(
+            "routing_replay='r3' needs the rollout's routed experts, which TRL's own vLLM path does not return; "
+            "generate with a rollout_func that returns 'routed_experts' (trl_rollout_corr.routing."
+            "routes_from_vllm_outputs, vLLM on GPU with enable_return_routed_experts=True) or with "
+            "transformers.generate (use_vllm=False)."
+        )
+    if trainer_args.get("tools") or trainer_args.get("environment_factory"):
+        raise ValueError(
+            "routing_replay='r3' does not support tools or environments yet (the routes of multi-turn rollouts are "
+            "not stitched across tool calls); set routing_replay='off'."
+        )
+
+
 def _accelerate_reducers(accelerator) -> Reducers:
     """Cross-rank sum/max/min/gather through ``accelerate`` (identities on one process)."""
     if accelerator.num_processes <= 1:
@@ -248,23 +303,29 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             tests and benchmarks).
         model_card_sections: ``{title: {key: value}}`` tables added to every model card this trainer writes, after
             the correction and rollout-engine tables (``create_model_card``); empty by default.
+        rollout_corr_router_replay: the ``routing.RouteReplayer`` of the policy with ``routing_replay="r3"``, else
+            None.
 
     Raises:
         TypeError: if ``args`` is not a ``RolloutCorrGRPOConfig``.
         ValueError: when no behaviour log-probs can be obtained (at the first generation, naming the fix), when
             a row's behaviour log-probs do not match its completion length (naming the row), or when a TRL vLLM
-            server does not report processed log-probs.
+            server does not report processed log-probs. With ``routing_replay="r3"``: at construction for a dense
+            model, an unsupported MoE family, TRL's own vLLM path (no routes) or tools; at the first generation for
+            missing routes or routes of the wrong shape (naming the row).
     """
 
     _tag_names = [*GRPOTrainer._tag_names, *model_card.TAGS]  # on the model (add_model_tags) and in every card
 
     def __init__(self, *args, **kwargs):
-        train_args = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments.get("args")
+        bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
+        train_args = bound.get("args")
         if not isinstance(train_args, RolloutCorrGRPOConfig):
             raise TypeError(
                 "RolloutCorrGRPOTrainer needs args=RolloutCorrGRPOConfig(...) (a GRPOConfig subclass with the "
                 f"rollout-correction fields), got {type(train_args).__name__}."
             )
+        _check_routing_sources(train_args, bound)  # before TRL loads the model or starts an engine
         super().__init__(*args, **kwargs)
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction()
         self.rollout_corr_reducers = _accelerate_reducers(self.accelerator)
@@ -276,7 +337,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._rc_skip_old_forward = False
         self._rc_policy_logps: Optional[_Slot] = None
         self._rc_rewards: Optional[_Slot] = None
+        self._rc_routes: Optional[_Slot] = None
         self._check_rollout_source()
+        self.rollout_corr_router_replay = self._setup_routing_replay()
 
     def _check_rollout_source(self) -> None:
         """Vendor-specific checks of where mu comes from (the vLLM server's log-prob mode; a ``rollout_func``)."""
@@ -287,6 +350,14 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 "rollout_generate_dtype applies to the transformers.generate path, but a rollout_func generates "
                 "here; cast inside the rollout_func (engines.transformers_generate.generate_in_dtype) and unset it."
             )
+
+    def _setup_routing_replay(self) -> Optional[RouteReplayer]:
+        """``routing_replay="r3"``: the policy's ``RouteReplayer`` (its hooks do nothing outside ``_replay_routes``).
+
+        Raises:
+            ValueError: from ``routing.find_moe_routers`` (a dense model, an unsupported MoE family).
+        """
+        return RouteReplayer(self.model) if self.args.routing_replay == "r3" else None
 
     @property
     def _mode(self) -> str:
@@ -301,7 +372,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         On the plain ``generate`` path TRL returns none: ``generate`` is shadowed for this call so that it also
         records the processed scores (``engines.transformers_generate``), from a ``rollout_generate_dtype`` copy of
         the weights when set. Returns ``(completion_ids, logprobs)`` with ``logprobs[i]`` a list of floats as long
-        as ``completion_ids[i]``.
+        as ``completion_ids[i]``. With ``routing_replay="r3"`` the routers' choices are recorded too
+        (``_keep_generated_routes``).
         """
         if self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(
@@ -311,11 +383,24 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         with (
             generate_in_dtype(unwrapped, self.args.rollout_generate_dtype),
             capture_generate_log_probs(unwrapped) as capture,
+            self._record_generate_routes() as routes,
         ):
             completion_ids, _ = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
+        self._keep_generated_routes(routes, prompt_ids, completion_ids)
         return completion_ids, capture.completion_log_probs(completion_ids)
+
+    def _record_generate_routes(self):
+        """With routing replay on, a ``routing.record_routes`` block over the policy's routers; else a no-op."""
+        replayer = self.rollout_corr_router_replay
+        return contextlib.nullcontext() if replayer is None else record_routes(replayer.routers)
+
+    def _keep_generated_routes(self, recording, prompt_ids, completion_ids) -> None:
+        """Cut each row's routes out of the ``generate`` recording, for ``_collect_routes`` (via ``_hold_routes``)."""
+        if recording is not None and self._rc_routes is not None:
+            self._rc_routes.value = recording.generate_rows([len(p) for p in prompt_ids],
+                                                            [len(c) for c in completion_ids])
 
     def _generate(self, prompts: list):
         """TRL's ``_generate``; checks that every row has one behaviour log-prob per completion token."""
@@ -328,7 +413,26 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 "rollout_func that returns 'logprobs'."
             )
         check_aligned([len(ids) for ids in completion_ids], logprobs)
+        self._collect_routes(result)
         return result
+
+    def _collect_routes(self, result: tuple) -> None:
+        """With routing replay on: the rows' routes (a ``rollout_func``'s ``routed_experts``, or what
+        ``_generate_single_turn`` recorded), checked against the rows (``routing.check_row_routes``), into the
+        ``_hold_routes`` slot. Raises ValueError for missing routes or routes of the wrong shape (naming the row)."""
+        replayer, slot = self.rollout_corr_router_replay, self._rc_routes
+        if replayer is None or slot is None:
+            return
+        prompt_ids, completion_ids, extra_fields = result[0], result[1], result[5]
+        rows = extra_fields.pop("routed_experts", None) if self.rollout_func is not None else slot.value
+        if rows is None:
+            raise ValueError(
+                "routing_replay='r3' but the generation returned no routes: a rollout_func must return "
+                "'routed_experts' (one (prompt + completion tokens, MoE layers, top-k) array per row; see "
+                "trl_rollout_corr.routing)."
+            )
+        slot.value = check_row_routes(rows, [len(p) for p in prompt_ids], [len(c) for c in completion_ids],
+                                      replayer.routers)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's rewards; inside ``_hold_rewards`` the gathered ``(B_global, F)`` tensor is also handed over."""
@@ -336,6 +440,15 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if self._rc_rewards is not None:
             self._rc_rewards.value = rewards_per_func
         return rewards_per_func
+
+    @contextlib.contextmanager
+    def _hold_routes(self) -> Iterator[_Slot]:
+        """Within the block, the generation's per-row routes go into the yielded slot (routing replay on)."""
+        self._rc_routes = slot = _Slot()
+        try:
+            yield slot
+        finally:
+            self._rc_routes = None
 
     @contextlib.contextmanager
     def _hold_rewards(self) -> Iterator[_Slot]:
@@ -363,10 +476,13 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     @contextlib.contextmanager
     def _skip_trl_old_logps_forward(self) -> Iterator[None]:
         """Bypass mode: within the block, TRL's own pi_old forward (when its rule runs one) returns a NaN
-        placeholder instead of running; bypass uses mu as pi_old. Pinned: TRL's pi_old forward is the first no-grad
-        call on the policy in ``_generate_and_score_completions`` (before the reference forward)."""
+        placeholder instead of running; bypass uses mu as pi_old. Routing replay: likewise, and pi_old is computed
+        afterwards with the routes replayed (``_attach_routes`` drops the placeholder). Pinned: TRL's pi_old
+        forward is the first no-grad call on the policy in ``_generate_and_score_completions`` (before the reference
+        forward)."""
         args = self.args
-        self._rc_skip_old_forward = self.rollout_correction.bypass_mode and trl_compat.trl_computes_old_log_probs(
+        skip = self.rollout_correction.bypass_mode or self.rollout_corr_router_replay is not None
+        self._rc_skip_old_forward = skip and trl_compat.trl_computes_old_log_probs(
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             steps_per_generation=args.steps_per_generation,
             num_iterations=self.num_iterations,
@@ -395,9 +511,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         ``rollout_log_probs`` (mu), ``rollout_generation_step`` (0-d), and in decoupled mode
         ``old_per_token_logps`` (pi_old), ``rollout_rs_mask`` (RS + invalid tokens removed) and
         ``rollout_is_weights`` (when IS is on); rewrites ``advantages`` (RS-rejected rows) and
-        ``num_items_in_batch`` (kept tokens, global).
+        ``num_items_in_batch`` (kept tokens, global). With routing replay: ``routed_experts`` (B, P + T, L, k).
         """
-        with self._skip_trl_old_logps_forward(), self._hold_rewards() as rewards:
+        with self._skip_trl_old_logps_forward(), self._hold_rewards() as rewards, self._hold_routes() as routes:
             output = super()._generate_and_score_completions(inputs)
         rollout_log_probs = output.get("sampling_per_token_logps")
         if rollout_log_probs is None:
@@ -408,11 +524,41 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         output["rollout_log_probs"] = rollout_log_probs
         # 0-d tensor: TRL's shuffle/split pass it to every micro-batch unchanged
         output["rollout_generation_step"] = torch.tensor(self.state.global_step)
+        self._attach_routes(output, routes.value)
         if self.rollout_correction.bypass_mode:
             output.pop("old_per_token_logps", None)  # bypass: pi_old := mu, handled in the loss
             return output
         self._apply_decoupled_correction(output, rewards.value)
         return output
+
+    def _attach_routes(self, output: dict, rows: Optional[list]) -> None:
+        """Routing replay: ``output["routed_experts"]``, (B, P + T, L, k) int16 aligned with ``prompt_ids`` +
+        ``completion_ids`` (-1 at padding; a (B, ...) tensor, so TRL's shuffle and split keep it with its rows).
+        Decoupled mode also drops TRL's pi_old placeholder: ``_old_log_probs`` recomputes it with replay."""
+        if self.rollout_corr_router_replay is None:
+            return
+        if rows is None:
+            raise ValueError("routing_replay='r3' but no routes reached the batch (see _collect_routes).")
+        output["routed_experts"] = pad_routes(rows, output["prompt_mask"], output["completion_ids"].size(1))
+        if not self.rollout_correction.bypass_mode:
+            output.pop("old_per_token_logps", None)
+
+    @contextlib.contextmanager
+    def _replay_routes(self, batch: dict, *, measure: bool) -> Iterator[None]:
+        """With routing replay on: within the block, the policy's forwards over ``batch`` (TRL's prompt +
+        completion layout) use its ``routed_experts``; ``measure`` adds the routing mismatch counts to
+        ``rollout_corr/routing_*`` (``RolloutCorrAccumulator.add_fraction_counts``). Off: a no-op."""
+        replayer = self.rollout_corr_router_replay
+        if replayer is None:
+            yield
+            return
+        routes = batch.get("routed_experts")
+        if routes is None:
+            raise ValueError("routing_replay='r3' but this batch carries no 'routed_experts'.")
+        on_counts = functools.partial(self.rollout_corr_metrics.add_fraction_counts, self._mode) if measure else None
+        input_ids = trl_compat.prompt_completion_inputs(batch).input_ids
+        with replayer.replay(routes, input_ids, measure=measure, on_counts=on_counts):
+            yield
 
     def _apply_decoupled_correction(self, output: dict, rewards_per_func: Optional[torch.Tensor]) -> None:
         """IS weights and RS mask from pi_old vs mu, once per generation batch; RS-aware advantages (in place)."""
@@ -433,13 +579,18 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         output["advantages"] = self._advantages_after_rejection(output["advantages"], rejected, rewards_per_func)
 
     def _old_log_probs(self, output: dict) -> torch.Tensor:
-        """pi_old: one no-grad forward of the policy over the local generation batch. Returns (B, T) float32."""
+        """pi_old: one no-grad forward of the policy over the local generation batch (routes replayed, and their
+        mismatch measured, with routing replay on). Returns (B, T) float32."""
         fwd = trl_compat.prompt_completion_inputs(output)
         batch_size = (
             self.args.per_device_train_batch_size if self._mode == "train" else self.args.per_device_eval_batch_size
         )
         self.rollout_corr_forward_counts["old_log_probs"] += 1
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+            self._replay_routes(output, measure=True),
+        ):
             old, _, _ = self._get_per_token_logps_and_entropies(
                 self.model, fwd.input_ids, fwd.attention_mask, fwd.logits_to_keep, batch_size=batch_size,
                 **fwd.multimodal,
@@ -469,12 +620,14 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ the loss
     def _compute_loss(self, model, inputs):
         """Decoupled: TRL's loss with the RS mask as loss mask/normaliser and IS weights after the clip.
-        Bypass: ``_bypass_loss``."""
+        Bypass: ``_bypass_loss``. Routing replay: the pi_theta forward replays the routes (bypass: and measures
+        their mismatch, as there is no pi_old forward)."""
         self._record_policy_lag(inputs)
         if self.rollout_correction.bypass_mode:
-            return self._bypass_loss(model, inputs)
+            with self._replay_routes(inputs, measure=True):
+                return self._bypass_loss(model, inputs)
         inputs = trl_compat.inject_rs_mask_and_is_weights(inputs)
-        with self._capture_policy_logps() as policy_logps:
+        with self._capture_policy_logps() as policy_logps, self._replay_routes(inputs, measure=False):
             loss = super()._compute_loss(model, inputs)
         if policy_logps.value is not None:
             d = ratio_decomposition(policy_logps.value, inputs["old_per_token_logps"], inputs["rollout_log_probs"],
