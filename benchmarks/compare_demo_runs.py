@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -30,16 +29,20 @@ def _is_timing(key: str) -> bool:
 
 
 def load(folder: Path) -> dict:
-    """``{"results": results.json, "config": the log's first record, "steps": {step: record}}``."""
+    """``{"results": results.json or None (a run stopped before the end), "config": the log's first record,
+    "steps": {step: record}}``."""
     records = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines() if line.strip()]
     steps = {r["step"]: r for r in records if "loss" in r and "step" in r}
-    return {"results": json.loads((folder / "results.json").read_text()), "config": records[0], "steps": steps}
+    results = folder / "results.json"
+    return {"results": json.loads(results.read_text()) if results.exists() else None, "config": records[0],
+            "steps": steps}
 
 
 def step_differences(a: dict, b: dict) -> tuple[int, list[str]]:
-    """(number of non-timing numeric values compared, ``"step N key: x vs y"`` for each that differs)."""
+    """(number of non-timing numeric values compared, ``"step N key: x vs y"`` for each that differs), over the
+    steps both runs logged."""
     compared, diffs = 0, []
-    for step in sorted(set(a) | set(b)):
+    for step in sorted(set(a) & set(b)):
         ra, rb = a.get(step, {}), b.get(step, {})
         for key in sorted(set(ra) | set(rb)):
             if _is_timing(key):
@@ -54,25 +57,32 @@ def step_differences(a: dict, b: dict) -> tuple[int, list[str]]:
 
 
 def report(folders: list[Path], runs: list[dict]) -> str:
+    machine = runs[0]["config"].get("run_config", {}).get("machine", {})
     lines = [f"Run: `{' '.join(['python', *sys.argv])}` at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-             f"{platform.machine()}, {platform.processor() or 'cpu'}; each folder from one `make demo "
-             f"DEMO_OUT=<folder>`.", "",
+             f"the runs' machine (their log.jsonl): {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, "
+             f"torch {machine.get('torch', '?')}; threads per run: "
+             f"{', '.join(str(r['config'].get('run_config', {}).get('torch_threads', '?')) for r in runs)}.", "",
              "| run | accuracy before | accuracy after | paired difference | steps | mean step time (s) |",
              "|---|---:|---:|---:|---:|---:|"]
     for folder, run in zip(folders, runs):
-        res, steps = run["results"], run["steps"]
-        imp = res.get("improvement", {})
+        res, steps = run["results"] or {}, run["steps"]
+        acc = [f"{res[k]['correct']}/{res[k]['total']}" if k in res else "(none)" for k in ("before", "after")]
+        imp = res.get("improvement")
+        diff = f"{imp['mean']:+.3f} ± {imp['stderr']:.3f}" if imp else "(none)"
         times = [r["step_time"] for r in steps.values() if "step_time" in r]
-        lines.append(f"| `{folder}` | {res['before']['correct']}/{res['before']['total']} | "
-                     f"{res['after']['correct']}/{res['after']['total']} | "
-                     f"{imp.get('mean', float('nan')):+.3f} ± {imp.get('stderr', float('nan')):.3f} | {len(steps)} | "
+        lines.append(f"| `{folder}` | {acc[0]} | {acc[1]} | {diff} | {len(steps)} | "
                      f"{sum(times) / max(len(times), 1):.1f} |")
     first = runs[0]
     for folder, run in zip(folders[1:], runs[1:]):
-        scores = all(run["results"][k]["scores"] == first["results"][k]["scores"] for k in ("before", "after"))
+        ra, rb = first["results"] or {}, run["results"] or {}
+        both = [k for k in ("before", "after") if k in ra and k in rb]
+        same = [k for k in both if ra[k]["scores"] == rb[k]["scores"]]
+        scores = (f"per-problem greedy scores {'identical' if same == both else 'DIFFER'} ({', '.join(both)})"
+                  if both else "no accuracy in both")
         compared, diffs = step_differences(first["steps"], run["steps"])
-        lines += ["", f"* `{folders[0]}` vs `{folder}`: per-problem greedy scores before and after "
-                  f"{'identical' if scores else 'DIFFER'}; {compared} logged step values compared (timings left "
+        steps = sorted(set(first["steps"]) & set(run["steps"]))
+        lines += ["", f"* `{folders[0]}` vs `{folder}`: {scores}; steps {steps[0] if steps else '-'}.."
+                  f"{steps[-1] if steps else '-'} in both, {compared} logged step values compared (timings left "
                   f"out): {'all bit-identical' if not diffs else f'{len(diffs)} differ'}."]
         lines += [f"  * {d}" for d in diffs[:10]]
     return "\n".join(lines) + "\n"
