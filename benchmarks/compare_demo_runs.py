@@ -104,7 +104,7 @@ def main() -> None:
         if BEGIN in body:
             body = body.split(BEGIN)[0] + block + body.split(END, 1)[1]
         else:
-            title = "## `make demo` twice (issue 15): the same computation?"
+            title = "## Reproducibility (issue 15): the main job's command run more than once at 1 thread"
             body = body.rstrip("\n") + f"\n\n{title}\n\n{block}\n"
         path.write_text(body)
 
