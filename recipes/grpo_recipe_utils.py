@@ -19,7 +19,7 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -124,6 +124,56 @@ def make_task_splits(name: str, config: dict, train_size: int, train_seed: int, 
     return train, held_out
 
 
+def split_dataset(task: ReasoningGymTask, split: str):
+    """``task.to_dataset()`` plus an ``rg_split`` column naming the split, for ``split_reward_func``."""
+    return task.to_dataset().add_column("rg_split", [split] * task.size)
+
+
+def split_reward_func(tasks: dict[str, ReasoningGymTask]) -> Callable[..., list[float]]:
+    """One TRL reward function (``correct_answer``) for several splits: row i is scored by ``tasks[rg_split[i]]``.
+
+    The training and held-out problems are different reasoning-gym datasets whose ``rg_index`` both start at 0, so
+    the train dataset and the ``eval_dataset`` (``split_dataset``) carry their split's name and one function serves
+    both (TRL logs it as ``rewards/correct_answer/*`` and ``eval_rewards/correct_answer/*``).
+
+    Raises:
+        KeyError: a row names a split not in ``tasks``.
+    """
+
+    def correct_answer(completions: list, rg_index: list, rg_split: list, **_: Any) -> list[float]:
+        return [tasks[s].score(_completion_text(c), int(i)) for c, i, s in zip(completions, rg_index, rg_split)]
+
+    return correct_answer
+
+
+def check_flags(script_args: Any, training_args: Any, model_args: Any) -> None:
+    """Refuse the flag combinations the recipe cannot honour, naming the flag and the fix.
+
+    Raises:
+        ValueError: ``--load_in_4bit`` / ``--load_in_8bit`` with ``rollout_engine=vllm_cpu`` (the engine loads the
+            trainer's full-precision weights at every sync); ``--use_vllm`` with an engine other than ``trl_vllm``
+            (one engine samples); ``--eval_strategy`` other than ``no`` with ``eval_size 0`` (no held-out problems).
+    """
+    engine = script_args.rollout_engine
+    for flag in ("load_in_4bit", "load_in_8bit"):
+        if getattr(model_args, flag) and engine == "vllm_cpu":
+            raise ValueError(
+                f"--{flag} with rollout_engine=vllm_cpu: the vLLM CPU engine is synced with the trainer's full "
+                f"weights (merged, for PEFT) and bitsandbytes k-bit layers need a GPU; drop --{flag} or use "
+                "rollout_engine trl_vllm / transformers on a GPU."
+            )
+    if training_args.use_vllm and engine != "trl_vllm":
+        raise ValueError(
+            f"--use_vllm with rollout_engine={engine}: TRL's own vLLM path is rollout_engine trl_vllm; "
+            f"{engine} samples by itself. Drop --use_vllm or set --rollout_engine trl_vllm."
+        )
+    if training_args.eval_strategy != "no" and script_args.eval_size <= 0:
+        raise ValueError(
+            f"--eval_strategy {training_args.eval_strategy} needs held-out problems: set --eval_size > 0 "
+            "(the eval_dataset is the held-out split)."
+        )
+
+
 # ----------------------------------------------------------------------------------------------- evaluation
 @dataclass
 class EvalResult:
@@ -197,9 +247,11 @@ def paired_difference(before: Sequence[float], after: Sequence[float]) -> dict:
 
 # ----------------------------------------------------------------------------------------------- logging and plots
 def make_jsonl_callback(path: str | Path, extra: Optional[dict] = None):
-    """A ``TrainerCallback`` appending one JSON line per log event: ``{"step", "time", **logs}``.
+    """A ``TrainerCallback`` appending one JSON line per log event: ``{"step", "time", "cpu_time", **logs}``.
 
-    The first line is ``{"run_config": extra}`` when ``extra`` is given (rollout engine, dtype, correction ...).
+    ``time`` is wall seconds and ``cpu_time`` this process's CPU seconds (all threads, ``time.process_time``) since
+    the callback was made, so a step's CPU cost is the difference between two records. The first line is
+    ``{"run_config": extra}`` when ``extra`` is given (rollout engine, dtype, correction ...).
     """
     from transformers import TrainerCallback
 
@@ -208,7 +260,7 @@ def make_jsonl_callback(path: str | Path, extra: Optional[dict] = None):
             self.path = Path(path)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("")
-            self.t0 = time.time()
+            self.t0, self.cpu0 = time.time(), time.process_time()
             if extra is not None:
                 self._write({"run_config": extra})
 
@@ -218,7 +270,8 @@ def make_jsonl_callback(path: str | Path, extra: Optional[dict] = None):
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and logs:
-                self._write({"step": state.global_step, "time": round(time.time() - self.t0, 3), **logs})
+                self._write({"step": state.global_step, "time": round(time.time() - self.t0, 3),
+                             "cpu_time": round(time.process_time() - self.cpu0, 3), **logs})
 
     return JsonlLogCallback()
 
@@ -241,15 +294,55 @@ PLOTS = (
     ("rollout_corr/rollout_is_eff_sample_size", "IS effective sample size (fraction)"),
     ("rollout_corr/rollout_rs_masked_fraction", "RS rejected token fraction"),
 )
+# y-axis label (units) per metric; metrics that can be negative get a zero line
+Y_LABELS = {
+    "reward": "training reward (0/1, mean over completions)",
+    "rollout_corr/kl": "KL(mu || pi_old), nats / token",
+    "rollout_corr/rollout_is_eff_sample_size": "ESS, fraction of tokens (0-1]",
+    "rollout_corr/rollout_rs_masked_fraction": "rejected tokens, fraction",
+}
+ZERO_LINE = {"rollout_corr/kl"}
 
 
-def plot_metrics(jsonl_path: str | Path, out_dir: str | Path, keys: Iterable[tuple[str, str]] = PLOTS) -> list[Path]:
-    """One PNG per metric (value per step) plus ``metrics.png`` with all of them; keys never logged are skipped.
+def _draw(ax: Any, key: str, title: str, pts: list, fontsize: int = 10) -> None:
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".")
+    if key in ZERO_LINE or min(p[1] for p in pts) < 0:
+        ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_title(title, fontsize=fontsize)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(Y_LABELS.get(key, key), fontsize=fontsize - 1)
+    ax.grid(alpha=0.3)
+
+
+def _draw_accuracy(ax: Any, evaluation: dict) -> None:
+    names = [n for n in ("before", "after") if n in evaluation]
+    values = [evaluation[n]["accuracy"] for n in names]
+    bars = ax.bar(names, values, yerr=[evaluation[n].get("stderr", 0.0) for n in names], capsize=4,
+                  color=["tab:gray", "tab:green"][: len(names)])
+    for bar, name in zip(bars, names):
+        res = evaluation[name]
+        ax.annotate(f"{res['correct']}/{res['total']}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", xytext=(0, 6), textcoords="offset points")
+    ax.set_ylim(0, max(1e-3, max(values)) * 1.35)
+    ax.set_title("greedy accuracy, held-out problems", fontsize=10)
+    ax.set_ylabel("accuracy (fraction, ± s.e.)", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+
+
+def plot_metrics(jsonl_path: str | Path, out_dir: str | Path, keys: Iterable[tuple[str, str]] = PLOTS, *,
+                 per_metric: bool = True, title: Optional[str] = None,
+                 evaluation: Optional[dict] = None) -> list[Path]:
+    """The run's summary figure ``metrics.png`` (one panel per metric, value per optimizer step, y axes in their
+    units, a zero line where a metric can be negative; plus a before/after accuracy panel when ``evaluation`` is
+    given), and with ``per_metric`` one PNG per metric. Keys never logged are skipped.
 
     Args:
         jsonl_path: a log written by ``make_jsonl_callback``.
         out_dir: where the PNGs go (created).
-        keys: ``(metric key, plot title)`` pairs.
+        keys: ``(metric key, panel title)`` pairs.
+        per_metric: also write ``<key>.png`` per metric (``/`` -> ``_``).
+        title: the figure's title (the run's identity), or none.
+        evaluation: ``{"before": EvalResult.to_dict(), "after": ...}`` for the accuracy panel.
 
     Returns:
         The paths written, ``metrics.png`` last; empty when none of ``keys`` was logged.
@@ -263,30 +356,29 @@ def plot_metrics(jsonl_path: str | Path, out_dir: str | Path, keys: Iterable[tup
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     series = []
-    for key, title in keys:
+    for key, panel_title in keys:
         pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
         if pts:
-            series.append((key, title, pts))
+            series.append((key, panel_title, pts))
     written = []
-    for key, title, pts in series:
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".")
-        ax.set_xlabel("optimizer step")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
+    for key, panel_title, pts in series if per_metric else ():
+        fig, ax = plt.subplots(figsize=(5, 3.4))
+        _draw(ax, key, panel_title, pts)
         fig.tight_layout()
         path = out_dir / (key.replace("/", "_") + ".png")
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
     if series:
-        fig, axes = plt.subplots(1, len(series), figsize=(4.2 * len(series), 3.2))
-        axes = [axes] if len(series) == 1 else list(axes)
-        for ax, (key, title, pts) in zip(axes, series):
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".")
-            ax.set_title(title, fontsize=9)
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
+        accuracy = bool(evaluation) and any(n in evaluation for n in ("before", "after"))
+        n = len(series) + accuracy
+        fig, axes = plt.subplots(1, n, figsize=(4.3 * n, 3.9), squeeze=False)
+        for ax, (key, panel_title, pts) in zip(axes[0], series):
+            _draw(ax, key, panel_title, pts, fontsize=9)
+        if accuracy:
+            _draw_accuracy(axes[0][-1], evaluation)
+        if title:
+            fig.suptitle(title, fontsize=10)
         fig.tight_layout()
         path = out_dir / "metrics.png"
         fig.savefig(path, dpi=100)
@@ -295,67 +387,139 @@ def plot_metrics(jsonl_path: str | Path, out_dir: str | Path, keys: Iterable[tup
     return written
 
 
-# ----------------------------------------------------------------------------------------------- model card
-def rollout_correction_record(args: Any) -> dict:
-    """The effective correction fields of a ``RolloutCorrGRPOConfig`` (after preset expansion), for the run log.
+# ----------------------------------------------------------------------------------------------- console and summary
+# (log key, label, format) of the one console line per logged step; absent keys are left out of the line.
+CONSOLE_FIELDS = (
+    ("reward", "reward", "{:.3f}"),
+    ("rollout_corr/kl", "kl", "{:.2e}"),
+    ("rollout_corr/rollout_is_eff_sample_size", "ESS", "{:.3f}"),
+    ("rollout_corr/rollout_rs_masked_fraction", "rejected", "{:.1%}"),
+    ("step_time", "step", "{:.1f} s"),
+)
+
+
+def progress_line(logs: dict, step: int, max_steps: int) -> Optional[str]:
+    """The console line of one log event: ``step 3/12 | reward 0.250 | kl 2.10e-03 | ESS 0.995 | rejected 0.0% |
+    step 28.3 s`` for a training step, ``eval @ step 3 | reward ...`` for an evaluation (``eval_`` keys), None for
+    other events (the end-of-training summary).
+    """
+    prefix = "eval_" if any(k.startswith("eval_") for k in logs) else ""
+    if prefix:
+        head = f"eval @ step {step}"
+    elif "loss" in logs:
+        head = f"step {step}/{max_steps}"
+    else:
+        return None
+    parts = [head]
+    for key, label, fmt in CONSOLE_FIELDS:
+        value = logs.get(prefix + key)
+        if isinstance(value, (int, float)):
+            parts.append(f"{label} {fmt.format(value)}")
+    return " | ".join(parts)
+
+
+def use_short_console(trainer: Any) -> None:
+    """Replace the Trainer's per-step dict on the console (``PrinterCallback`` / ``ProgressCallback``, ~110 keys)
+    with ``progress_line``; the full record still goes to ``log.jsonl`` and the ``report_to`` trackers."""
+    from transformers import PrinterCallback, ProgressCallback, TrainerCallback
+
+    class ProgressLineCallback(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            line = progress_line(logs or {}, state.global_step, state.max_steps)
+            if state.is_world_process_zero and line:
+                print(line, flush=True)
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(ProgressLineCallback())
+
+
+SUMMARY_COLUMNS = (("reward", "reward"), ("rollout_corr/kl", "kl (nats/token)"),
+                   ("rollout_corr/rollout_is_eff_sample_size", "ESS"),
+                   ("rollout_corr/rollout_rs_masked_fraction", "rejected"), ("step_time", "step time (s)"))
+
+
+def write_run_summary(out_dir: str | Path, identity: dict, results: dict) -> Path:
+    """``summary.md`` of a run: who ran what, the held-out accuracy before/after, one row per logged step.
 
     Args:
-        args: a ``RolloutCorrGRPOConfig``; it carries every ``RolloutCorrectionConfig`` field under the same name.
+        out_dir: the run's output folder (holds ``log.jsonl``; ``summary.md`` is written there).
+        identity: ``{name: value}`` rows identifying the run (command, config, engine, threads, machine).
+        results: the recipe's results (``before``/``after``/``improvement`` when evaluated).
 
     Returns:
-        ``{field: value}`` for the ``RolloutCorrectionConfig`` fields, then ``rollout_corr_preset``,
-        ``rs_keep_rejected_in_baseline`` and ``vllm_importance_sampling_correction`` (None where ``args`` lacks them).
-
-    Raises:
-        AttributeError: if ``args`` lacks a ``RolloutCorrectionConfig`` field (it is not a ``RolloutCorrGRPOConfig``).
+        The path of ``summary.md``.
     """
-    from trl_rollout_corr.config import RolloutCorrectionConfig
+    out_dir = Path(out_dir)
+    lines = [f"# Run summary: {out_dir.name}", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | `{v}` |" for k, v in identity.items()]
+    before, after = results.get("before"), results.get("after")
+    if before and after:
+        imp = results.get("improvement") or {}
+        lines += ["", f"## Greedy accuracy on {before['total']} held-out problems", "",
+                  "| | accuracy ± s.e. | correct |", "|---|---|---|"]
+        lines += [f"| {n} | {r['accuracy']:.3f} ± {r['stderr']:.3f} | {r['correct']} / {r['total']} |"
+                  for n, r in (("before", before), ("after", after))]
+        if imp:
+            lines.append(f"| paired difference | {imp['mean']:+.3f} ± {imp['stderr']:.3f} | |")
+    steps = [r for r in read_jsonl(out_dir / "log.jsonl") if "loss" in r]
+    if steps:
+        lines += ["", "## Per step", "", "| step | " + " | ".join(h for _, h in SUMMARY_COLUMNS) + " |",
+                  "|---" * (len(SUMMARY_COLUMNS) + 1) + "|"]
+        for r in steps:
+            cells = [f"{r[k]:.4g}" if isinstance(r.get(k), (int, float)) else "" for k, _ in SUMMARY_COLUMNS]
+            lines.append(f"| {r['step']} | " + " | ".join(cells) + " |")
+    lines += ["", "Files: `log.jsonl` (run config, then every logged step with every metric), `results.json`, "
+              "`metrics.png` (this run's figure), `README.md` (model card). Trackers (`report_to`) write under "
+              "the output folder: `tensorboard --logdir <output_dir>/runs`, or `trackio show` for trackio."]
+    path = out_dir / "summary.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
-    record = {f.name: getattr(args, f.name) for f in fields(RolloutCorrectionConfig) if f.init}
-    record["rollout_corr_preset"] = getattr(args, "rollout_corr_preset", None)
-    record["rs_keep_rejected_in_baseline"] = getattr(args, "rs_keep_rejected_in_baseline", None)
-    record["vllm_importance_sampling_correction"] = getattr(args, "vllm_importance_sampling_correction", None)
-    return record
+
+def machine_record() -> dict:
+    """The machine a run's numbers belong to: CPU model, core count, torch and Python versions."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+
+
+# ----------------------------------------------------------------------------------------------- model card
+def rollout_correction_record(args: Any) -> dict:
+    """The effective correction fields of a ``RolloutCorrGRPOConfig`` (after preset expansion), for the run log:
+    ``trl_rollout_corr.model_card.correction_record`` (the same record the trainer's model card shows)."""
+    from trl_rollout_corr.model_card import correction_record
+
+    return correction_record(args)
 
 
 def model_card_section(correction: dict, engine: dict, task: dict, evaluation: Optional[dict] = None) -> str:
-    """Markdown appended to the saved model's README.md: one table each for the correction, the engine and the task.
+    """The trainer's model-card section (``trl_rollout_corr.model_card.render_section``) with a task table and,
+    when ``evaluation`` (``{"before": EvalResult.to_dict(), "after": ...}``) is given, an accuracy table."""
+    from trl_rollout_corr.model_card import render_section
 
-    Args:
-        correction: from ``rollout_correction_record``.
-        engine: from ``engine_record`` or ``VLLMCPURollout.describe()``.
-        task: free-form ``{name: value}`` rows.
-        evaluation: ``{"before": EvalResult.to_dict(), "after": ...}``; a row per entry when given.
-    """
-    lines = ["", "## Rollout correction (trl-rollout-corr)", "",
-             "Trained with `RolloutCorrGRPOTrainer`: TRL's GRPO corrected for the mismatch between the rollout engine "
-             "(mu) and the trainer (pi).", "", "| correction field | value |", "|---|---|"]
-    lines += [f"| `{k}` | `{v}` |" for k, v in correction.items()]
-    lines += ["", "| rollout engine | value |", "|---|---|"]
-    lines += [f"| `{k}` | `{v}` |" for k, v in engine.items()]
-    lines += ["", "| task | value |", "|---|---|"]
-    lines += [f"| `{k}` | `{v}` |" for k, v in task.items()]
+    return render_section(correction, engine, card_tables(task, evaluation))
+
+
+def card_tables(task: dict, evaluation: Optional[dict] = None) -> dict[str, dict]:
+    """``RolloutCorrGRPOTrainer.model_card_sections`` entries for the task and the held-out greedy accuracy."""
+    tables = {"task": dict(task)} if task else {}
     if evaluation:
-        lines += ["", "Greedy accuracy on the held-out problems:", "", "| | accuracy | correct / total |",
-                  "|---|---|---|"]
-        for name, res in evaluation.items():
-            lines.append(
-                f"| {name} | {res['accuracy']:.3f} ± {res['stderr']:.3f} | {res['correct']} / {res['total']} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
-def write_model_card(trainer: Any, output_dir: str | Path, section: str, dataset_name: Optional[str] = None) -> Path:
-    """TRL's model card (``trainer.create_model_card``) with ``section`` appended; a minimal card if TRL's fails."""
-    path = Path(output_dir) / "README.md"
-    try:
-        trainer.create_model_card(dataset_name=dataset_name, tags=["trl-rollout-corr", "rollout-correction"])
-    except Exception as exc:  # offline / template problems must not lose the run
-        path.write_text("---\ntags: [trl, grpo, trl-rollout-corr]\n---\n# Model trained with GRPO + rollout "
-                        f"correction\n(TRL model card unavailable: {type(exc).__name__})\n")
-    text = path.read_text() if path.exists() else ""
-    path.write_text(text + section)
-    return path
+        tables["held-out greedy accuracy"] = {
+            name: f"{res['accuracy']:.3f} ± {res['stderr']:.3f} ({res['correct']} / {res['total']})"
+            for name, res in evaluation.items()
+        }
+    return tables
 
 
 class Progress:
@@ -368,11 +532,13 @@ class Progress:
         print(f"[{phase} +{time.time() - self.t0:6.1f}s] {message}", flush=True)
 
 
-def pick_threads(requested: int = 0) -> int:
-    """``requested`` if > 0, else the cores not busy with other work: ``cpu_count - round(1-min load)``, at least 1.
+def pick_threads(requested: int = 1) -> int:
+    """``requested`` if > 0; 0 asks for the cores not busy with other work: ``cpu_count - round(1-min load)``, >= 1.
 
-    On a shared machine, oversubscribing torch's intra-op pool is several times slower than one thread (measured on
-    the 2-core dev box at load 3-5: a SmolLM2 forward+backward took 22-59 s on 2 threads vs 8 s on 1).
+    The recipe's default is a fixed 1 (``--torch_threads``): the thread count changes the order of floating-point
+    reductions, so runs are only comparable, and a run only reproducible, at the same count; 0 makes the count, and
+    with it the computation, depend on the machine's load (``benchmarks/RESULTS.md``, "Thread policy", for the
+    measured 1 vs 2 thread step times).
     """
     if requested > 0:
         return requested

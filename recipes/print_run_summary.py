@@ -40,7 +40,7 @@ def summary_lines(results: dict, out_dir: str | Path) -> list[str]:
             line += f", paired difference {improvement['mean']:+.3f} ± {improvement['stderr']:.3f} (s.e.)"
     else:
         line = f"{PREFIX} no held-out evaluation in this run (eval_size 0 or a rollout engine other than vllm_cpu)"
-    return [line, f"{PREFIX} outputs: {out_dir}/{{README.md,log.jsonl,results.json,metrics.png}}"]
+    return [line, f"{PREFIX} outputs: {out_dir}/{{summary.md,metrics.png,README.md,log.jsonl,results.json}}"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

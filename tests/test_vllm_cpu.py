@@ -64,7 +64,7 @@ def _fake_llm(tied: bool, dtype=torch.bfloat16):
     class Runner:
         def reload_weights(self, weights_iterator, is_checkpoint_format):
             assert is_checkpoint_format
-            loaded.extend(weights_iterator)
+            loaded.extend((name, t.clone()) for name, t in weights_iterator)  # an engine copies what it loads
 
         def get_model(self):
             return torch.nn.Linear(2, 2, dtype=dtype)
@@ -94,6 +94,59 @@ def test_sync_weights_tied_head_checked_once_before_loading():
     llm, loaded = _fake_llm(tied=False)
     sync_weights(llm, iter(weights.items()))
     assert [name for name, _ in loaded] == list(weights)
+
+
+def _peft_tiny_llama():
+    peft = pytest.importorskip("peft")
+    from tiny_model import make_tiny_model
+
+    model, _ = make_tiny_model("llama", seed=0)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                      modules_to_save=["lm_head"]))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:  # B starts at 0 (merged == base); a trained adapter has B != 0
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            if "modules_to_save" in name:
+                p.add_(1.0)
+    return lora, base
+
+
+def test_peft_model_syncs_merged_weights_under_base_names():
+    """A LoRA policy reaches the engine as W + (alpha / r) B A under the base checkpoint's names; the trainer's
+    frozen base weights are bit-identical afterwards (TRL's vLLM paths merge, rename and unmerge the same way)."""
+    lora, base = _peft_tiny_llama()
+    before = {k: v.clone() for k, v in lora.state_dict().items()}
+    llm, loaded = _fake_llm(tied=False, dtype=torch.float32)
+    rollout = VLLMCPURollout.__new__(VLLMCPURollout)  # the engine-free part: sync_from on a stand-in LLM
+    rollout.llm, rollout.num_syncs, rollout.sync_seconds = llm, 0, 0.0
+    trainer = SimpleNamespace(model=lora, is_fsdp_enabled=False, _metrics={"train": defaultdict(list)},
+                              accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None),
+                                                          unwrap_model=lambda m: m))
+    trainer.model.train()
+    rollout.sync_from(trainer)
+    sent = dict(loaded)
+    assert list(sent) == list(base)  # exactly the base checkpoint's names, in its order
+    modules = dict(lora.named_modules())
+    for name, w in base.items():
+        if name.endswith(("q_proj.weight", "v_proj.weight")):
+            layer = modules["base_model.model." + name.removesuffix(".weight")]
+            delta = (layer.lora_B["default"].weight @ layer.lora_A["default"].weight) * (8 / 4)
+            assert delta.abs().max() > 1e-3
+            torch.testing.assert_close(sent[name], w + delta, rtol=0, atol=1e-6)
+        elif name == "lm_head.weight":
+            torch.testing.assert_close(sent[name], w + 1.0, rtol=0, atol=0)  # the trained modules_to_save copy
+        else:
+            assert torch.equal(sent[name], w), name
+    after = lora.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    from peft.tuners.lora import LoraLayer
+
+    lora_layers = [m for m in modules.values() if isinstance(m, LoraLayer)]
+    assert len(lora_layers) == 4 and not any(m.merged for m in lora_layers)  # unmerged again
+    assert trainer._metrics["train"]["rollout/vllm_sync_s"] and rollout.num_syncs == 1
 
 
 def test_sampled_log_probs_alignment_errors_name_the_row():

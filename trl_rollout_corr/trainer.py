@@ -71,6 +71,7 @@ import time
 import types
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
@@ -79,7 +80,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.grpo_trainer import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id
 
-from . import support, trl_compat
+from . import model_card, support, trl_compat
 from .accumulator import Reducers, RolloutCorrAccumulator
 from .config import CORRECTION_FIELDS, RolloutCorrectionArguments, RolloutCorrectionConfig
 from .correction import DEFAULT_LENGTH_BUCKETS, make_correction_fn, ratio_decomposition
@@ -515,6 +516,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             this trainer ran itself: pi_old per generation batch (decoupled, and diagnostics when TRL has none) and
             the optimizer step's rows (bypass + batch normalisation with gradient accumulation; for tests and
             benchmarks).
+        model_card_sections: ``{title: {key: value}}`` tables added to every model card this trainer writes, after
+            the correction and rollout-engine tables (``create_model_card``); empty by default.
         rollout_corr_router_replay: the ``routing.RouteReplayer`` of the policy with ``routing_replay="r3"``, else
             None.
 
@@ -527,6 +530,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             construction for a dense model, an unsupported MoE family, TRL's own vLLM path (no routes) or tools; at
             the first generation for missing routes or routes of the wrong shape (naming the row).
     """
+
+    _tag_names = [*GRPOTrainer._tag_names, *model_card.TAGS]  # on the model (add_model_tags) and in every card
 
     def __init__(self, *args, **kwargs):
         bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
@@ -547,6 +552,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self.rollout_corr_reducers = _accelerate_reducers(self.accelerator)
         self.rollout_corr_metrics = RolloutCorrAccumulator(self.rollout_corr_reducers)
         self.rollout_corr_forward_counts = {"old_log_probs": 0, "batch_norm_window": 0}
+        self.model_card_sections: dict[str, dict[str, Any]] = {}
         self._rc_correction_fn = make_correction_fn(self.rollout_correction, compile=self.args.rollout_corr_compile)
         # Scoped hand-offs between TRL's hooks: set only inside the context managers below, None/False outside.
         self._rc_skip_old_forward = False
@@ -608,7 +614,15 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 a processor the trainer cannot reproduce, a model whose LM head rescales its logits, ZeRO-3/FSDP.
         """
         matching = self.args.rollout_support_matching
-        spec = self.rollout_sampler = self._sampler_contract()
+        try:
+            spec = self.rollout_sampler = self._sampler_contract()
+        except ValueError:  # greedy or beam generation: no sampling distribution (TRL's, only without a correction)
+            if matching != "off":
+                raise
+            self.rollout_sampler, self.rollout_sampler_report = None, []
+            self._rc_support_scorer = self._rc_support = self._rc_kept = None
+            self._rc_support_measure = self._rc_support_warn = self._rc_processors_warned = False
+            return
         self.rollout_sampler_report = [] if spec is None else spec.report(matching)
         self._rc_support_scorer: Optional[support.SupportScorer] = None
         self._rc_support: Optional[_SupportScope] = None  # the open scope (see _support_scope)
@@ -733,6 +747,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     def _check_engine_processors(self, processors: list) -> None:
         """The processors ``generate`` applied must be the sampler contract's (matching on: an error; off: a
         warning, once)."""
+        if self.rollout_sampler is None:  # greedy / beam generation without a correction: nothing to compare
+            return
         problems = support.check_transformers_processors(self.rollout_sampler, processors)
         if not problems:
             return
@@ -1352,6 +1368,22 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             "pi_train / mu sits near %.3f from the support alone, a bias that IS/RS read as mismatch. Set "
             "rollout_support_matching='recompute' to score with the engine's support.", names, log_mass,
             math.exp(log_mass))
+
+    # ------------------------------------------------------------------ model card
+    def create_model_card(self, model_name: Optional[str] = None, dataset_name: Optional[str] = None, tags=None):
+        """TRL's model card, plus the rollout-correction section (``model_card.render_section``).
+
+        TRL calls this for every card it writes (``_save_checkpoint``, ``push_to_hub``, so also ``save_model`` with
+        ``push_to_hub=True``), always into ``args.output_dir/README.md``; the section records the effective
+        correction config, the rollout engine and ``model_card_sections`` (``model_card.complete_card``, which also
+        names local base weights where TRL's template prints ``None``). ``model_name`` defaults to the name TRL's
+        ``_save_checkpoint`` gives (the last part of ``hub_model_id``, else of ``output_dir``).
+        """
+        if model_name is None:
+            model_name = (self.args.hub_model_id or Path(self.args.output_dir).name).split("/")[-1]
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if self.is_world_process_zero():
+            model_card.complete_card(Path(self.args.output_dir) / "README.md", self)
 
     # ------------------------------------------------------------------ rollout records (records.py, spec 10)
     # Off unless rollout_dump_dir is set. Four call sites, each one line: __init__ opens the writer (and writes the

@@ -18,13 +18,16 @@ This is the module of the engine that knows TRL. What it relies on, all in TRL 1
 
 ``VLLMCPURollout.sampler_contract(trainer)`` tells ``RolloutCorrGRPOTrainer`` what the engine samples with (the
 same keyword arguments it passes to ``SamplingParams``), for the start-up report and support matching.
+A PEFT policy (``GRPOTrainer(peft_config=...)``, the recipe's ``--use_peft``) is synced as merged weights under the
+base model's checkpoint names (``peft_merged_weights``), as TRL's own vLLM sync does for its engines.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
@@ -163,6 +166,8 @@ class VLLMCPURollout:
     def sync_from(self, trainer: Any) -> float:
         """Load the trainer's current (unwrapped) weights into the engine; returns the seconds it took.
 
+        A PEFT model is sent as merged weights with the base model's names (``peft_merged_weights``).
+
         Raises:
             NotImplementedError: the trainer shards its weights (FSDP, DeepSpeed ZeRO-3): the engine needs full
                 weights from the unwrapped model.
@@ -175,7 +180,8 @@ class VLLMCPURollout:
                 "DDP or ZeRO-1/2."
             )
         model = trainer.accelerator.unwrap_model(trainer.model)
-        seconds = sync_weights(self.llm, model)
+        with peft_merged_weights(model) as weights:
+            seconds = sync_weights(self.llm, weights)
         self.num_syncs += 1
         self.sync_seconds += seconds
         log_trl_metric(trainer, "rollout/vllm_sync_s", seconds)
@@ -268,3 +274,57 @@ def log_trl_metric(trainer: Any, key: str, value: float) -> None:
         return
     mode = "train" if trainer.model.training else "eval"
     metrics[mode][key].append(float(value))
+
+
+def _is_peft_model(model: Any) -> bool:
+    return hasattr(model, "peft_config") and callable(getattr(model, "merge_adapter", None))
+
+
+def _base_name(name: str) -> str:
+    """A PEFT parameter name as the base model's checkpoint names it (``base_model.model.`` and ``.base_layer``
+    removed, a ``modules_to_save`` copy under its module's own name)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer", "").replace(".modules_to_save.default", "")
+
+
+@contextlib.contextmanager
+def peft_merged_weights(model: torch.nn.Module) -> Iterator[Union[torch.nn.Module, list[tuple[str, torch.Tensor]]]]:
+    """The weights a rollout engine needs from ``model``: the model itself, or, for a PEFT model, its merged weights.
+
+    For a ``peft.PeftModel`` (LoRA, DoRA, ...) the adapter is merged into the base weights (PEFT's
+    ``merge_adapter``), the state dict is yielded under the base model's checkpoint names
+    (``model.layers.0.self_attn.q_proj.weight``; adapter tensors ``lora_*`` and the frozen ``original_module`` copies
+    of ``modules_to_save`` dropped), and on exit the adapter is unmerged and the base weights that merging touched
+    are put back bit for bit from a copy (unmerging alone subtracts the delta again in floating point, which drifts
+    the frozen weights a little at every sync). TRL's vLLM paths sync PEFT models the same way (merge, rename,
+    unmerge).
+
+    Args:
+        model: the unwrapped trainer model (``accelerator.unwrap_model(trainer.model)``).
+
+    Yields:
+        ``model`` itself when it is not a PEFT model; else a list of ``(name, tensor)`` pairs (tensors are the
+        merged parameters themselves, valid inside the block only).
+
+    Raises:
+        ValueError: the PEFT model holds several adapters (which one the engine should serve is ambiguous).
+    """
+    if not _is_peft_model(model):
+        yield model
+        return
+    if len(model.peft_config) != 1:
+        raise ValueError(
+            f"The PEFT model holds {len(model.peft_config)} adapters ({sorted(model.peft_config)}); the rollout "
+            "engine serves one merged model: delete the others (model.delete_adapter) before training."
+        )
+    saved = {name: p.detach().clone() for name, p in model.named_parameters() if ".base_layer." in name}
+    prefix = getattr(model, "prefix", "lora_")
+    with torch.no_grad():
+        model.merge_adapter()
+        try:
+            yield [(_base_name(name), tensor) for name, tensor in model.state_dict().items()
+                   if prefix not in name and "original_module" not in name]
+        finally:
+            model.unmerge_adapter()
+            params = dict(model.named_parameters())
+            for name, value in saved.items():
+                params[name].copy_(value)
