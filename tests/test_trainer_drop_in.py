@@ -163,3 +163,34 @@ def test_trl_default_bf16_on_cpu_warns_that_autocast_hides_the_mismatch(tmp_path
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make_args(tmp_path, bf16=False, rollout_corr_preset="decoupled_token_is")
+
+
+@pytest.fixture(scope="module")
+def dropout_dir(tmp_path_factory):
+    """The tiny Llama with attention dropout 0.1 (GPT-2-style configs default to dropout)."""
+    from tiny_model import make_tiny_model
+
+    model, tok = make_tiny_model("llama", seed=0)
+    model.config.attention_dropout = 0.1
+    path = str(tmp_path_factory.mktemp("tiny_llama_dropout"))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_no_correction_with_dropout_trains_as_trl(dropout_dir, tmp_path, make_args):
+    """The diagnostics' pi_old forward (TRL runs none here) must not consume the random numbers of TRL's dropout
+    and sampling: losses and grad norms equal plain TRL's at every step."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tiny_model import prompt_dataset, reward_len
+    from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
+
+    logs = {}
+    for name, cls, config_cls in (("trl", GRPOTrainer, GRPOConfig), ("ours", RolloutCorrGRPOTrainer, None)):
+        args = make_args(tmp_path / name, config_cls=config_cls, max_steps=3)
+        trainer = cls(model=dropout_dir, reward_funcs=reward_len, args=args, train_dataset=prompt_dataset(8))
+        trainer.train()
+        logs[name] = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+    assert len(logs["trl"]) == 3 and logs["ours"] == logs["trl"]
+    assert trainer.rollout_corr_forward_counts["old_log_probs"] == 3  # the diagnostics did run their own forward

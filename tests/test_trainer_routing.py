@@ -237,3 +237,12 @@ def test_routing_replay_errors_before_the_first_step(llama_dir, qwen3_moe_dir, t
     with pytest.raises(ValueError, match="does not support tools"):
         RolloutCorrGRPOTrainer(model=qwen3_moe_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(),
                                args=make_args(tmp_path, routing_replay="r3"), tools=[reward_len])
+
+
+@pytest.mark.parametrize("generation_kwargs", [{"do_sample": False}, {"num_beams": 2}], ids=["greedy", "beam"])
+def test_routing_replay_with_greedy_or_beam_generation_is_refused_at_config_time(generation_kwargs, tmp_path,
+                                                                                make_args):
+    """Routes are recorded from sampled generation only; without a correction TRL generates greedy/beam rows without
+    the recorder, so r3 is refused when the config is built (not at the first step with a misleading message)."""
+    with pytest.raises(ValueError, match=r"routing_replay='r3' with generation_kwargs=.*routing_replay='off'"):
+        make_args(tmp_path, routing_replay="r3", generation_kwargs=generation_kwargs)

@@ -260,3 +260,29 @@ def test_support_matching_with_routing_replay(matching, tmp_path, make_trainer, 
         for key in ("p01", "max"):
             assert log[f"rollout_corr/engine_ratio_{key}"] == pytest.approx(1.0, abs=1e-5)
         assert -1.0 < log[f"{SUPPORT}log_mass_mean"] < -1e-3 and log[f"{SUPPORT}miss_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("reuse", [dict(num_iterations=2), dict(steps_per_generation=2)], ids=str)
+def test_decoupled_matching_where_pi_theta_can_leave_pi_olds_support_is_refused(reuse, tmp_path, make_args):
+    """Decoupled matching scores pi_theta over its own recomputed support; where an optimizer step separates the pi_old
+    and loss forwards, tokens outside pi_theta's support would be trained on uncounted: refused at config time
+    (bypass makes its misses invalid and is allowed)."""
+    with pytest.raises(ValueError, match=r"decoupled mode scores pi_theta.*bypass_mode=True"):
+        make_args(tmp_path, rollout_support_matching="recompute", top_p=0.8,
+                  rollout_corr_preset="decoupled_token_is", **reuse)
+    make_args(tmp_path, rollout_support_matching="recompute", top_p=0.8, rollout_corr_preset="bypass_ppo_clip",
+              **reuse)
+    make_args(tmp_path, rollout_support_matching="recompute", top_p=0.8, rollout_corr_preset="decoupled_token_is")
+
+
+def test_analyze_refuses_a_support_matched_run(llama_dir, tmp_path, make_trainer):
+    """The records do not store the tokens support matching made invalid, so such a run cannot be recomputed:
+    analyze says so (ConfigError naming the setting) instead of reporting a mismatch."""
+    from trl_rollout_corr.analyze import ConfigError, analyse_dump
+    from trl_rollout_corr.records import open_dump
+
+    trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="bypass_ppo_clip", top_p=0.8, max_steps=1,
+                           rollout_support_matching="recompute", rollout_dump_dir=str(tmp_path / "dump"))
+    trainer.train()
+    with pytest.raises(ConfigError, match="rollout_support_matching='recompute'.*cannot be recomputed"):
+        analyse_dump(open_dump(tmp_path / "dump"), [])

@@ -593,8 +593,17 @@ def analyse_dump(dump: RolloutDump, configs: Sequence[NamedConfig], *, length_bu
         (check, [trained analysis, what-if analyses...], the recomputer).
 
     Raises:
-        RecordsError: an invalid dump (see ``records``). ConfigError: a config the dump cannot serve.
+        RecordsError: an invalid dump (see ``records``). ConfigError: a config the dump cannot serve, or a run
+            trained with support matching (its missed tokens are not recorded).
     """
+    matching = dump.metadata.get("trainer", {}).get("rollout_support_matching") or "off"
+    if matching != "off":
+        raise ConfigError(
+            f"{dump.path} was trained with rollout_support_matching={matching!r}: the trainer scored over the "
+            "engine's support and made the tokens outside it invalid, which records of schema "
+            f"{dump.metadata.get('schema_version', '1.0')} do not store, so its metrics cannot be recomputed. "
+            "Analyse runs trained with rollout_support_matching='off'."
+        )
     windows = [w for w in dump.windows if steps is None or steps[0] <= w.logged_step <= steps[1]]
     if not any(w.files for w in windows):
         raise RecordsError(f"{dump.path}: no stored rows in the selected steps ({len(windows)} logged steps, "

@@ -293,6 +293,13 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
     def _check_routing_replay(self) -> None:
         if self.routing_replay not in ROUTING_REPLAY_MODES:
             _refuse(f"routing_replay must be one of {ROUTING_REPLAY_MODES}, got {self.routing_replay!r}.")
+        kwargs = self.generation_kwargs or {}
+        if self.routing_replay == "r3" and (kwargs.get("do_sample") is False or (kwargs.get("num_beams") or 1) > 1):
+            _refuse(
+                f"routing_replay='r3' with generation_kwargs={kwargs!r}: routes are recorded from transformers' "
+                "sampled generation only (greedy / beam search is generated without the recorder); remove "
+                "do_sample=False / num_beams > 1, or set routing_replay='off'."
+            )
         if self.routing_replay == "r3" and self.use_vllm and self.vllm_importance_sampling_correction:
             _refuse(
                 "routing_replay='r3' with TRL's own vLLM importance sampling (vllm_importance_sampling_correction="
@@ -330,6 +337,17 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 "correction is on (the mismatch is corrected once, by rollout_is / rollout_rs); leave them at "
                 "TRL's defaults, or disable the rollout correction to use TRL's."
             )
+        if self.rollout_support_matching != "off" and not correction.bypass_mode:
+            reused = self.num_iterations > 1 or self.steps_per_generation != self.gradient_accumulation_steps
+            if reused:
+                _refuse(
+                    f"rollout_support_matching={self.rollout_support_matching!r} in decoupled mode scores pi_theta "
+                    "over its own recomputed support, which must be pi_old's: with num_iterations > 1 or "
+                    "steps_per_generation != gradient_accumulation_steps the policy changes between the pi_old and "
+                    "the loss forwards, and tokens outside pi_theta's support would be trained on uncounted. Use "
+                    "num_iterations=1 and steps_per_generation=gradient_accumulation_steps, bypass_mode=True (its "
+                    "missed tokens are made invalid), or rollout_support_matching='off'."
+                )
         if self.loss_type == "vespo":
             _refuse(
                 "loss_type='vespo' applies its own importance weighting; it cannot be combined with rollout "
@@ -1092,7 +1110,11 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         output["rollout_generation_step"] = torch.tensor(self.state.global_step)
         old_log_probs = output.get("old_per_token_logps")
         if old_log_probs is None:  # TRL uses pi_theta.detach() as pi_old here; the diagnostics need it explicitly
-            old_log_probs = output["rollout_old_log_probs"] = self._old_log_probs(output)
+            # a forward TRL does not run: its dropout must not consume the random numbers TRL's next forwards and
+            # sampling draw (a model with dropout would otherwise train differently from plain TRL)
+            device = output["completion_ids"].device
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                old_log_probs = output["rollout_old_log_probs"] = self._old_log_probs(output)
         correction = self._rc_correction_fn(
             support.invalidate_misses(old_log_probs, output.get("rollout_support_miss")), mu,
             trl_compat.loss_mask(output), all_reduce=self.rollout_corr_reducers.all_reduce,
@@ -1489,6 +1511,7 @@ _RECORDED_TRAINER_FIELDS = (
     "loss_type", "beta", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
     "steps_per_generation", "num_iterations", "logging_steps", "max_steps", "learning_rate", "seed", "bf16",
     "mask_truncated_completions", "scale_rewards", "epsilon", "epsilon_high", "importance_sampling_level",
+    "rollout_support_matching", "routing_replay",
 )
 
 
