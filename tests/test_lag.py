@@ -36,17 +36,17 @@ def test_row_versions_checks_and_per_token_minimum():
 
 def test_lag_counts_by_hand():
     lags = policy_lag(torch.tensor([5, 4, 1, 0, 5]), current_step=5)  # [0, 1, 4, 5, 0]
-    tokens = torch.tensor([2, 3, 1, 4, 0])  # the last row has no token: never counted
+    tokens = torch.tensor([2, 3, 1, 4, 0])  # the last row's tokens are all masked: a used row without tokens
     keep = lag_keep(lags, 1)
     assert lags.tolist() == [0, 1, 4, 5, 0] and keep.tolist() == [True, True, False, False, True]
     c = {k: (int(n), int(d)) for k, (n, d) in lag_counts(lags, tokens, keep).items()}
-    assert c["policy_lag_mean"] == (0 + 1 + 4 + 5, 4)
+    assert c["policy_lag_mean"] == (0 + 1 + 4 + 5 + 0, 5)
     assert c["policy_lag_token_mean"] == (0 * 2 + 1 * 3 + 4 * 1 + 5 * 4, 10)
-    assert c["policy_lag_fraction_0"] == (1, 4) and c["policy_lag_fraction_1"] == (1, 4)
-    assert c["policy_lag_fraction_4_7"] == (2, 4) and c["policy_lag_fraction_8_plus"] == (0, 4)
-    assert c["policy_lag_dropped_fraction"] == (2, 4) and c["policy_lag_dropped_token_fraction"] == (5, 10)
-    assert int(masked_lag_max(lags, tokens)) == 5
-    assert int(masked_lag_max(lags, torch.zeros(5, dtype=torch.long))) == -1
+    assert c["policy_lag_fraction_0"] == (2, 5) and c["policy_lag_fraction_1"] == (1, 5)
+    assert c["policy_lag_fraction_4_7"] == (2, 5) and c["policy_lag_fraction_8_plus"] == (0, 5)
+    assert c["policy_lag_dropped_fraction"] == (2, 5) and c["policy_lag_dropped_token_fraction"] == (5, 10)
+    assert int(masked_lag_max(lags)) == 5
+    assert int(masked_lag_max(torch.zeros(0, dtype=torch.long))) == -1
     assert lag_keep(lags, None).all()
 
 

@@ -189,7 +189,7 @@ class RolloutCorrAccumulator:
         Args:
             mode: ``"train"`` or ``"eval"``.
             lags: (B,) int64, optimizer steps between each row's policy version and this update.
-            tokens: (B,) loss tokens of each row (rows without any are not counted).
+            tokens: (B,) loss tokens of each row (the token-weighted mean's weights).
             keep: (B,) bool rows kept by ``max_policy_lag`` (None: no filter, no ``dropped`` fractions).
 
         Logged at ``flush``: ``policy_lag_mean`` (rows), ``policy_lag_token_mean`` (tokens), ``policy_lag_max``,
@@ -199,7 +199,7 @@ class RolloutCorrAccumulator:
         """
         self.add_fraction_counts(mode, lag_counts(lags, tokens, keep))
         buffer = self._buffer(mode)
-        local = masked_lag_max(lags, tokens)
+        local = masked_lag_max(lags)
         buffer.lag_row_max = local if buffer.lag_row_max is None else torch.maximum(buffer.lag_row_max, local)
 
     def add_fraction_counts(self, mode: str, counts: Mapping[str, tuple]) -> None:

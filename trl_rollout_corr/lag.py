@@ -113,8 +113,9 @@ def lag_counts(lags: torch.Tensor, tokens: torch.Tensor, keep: Optional[torch.Te
 
     Args:
         lags: (B,) int64 lag of each row (optimizer steps).
-        tokens: (B,) int64 loss tokens of each row (before the lag filter). Rows without a token are padding rows
-            and are not counted (spec section 5).
+        tokens: (B,) int64 loss tokens of each row (before the lag filter). Every row is a sample that was used,
+            also one whose tokens are all masked (``mask_truncated_completions``): the row metrics count it, the
+            token metrics weigh it by its (zero) tokens. (TRL's batches have no padding rows.)
         keep: (B,) bool, rows the ``max_policy_lag`` filter keeps; None: no filter (no ``dropped`` counts).
 
     Returns:
@@ -124,7 +125,7 @@ def lag_counts(lags: torch.Tensor, tokens: torch.Tensor, keep: Optional[torch.Te
         ``policy_lag_dropped_token_fraction`` (tokens). Summed over micro-batches and ranks, then divided once.
     """
     tokens = tokens.to(torch.int64)
-    rows = tokens > 0
+    rows = torch.ones_like(tokens, dtype=torch.bool)
     lags = lags.to(device=tokens.device, dtype=torch.int64)
     n_rows, n_tokens = rows.sum(), tokens.sum()
     counts = {
@@ -141,13 +142,11 @@ def lag_counts(lags: torch.Tensor, tokens: torch.Tensor, keep: Optional[torch.Te
     return counts
 
 
-def masked_lag_max(lags: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """0-d int64: the largest lag among rows with a loss token (-1 when there is none, so a max reduction ignores
-    it)."""
-    rows = tokens > 0
-    if not bool(rows.any()):
+def masked_lag_max(lags: torch.Tensor) -> torch.Tensor:
+    """0-d int64: the largest lag of the rows (-1 for no row, so that a max reduction ignores it)."""
+    if lags.numel() == 0:
         return torch.tensor(-1, dtype=torch.int64)
-    return lags.to(torch.int64)[rows.to(lags.device)].max()
+    return lags.to(torch.int64).max()
 
 
 @dataclass(frozen=True)

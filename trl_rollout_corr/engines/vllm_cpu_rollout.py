@@ -78,6 +78,8 @@ class VLLMCPURollout:
         async_depth: optimizer steps the engine's weights trail the learner (>= 0; 0: off). Exclusive with
             ``sync_interval > 1``. Costs d + 1 copies of the weights in the engine dtype.
         max_model_len, seed, kv_cache_gib, max_num_seqs, **llm_kwargs: see ``build_cpu_llm``.
+        llm: an engine already built with ``build_cpu_llm`` (shared between rollouts, or a stand-in in tests);
+            None: build one.
 
     Attributes:
         llm: the ``vllm.LLM``.
@@ -105,6 +107,7 @@ class VLLMCPURollout:
         seed: int = 0,
         kv_cache_gib: int = 1,
         max_num_seqs: Optional[int] = None,
+        llm: Any = None,
         **llm_kwargs: Any,
     ) -> None:
         self.model_path = str(model)
@@ -113,7 +116,7 @@ class VLLMCPURollout:
         self.seed = seed
         self.max_model_len = max_model_len
         t0 = time.perf_counter()
-        self.llm = build_cpu_llm(
+        self.llm = llm if llm is not None else build_cpu_llm(
             model, self.dtype, max_model_len=max_model_len, seed=seed, kv_cache_gib=kv_cache_gib,
             max_num_seqs=max_num_seqs, **llm_kwargs,
         )
