@@ -178,8 +178,9 @@ def report(out_root: Path, common: list[str], figure: bool = True) -> str:
         ref_name = f"trl_k{k}" + (f"_s{seed}" if seed != 1 else "")
         ref = cells.get(ref_name)
         b, a = s["before"] or {}, s["after"] or {}
-        vs = paired(a["scores"], ref["after"]["scores"]) if ref and a and ref_name != name else "—"
-        imp = s["improvement"]
+        vs = paired(a["scores"], ref["after"]["scores"]) if ref and ref.get("after") and a and ref_name != name \
+            else "—"
+        imp = s["improvement"] or {"mean": float("nan"), "stderr": float("nan")}
         nums = lambda xs, f: " ".join("-" if x is None else format(x, f) for x in xs)  # noqa: E731
         lines.append(
             f"| {name} | {s['steps']} | {b.get('correct')}/{b.get('total')} -> {a.get('correct')}/{a.get('total')} "

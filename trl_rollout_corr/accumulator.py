@@ -127,6 +127,7 @@ class _ModeBuffer:
     lag_count: int = 0
     lag_max: int = 0
     lag_row_max: Optional[torch.Tensor] = None  # per-row lags (add_policy_lag_rows): local max, reduced at flush
+    lag_fractions: dict[str, list] = field(default_factory=dict)  # per-row lag counts, reduced with ``fractions``
     fractions: dict[str, list] = field(default_factory=dict)  # name -> [numerator, denominator] running sums
     global_fractions: dict[str, list[int]] = field(default_factory=dict)  # already global: summed over calls only
 
@@ -197,8 +198,10 @@ class RolloutCorrAccumulator:
         ``policy_lag_dropped_fraction`` / ``policy_lag_dropped_token_fraction``. Every rank must call it for the
         same micro-batches (it joins the cross-rank reductions of ``flush``).
         """
-        self.add_fraction_counts(mode, lag_counts(lags, tokens, keep))
         buffer = self._buffer(mode)
+        for name, (num, den) in lag_counts(lags, tokens, keep).items():
+            total = buffer.lag_fractions.setdefault(name, [0, 0])
+            total[0], total[1] = total[0] + num, total[1] + den
         local = masked_lag_max(lags)
         buffer.lag_row_max = local if buffer.lag_row_max is None else torch.maximum(buffer.lag_row_max, local)
 
@@ -263,7 +266,7 @@ class RolloutCorrAccumulator:
         if buffer.lag_count:
             metrics[f"{PREFIX}policy_lag_mean"] = buffer.lag_sum / buffer.lag_count
             metrics[f"{PREFIX}policy_lag_max"] = float(buffer.lag_max)
-        metrics.update(self._flush_fractions(buffer.fractions))
+        metrics.update(self._flush_fractions({**buffer.fractions, **buffer.lag_fractions}))
         if buffer.lag_row_max is not None:
             lag_max = int(self.reducers.max(buffer.lag_row_max.reshape(1).to(torch.int64))[0])
             if lag_max >= 0:
