@@ -20,7 +20,7 @@ vLLM engine) and is skipped when its ``results.json`` exists (resumable). Then a
 ``benchmarks/RESULTS.md`` between this script's markers, and ``benchmarks/policy_lag_accuracy.png`` plots the final
 greedy accuracy against k per method.
 
-    flock /tmp/heavy.lock .venv-vllm/bin/python benchmarks/policy_lag_experiment.py [--cells trl_k8,decoupled_k8]
+    .venv-vllm/bin/python benchmarks/policy_lag_experiment.py [--cells trl_k8,decoupled_k8] [--lock /tmp/heavy.lock]
     .venv-vllm/bin/python benchmarks/policy_lag_experiment.py --report-only
 """
 
@@ -112,11 +112,23 @@ def run_cell_in_process(name: str, flags: list[str]) -> None:
     main(script_args, training_args, model_args, **kwargs)
 
 
-def run_cell(name: str, out_root: Path, common: list[str]) -> None:
+def run_cell(name: str, out_root: Path, common: list[str], lock: str = "") -> None:
+    """Run one cell in a fresh process (skipped when its results.json exists); with ``lock``, holds an exclusive
+    ``fcntl.flock`` on that file for the cell only (a machine shared by several jobs)."""
     out = out_root / name
     if (out / "results.json").exists():
         print(f"=== {name}: done already (resumable: delete {out} to rerun)", flush=True)
         return
+    if lock:
+        import fcntl
+
+        with open(lock, "a") as handle:
+            print(f"... {name}: waiting for {lock}", flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                return run_cell(name, out_root, common)
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, __file__, "--run-cell", name, "--", *cell_flags(name, out, common)]
     print(f">>> {name}: {' '.join(cmd)}", flush=True)
@@ -241,6 +253,7 @@ def main() -> None:
     ap.add_argument("--cells", default=",".join(ORDER), help="comma list, in run order")
     ap.add_argument("--common", default="--learning_rate 5e-5 --max_steps 10 --eval_size 128 --torch_threads 1",
                     help="recipe flags for every cell")
+    ap.add_argument("--lock", default="", help="hold an exclusive flock on this file for each cell")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--no-write", action="store_true", help="print the table; leave RESULTS.md and the figure alone")
     args = ap.parse_args()
@@ -248,7 +261,7 @@ def main() -> None:
     out_root.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         for name in args.cells.split(","):
-            run_cell(name, out_root, common)
+            run_cell(name, out_root, common, args.lock)
     text = report(out_root, common, figure=not args.no_write)
     print(text)
     if not args.no_write:
