@@ -251,7 +251,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "outputs" / "policy_lag"))
     ap.add_argument("--cells", default=",".join(ORDER), help="comma list, in run order")
-    ap.add_argument("--common", default="--learning_rate 5e-5 --max_steps 10 --eval_size 128 --torch_threads 1",
+    ap.add_argument("--common", default="--learning_rate 5e-5 --max_steps 8 --eval_size 64 --torch_threads 1",
                     help="recipe flags for every cell")
     ap.add_argument("--lock", default="", help="hold an exclusive flock on this file for each cell")
     ap.add_argument("--report-only", action="store_true")
