@@ -204,10 +204,9 @@ class VLLMCPURollout:
                 self.last_synced_step = self.engine_version = step
             return
         if not self._published or self._published[-1][0] != step:
-            model = trainer.accelerator.unwrap_model(trainer.model)
             self._published.append((step, {
                 k: v.detach().to(self.dtype, copy=True) if v.is_floating_point() else v.detach().clone()
-                for k, v in model.state_dict().items()
+                for k, v in self.trainer_weights(trainer).state_dict().items()
             }))
         target = self.schedule.async_version(step, [v for v, _ in self._published])
         log_trl_metric(trainer, "rollout/vllm_async_wait_s", self._wait_pending())
@@ -267,13 +266,18 @@ class VLLMCPURollout:
                 "VLLMCPURollout syncs full weights from the unwrapped model: ZeRO-3 / FSDP are not supported; use "
                 "DDP or ZeRO-1/2."
             )
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        seconds = sync_weights(self.llm, model)
+        seconds = sync_weights(self.llm, self.trainer_weights(trainer))
         self.engine_version = int(trainer.state.global_step)
         self.num_syncs += 1
         self.sync_seconds += seconds
         log_trl_metric(trainer, "rollout/vllm_sync_s", seconds)
         return seconds
+
+    @staticmethod
+    def trainer_weights(trainer: Any) -> torch.nn.Module:
+        """The module whose weights the engine receives (the one source for ``sync_from`` and the asynchronous
+        queue): the trainer's unwrapped policy."""
+        return trainer.accelerator.unwrap_model(trainer.model)
 
     @staticmethod
     def tokenize(prompts: list, trainer: Any) -> list[list[int]]:
