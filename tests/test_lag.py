@@ -210,3 +210,12 @@ def test_lag_split_puts_the_gap_in_the_lag_ratio(llama_dir, tmp_path, monkeypatc
         gap = max(abs(log["rollout_corr/lag_ratio_max"] - 1), abs(log["rollout_corr/lag_ratio_p01"] - 1))
         assert (gap > 1e-3) if stale else (gap == 0.0), log["step"]
         assert math.isfinite(log["rollout_corr/direct_ratio_mean"])
+
+
+def test_lag_fields_are_flags(tmp_path):
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(RolloutCorrGRPOConfig).parse_args_into_dataclasses([
+        "--output_dir", str(tmp_path), "--rollout_corr_preset", "decoupled_token_is", "--max_policy_lag", "3",
+        "--policy_lag_split", "--use_cpu", "--bf16", "false"])
+    assert args.max_policy_lag == 3 and args.policy_lag_split is True
