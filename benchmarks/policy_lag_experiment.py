@@ -204,9 +204,10 @@ def report(out_root: Path, common: list[str], figure: bool = True) -> str:
     missing = [c for c in ORDER if c not in cells]
     if missing:
         lines += ["", f"Not run (time box): {', '.join(missing)}."]
-    lines += ["", "![final greedy accuracy against the sync interval](policy_lag_accuracy.png)", "", END]
-    if figure:
+    if cells and figure:
         plot(cells, ROOT / "benchmarks" / "policy_lag_accuracy.png")
+        lines += ["", "![final greedy accuracy against the sync interval](policy_lag_accuracy.png)"]
+    lines += ["", END]
     return "\n".join(lines)
 
 
