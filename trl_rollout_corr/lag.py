@@ -1,0 +1,199 @@
+"""Policy versions and lag (spec section 7): which weights produced a sample, how stale it is when trained on.
+
+A sample's *version* is the optimizer step (``trainer.state.global_step``) of the weights the rollout engine held
+when it generated it (for an engine synced every few steps: the step of its last sync). A rollout that spans a
+weight update may report one version per token; the sample's version is its oldest token's. Its *lag* when
+trained on is the current optimizer step minus its version: 0 for synchronous GRPO with one update per
+generation batch, and positive with ``num_iterations > 1``, ``steps_per_generation > 1``, a weight sync every k
+steps, or asynchronous generation. All lags are in optimizer steps.
+
+Pure functions on Python lists and (B,) tensors; no TRL. ``WeightSchedule`` is the one rule, shared by the vLLM CPU
+engine and the tests, for which version an engine synced every ``sync_interval`` steps, or ``async_depth`` steps
+behind the learner, holds at a given step. Peers filter stale samples by the same scalar age: TRL's async GRPO
+``max_staleness``, verl's ``max_off_policy_threshold``, prime-rl's ``max_off_policy_steps``, SkyRL's
+``max_staleness_steps``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+# Fixed lag buckets (optimizer steps), logged as rollout_corr/policy_lag_fraction_<name>: the same names on every
+# rank and every step, as the accumulator's cross-rank fraction reduction needs.
+LAG_BUCKETS: tuple[tuple[str, int, Optional[int]], ...] = (
+    ("0", 0, 0), ("1", 1, 1), ("2_3", 2, 3), ("4_7", 4, 7), ("8_plus", 8, None),
+)
+
+VersionLike = Union[int, Sequence[int]]
+
+
+def row_versions(
+    raw: Optional[Sequence[VersionLike]], num_rows: int, current_step: int, *, required: bool = False
+) -> torch.Tensor:
+    """The (B,) int64 policy version of each row, checked.
+
+    Args:
+        raw: per row, an int (the version of the weights that generated it) or a non-empty sequence of ints (one
+            version per completion token; the row's version is the oldest, ``min``). None: the generation path
+            reports no version, and the current step is assumed (true for TRL's own vLLM colocate/server paths,
+            which sync before every generation, and for ``transformers.generate``, which samples from the policy).
+        num_rows: B, the rows of the generation batch.
+        current_step: the trainer's optimizer step now (``trainer.state.global_step``).
+        required: True when a setting depends on real versions (``max_policy_lag``): None is then an error.
+
+    Returns:
+        (B,) int64 tensor, every entry in ``[0, current_step]``.
+
+    Raises:
+        ValueError: ``raw`` is None while ``required``; a row count other than B; a version that is not an int
+            (bools refused), negative, an empty per-token list, or greater than ``current_step`` (a version from
+            the future: the engine reported a step its weights cannot come from). Each message names the row and
+            the fix.
+    """
+    if raw is None:
+        if required:
+            raise ValueError(
+                "max_policy_lag is set but the rollout_func returned no 'policy_version': without it every sample "
+                "would be assumed fresh. Return 'policy_version' (one int per row: the trainer.state.global_step of "
+                "the weights that generated it, e.g. VLLMCPURollout does), or unset max_policy_lag."
+            )
+        return torch.full((num_rows,), int(current_step), dtype=torch.int64)
+    raw = list(raw)
+    if len(raw) != num_rows:
+        raise ValueError(f"policy_version has {len(raw)} entries for {num_rows} rows; return one per row.")
+    versions = [_row_version(i, v) for i, v in enumerate(raw)]
+    future = [i for i, v in enumerate(versions) if v > current_step]
+    if future:
+        i = future[0]
+        raise ValueError(
+            f"policy_version of row {i} is {versions[i]}, ahead of the trainer's optimizer step {current_step} "
+            f"({len(future)} such rows): a version is the trainer.state.global_step of the weights that generated "
+            "the sample, never a later step. Report the step at which the engine's weights were synced."
+        )
+    return torch.tensor(versions, dtype=torch.int64)
+
+
+def _row_version(row: int, value: VersionLike) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"policy_version of row {row} is a bool ({value}); give the optimizer step as an int.")
+    if isinstance(value, int) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        version = int(value)
+    else:
+        try:
+            tokens = [int(v) for v in value]
+        except TypeError:
+            raise ValueError(
+                f"policy_version of row {row} is {value!r}; give an int, or one int per completion token."
+            ) from None
+        if not tokens:
+            raise ValueError(f"policy_version of row {row} is an empty per-token list; give the row's version.")
+        version = min(tokens)  # a rollout spanning a weight update: its oldest token's version
+    if version < 0:
+        raise ValueError(f"policy_version of row {row} is {version}; versions are optimizer steps (>= 0).")
+    return version
+
+
+def policy_lag(versions: torch.Tensor, current_step: int) -> torch.Tensor:
+    """(B,) int64 lag in optimizer steps: ``current_step - versions`` (never negative for checked versions)."""
+    return int(current_step) - versions.to(torch.int64)
+
+
+def lag_keep(lags: torch.Tensor, max_policy_lag: Optional[int]) -> torch.Tensor:
+    """(B,) bool: rows whose lag is at most ``max_policy_lag`` (all True when it is None)."""
+    if max_policy_lag is None:
+        return torch.ones_like(lags, dtype=torch.bool)
+    return lags <= int(max_policy_lag)
+
+
+def lag_counts(lags: torch.Tensor, tokens: torch.Tensor, keep: Optional[torch.Tensor] = None) -> dict[str, tuple]:
+    """Integer (numerator, denominator) counts of the lag metrics of one micro-batch, for an exact reduction.
+
+    Args:
+        lags: (B,) int64 lag of each row (optimizer steps).
+        tokens: (B,) int64 loss tokens of each row (before the lag filter). Every row is a sample that was used,
+            also one whose tokens are all masked (``mask_truncated_completions``): the row metrics count it, the
+            token metrics weigh it by its (zero) tokens. (TRL's batches have no padding rows.)
+        keep: (B,) bool, rows the ``max_policy_lag`` filter keeps; None: no filter (no ``dropped`` counts).
+
+    Returns:
+        name -> (numerator, denominator) as 0-d int64 tensors: ``policy_lag_mean`` (sum of row lags / rows),
+        ``policy_lag_token_mean`` (sum of lag x tokens / tokens), ``policy_lag_fraction_<bucket>`` (rows in each
+        of ``LAG_BUCKETS`` / rows) and, with ``keep``, ``policy_lag_dropped_fraction`` (rows) and
+        ``policy_lag_dropped_token_fraction`` (tokens). Summed over micro-batches and ranks, then divided once.
+    """
+    tokens = tokens.to(torch.int64)
+    rows = torch.ones_like(tokens, dtype=torch.bool)
+    lags = lags.to(device=tokens.device, dtype=torch.int64)
+    n_rows, n_tokens = rows.sum(), tokens.sum()
+    counts = {
+        "policy_lag_mean": (torch.where(rows, lags, 0).sum(), n_rows),
+        "policy_lag_token_mean": ((lags * tokens).sum(), n_tokens),
+    }
+    for name, low, high in LAG_BUCKETS:
+        inside = (lags >= low) if high is None else (lags >= low) & (lags <= high)
+        counts[f"policy_lag_fraction_{name}"] = ((inside & rows).sum(), n_rows)
+    if keep is not None:
+        dropped = rows & ~keep.to(rows.device)
+        counts["policy_lag_dropped_fraction"] = (dropped.sum(), n_rows)
+        counts["policy_lag_dropped_token_fraction"] = (torch.where(dropped, tokens, 0).sum(), n_tokens)
+    return counts
+
+
+def masked_lag_max(lags: torch.Tensor) -> torch.Tensor:
+    """0-d int64: the largest lag of the rows (-1 for no row, so that a max reduction ignores it)."""
+    if lags.numel() == 0:
+        return torch.tensor(-1, dtype=torch.int64)
+    return lags.to(torch.int64).max()
+
+
+@dataclass(frozen=True)
+class WeightSchedule:
+    """When a rollout engine takes the learner's weights: every ``sync_interval`` optimizer steps, or
+    ``async_depth`` steps behind the learner.
+
+    * ``sync_interval = k`` (>= 1): the engine syncs at its first generation and then at the first generation at
+      least k optimizer steps after its last sync; it generates with the weights of its last sync (k = 1: every
+      step, the synchronous default). The throughput trade of verl/SkyRL-style delayed sync.
+    * ``async_depth = d`` (>= 1): the engine generates step s's batch with the weights published at step
+      ``s - d`` (the newest published version ``<= s - d``; before any, the oldest), as a generator that runs d
+      steps ahead of the learner does (the lag of fully asynchronous GRPO with a queue of depth d).
+
+    Attributes:
+        sync_interval: optimizer steps between syncs (>= 1).
+        async_depth: optimizer steps the engine's weights trail the learner by (>= 0; 0: off).
+
+    Raises:
+        ValueError: a non-int or out-of-range value, or both set (``sync_interval > 1`` with ``async_depth > 0``).
+    """
+
+    sync_interval: int = 1
+    async_depth: int = 0
+
+    def __post_init__(self):
+        for name, low in (("sync_interval", 1), ("async_depth", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+        if self.sync_interval > 1 and self.async_depth > 0:
+            raise ValueError(
+                f"sync_interval={self.sync_interval} and async_depth={self.async_depth} are two ways to delay the "
+                "engine's weights; set one of them."
+            )
+
+    def needs_sync(self, step: int, last_synced: Optional[int]) -> bool:
+        """Sync mode: whether the engine takes the current weights before generating at ``step``."""
+        return last_synced is None or step - last_synced >= self.sync_interval
+
+    def async_version(self, step: int, published: Sequence[int]) -> int:
+        """Async mode: the version to generate with at ``step``, among the ``published`` versions (ascending).
+
+        Raises:
+            ValueError: nothing was published.
+        """
+        if not published:
+            raise ValueError("async_version: no weights were published yet.")
+        eligible = [v for v in published if v <= step - self.async_depth]
+        return eligible[-1] if eligible else published[0]
