@@ -26,6 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_md import replace_section  # noqa: E402  (benchmarks/, next to this file)
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "recipes" / "configs" / "cpu_smollm2_decoupled.yaml"
 BEGIN = "<!-- BEGIN bench_threads.py output -->"
@@ -106,14 +109,10 @@ def main() -> None:
     print(text)
     if args.write_results:
         path = Path(args.write_results)
-        body = path.read_text()
         block = f"{BEGIN}\n{text}{END}"
-        if BEGIN in body:
-            body = body.split(BEGIN)[0] + block + body.split(END, 1)[1]
-        else:
-            title = "## Thread policy (issue 10): the main job's step at 1 vs 2 threads"
-            body = body.rstrip("\n") + f"\n\n{title}\n\n{block}\n"
-        path.write_text(body)
+        if BEGIN not in path.read_text():  # first write: the section's title above the markers
+            block = "## Thread policy (issue 10): the main job's step at 1 vs 2 threads\n\n" + block
+        replace_section(block, BEGIN, END, path)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_md import replace_section  # noqa: E402  (benchmarks/, next to this file)
+
 BEGIN = "<!-- BEGIN compare_demo_runs.py output -->"
 END = "<!-- END compare_demo_runs.py output -->"
 TIMING_MARKERS = ("time", "runtime", "per_second", "seconds")
@@ -99,14 +102,10 @@ def main() -> None:
     print(text)
     if args.write_results:
         path = Path(args.write_results)
-        body = path.read_text()
         block = f"{BEGIN}\n{text}{END}"
-        if BEGIN in body:
-            body = body.split(BEGIN)[0] + block + body.split(END, 1)[1]
-        else:
-            title = "## Reproducibility (issue 15): the main job's command run more than once at 1 thread"
-            body = body.rstrip("\n") + f"\n\n{title}\n\n{block}\n"
-        path.write_text(body)
+        if BEGIN not in path.read_text():  # first write: the section's title above the markers
+            block = "## Reproducibility (issue 15): the main job's command run more than once at 1 thread\n\n" + block
+        replace_section(block, BEGIN, END, path)
 
 
 if __name__ == "__main__":

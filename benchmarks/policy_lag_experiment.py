@@ -38,6 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN = "<!-- BEGIN policy_lag_experiment.py output -->"
 END = "<!-- END policy_lag_experiment.py output -->"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from results_md import replace_section  # noqa: E402  (benchmarks/, next to this file)
+
 MODEL = os.environ.get("TRL_ROLLOUT_CORR_SMOLLM2", str(ROOT / "models" / "SmolLM2-135M-Instruct"))
 
 METHODS = {
@@ -237,12 +240,8 @@ def plot(cells: dict, path: Path) -> None:
 
 
 def write_section(text: str, path: Path = ROOT / "benchmarks" / "RESULTS.md") -> None:
-    current = path.read_text() if path.exists() else ""
-    if BEGIN in current and END in current:
-        current = current[: current.index(BEGIN)] + text + current[current.index(END) + len(END):]
-    else:
-        current = current.rstrip("\n") + "\n\n" + text + "\n"
-    path.write_text(current)
+    """This experiment's section of RESULTS.md (between its markers; ``results_md.replace_section``)."""
+    replace_section(text, BEGIN, END, path)
 
 
 def main() -> None:
