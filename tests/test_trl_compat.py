@@ -555,3 +555,70 @@ def test_vllm_sampling_kwargs_and_sources():
     assert trl_compat.sampler_sources(args, args.generation_kwargs) == {
         "temperature": "RolloutCorrGRPOConfig.temperature", "top_p": "RolloutCorrGRPOConfig.top_p",
         "top_k": "generation_kwargs", "repetition_penalty": "RolloutCorrGRPOConfig.repetition_penalty"}
+
+
+# ---------------------------------------------------------------------------------------------- the fast paths
+def test_trl_coupling_compact_scoring_hook():
+    """``score_trained_tokens_only`` swaps the one name TRL's fused head consults to choose compact scoring."""
+    import trl.trainer.utils as trl_utils
+
+    src = inspect.getsource(trl_utils.add_fused_lm_head)
+    assert "compact = _use_triton(hidden_states.device)" in src
+    assert "hidden_states[mask] if compact else hidden_states.reshape(-1, hidden_states.size(-1))" in src
+    assert "x.new_zeros(mask.shape).masked_scatter(mask, x)" in src
+    assert "_use_triton" in trl_utils.add_fused_lm_head.__globals__  # looked up at call time, in this module
+    assert inspect.getsource(trl_utils).count("_use_triton(") == 1  # nothing else in the module consults it
+    cpu, trl_choice = torch.device("cpu"), trl_utils._use_triton
+    assert trl_choice(cpu) is False  # TRL 1.16 scores every position on CPU
+    with trl_compat.score_trained_tokens_only():
+        assert trl_utils._use_triton(cpu) is True
+        with trl_compat.score_trained_tokens_only(enabled=False):
+            assert trl_utils._use_triton(cpu) is True  # disabled: leaves the current choice alone
+    assert trl_utils._use_triton is trl_choice
+    # GRPOTrainer's forwards pass labels -100 outside the completion and at padding: the compact rows
+    src_fwd = inspect.getsource(GRPOTrainer._get_per_token_logps_and_entropies)
+    assert "labels = input_ids_batch.masked_fill(attention_mask_batch == 0, -100)" in src_fwd
+    assert "labels[:, :-logits_to_keep] = -100" in src_fwd
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compact_scoring_equals_trls_full_scoring_and_the_logits(dtype, llama_dir):
+    """Log-probs, entropies and gradients of TRL's fused head with trained-token-only scoring equal TRL's own
+    full scoring (bit for bit) and TRL's ``selective_log_softmax`` / ``entropy_from_logits`` on the logits."""
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head, entropy_from_logits, selective_log_softmax
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=dtype)
+    reference = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=dtype)
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    gen = torch.Generator().manual_seed(0)
+    B, P, T = 5, 6, 9
+    ids = torch.randint(3, 40, (B, P + T), generator=gen)
+    attn = torch.ones_like(ids)
+    attn[:2, :3] = 0  # left-padded prompts
+    attn[2, P + 4:] = 0  # right-padded completions
+    attn[3, P + 1:] = 0
+    labels = ids.masked_fill(attn == 0, -100)
+    labels[:, :-T] = -100
+    weights = torch.linspace(-1.0, 1.0, T)
+
+    def score(compact):
+        model.zero_grad()
+        with trl_compat.score_trained_tokens_only(enabled=compact):
+            out = model(input_ids=ids, attention_mask=attn, labels=labels, fused_lm_head=True)
+        lp, ent = out.log_probs[:, -T:], out.entropy[:, -T:]
+        (lp.float() * weights).sum().backward()
+        return lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]
+
+    full, compact = score(False), score(True)
+    assert torch.equal(full[0], compact[0]) and torch.equal(full[1], compact[1])
+    assert all(torch.equal(a, b) for a, b in zip(full[2], compact[2]))
+    with torch.no_grad():
+        logits = reference(input_ids=ids, attention_mask=attn).logits[:, P - 1:-1].float() / 0.7
+    trained = (attn[:, P:] == 1)
+    expected_lp = selective_log_softmax(logits, ids[:, P:])
+    expected_ent = entropy_from_logits(logits)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(compact[0][trained].float(), expected_lp[trained], atol=tol)
+    assert torch.allclose(compact[1][trained].float(), expected_ent[trained], atol=tol)
+    assert torch.all(compact[0][~trained] == 0) and torch.all(compact[1][~trained] == 0)

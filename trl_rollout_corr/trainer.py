@@ -156,6 +156,11 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         rollout_dump_every (`int`, defaults to `1`):
             Keep the rows of one logged window in N (every window's logged values are still written): bounds the
             size of a long run's dump.
+        rollout_corr_compact_scoring (`bool`, defaults to `True`):
+            Score only the trained (completion, non-padding) positions through the LM head in every log-prob
+            forward (pi_old, pi_theta, pi_ref) on CPU, as TRL already does on Triton devices
+            (``trl_compat.score_trained_tokens_only``): the same log-probs, entropies and gradients, without the
+            prompt and padding rows of the vocabulary projection. False: TRL's choice (every position on CPU).
         rollout_support_matching (`str`, defaults to `"off"`):
             Sampling-support matching (``support``): ``"off"`` scores TRL's full-vocabulary log-probs (the start-up
             report names every sampler parameter that shapes mu but not them, and with truncation on one warning
@@ -223,6 +228,13 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
     rollout_dump_every: int = field(
         default=1,
         metadata={"help": "With rollout_dump_dir: keep the rows of one logged window in N (bounds the dump size)."},
+    )
+    rollout_corr_compact_scoring: bool = field(
+        default=True,
+        metadata={
+            "help": "Score only the trained positions through the LM head on CPU (as TRL does on Triton devices): "
+            "same log-probs and gradients, less work. False: TRL's choice (every position)."
+        },
     )
     rollout_support_matching: str = field(
         default="off",
@@ -951,18 +963,21 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ log-prob forwards: pi_old and pi_theta
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        """TRL's log-prob forward, seen through the two scoped interceptions below."""
+        """TRL's log-prob forward, seen through the scoped interceptions below; on CPU it scores only the trained
+        positions through the LM head (``rollout_corr_compact_scoring``, ``trl_compat.score_trained_tokens_only``)."""
         if self._rc_skip_old_forward and model is self.model and not torch.is_grad_enabled():
             self._rc_skip_old_forward = False  # one shot: TRL's pi_old forward is its first no-grad policy call
             placeholder = torch.full((input_ids.size(0), logits_to_keep), float("nan"), device=input_ids.device)
             return placeholder, None, None
         scope = self._rc_support
-        if scope is not None and scope.accepts(model is self.model):
-            result = self._support_forward(scope, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        else:
-            result = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-            )
+        with trl_compat.score_trained_tokens_only(self.args.rollout_corr_compact_scoring):
+            if scope is not None and scope.accepts(model is self.model):
+                result = self._support_forward(scope, model, input_ids, attention_mask, logits_to_keep, *args,
+                                               **kwargs)
+            else:
+                result = super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+                )
         if self._rc_policy_logps is not None and self._rc_policy_logps.value is None:
             self._rc_policy_logps.value = result[0].detach()  # the loss forward inside GRPOTrainer._compute_loss
         return result

@@ -34,6 +34,8 @@ here                              TRL 1.16
 ``resolved_generation_config``    what ``unwrapped_model.generate(..., generation_config=self.generation_config)``
                                   samples with (transformers merges the model's ``generation_config.json``)
 ``SAMPLER_ARGS``                  the ``GRPOConfig`` fields TRL passes to both samplers (1155-1173, 1131-1138)
+``score_trained_tokens_only``     ``trl/trainer/utils.py::add_fused_lm_head``: ``compact = _use_triton(device)``
+                                  picks between scoring only the labelled positions and every position
 ``lm_head_input``                 ``add_fused_lm_head``: the backbone (``base_model``) whose
                                   ``last_hidden_state[:, :-1]`` the head scores, and the head
                                   (``get_output_embeddings()``); ``unsupported_logit_transforms``: the config
@@ -46,10 +48,12 @@ is tested on its own against hand-computed values and against TRL itself.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Callable, Mapping, MutableSequence, NamedTuple, Optional
+from typing import Any, Callable, Iterator, Mapping, MutableSequence, NamedTuple, Optional
 
 import torch
+import trl.trainer.utils as _trl_utils
 from trl.trainer.utils import nanstd
 
 from .correction import SAFETY_BOUND
@@ -537,3 +541,41 @@ def unsupported_logit_transforms(model: Any) -> list[str]:
     config = base.config.get_text_config()
     return [f"{name}={getattr(config, name)!r}" for name in LOGIT_TRANSFORM_FIELDS
             if getattr(config, name, None) is not None]
+
+# Devices where the fused LM head may score only the trained positions although TRL scores every position there:
+# eager devices on which a tile shape that changes from batch to batch costs nothing (no recompilation). TRL
+# itself already scores only the trained positions on Triton devices (CUDA, XPU).
+COMPACT_SCORING_DEVICES = ("cpu",)
+
+
+@contextlib.contextmanager
+def score_trained_tokens_only(enabled: bool = True) -> Iterator[None]:
+    """Within the block, TRL's fused LM head scores only the positions whose next-token label is not -100.
+
+    TRL 1.16's ``add_fused_lm_head`` projects, on devices without Triton, every position (prompt, completion and
+    padding) through the LM head and masks afterwards, so that accelerators needing fixed shapes (e.g. Neuron)
+    do not recompile on every batch; with Triton it projects ``hidden_states[mask]`` only. It chooses with the
+    module-level ``_use_triton(device)`` of ``trl.trainer.utils``; this block makes that choice answer True for
+    ``COMPACT_SCORING_DEVICES`` (CPU), which changes only which rows enter ``_ChunkedLogProbFunction`` (the tile
+    kernel itself is chosen by ``trl.kernels.chunked_logprob``'s own ``_use_triton``, untouched). The per-token
+    log-probs (nats) and entropies at labelled positions are the same computation on a subset of rows (equal bit
+    for bit on the tested models: ``tests/test_trl_compat.py``), and every other position reads 0 on both paths,
+    so values and gradients are unchanged; only the unused LM-head work (P + padding positions per row, the
+    (B * (P + T), V) projection's extra rows, and their backward) is skipped.
+
+    ``enabled=False``: a no-op (TRL's own choice). Not thread-safe (a module attribute is swapped for the block;
+    nested blocks restore in order), as the trainer's forwards are sequential.
+    """
+    if not enabled:
+        yield
+        return
+    trl_choice = _trl_utils._use_triton
+
+    def compact(device: torch.device) -> bool:
+        return device.type in COMPACT_SCORING_DEVICES or trl_choice(device)
+
+    _trl_utils._use_triton = compact
+    try:
+        yield
+    finally:
+        _trl_utils._use_triton = trl_choice
