@@ -120,8 +120,7 @@ def test_peft_model_syncs_merged_weights_under_base_names():
     lora, base = _peft_tiny_llama()
     before = {k: v.clone() for k, v in lora.state_dict().items()}
     llm, loaded = _fake_llm(tied=False, dtype=torch.float32)
-    rollout = VLLMCPURollout.__new__(VLLMCPURollout)  # the engine-free part: sync_from on a stand-in LLM
-    rollout.llm, rollout.num_syncs, rollout.sync_seconds = llm, 0, 0.0
+    rollout = VLLMCPURollout("unused", "float32", llm=llm)  # the engine-free part: sync_from on a stand-in LLM
     trainer = SimpleNamespace(model=lora, is_fsdp_enabled=False, _metrics={"train": defaultdict(list)},
                               accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None),
                                                           unwrap_model=lambda m: m))
