@@ -122,6 +122,7 @@ def test_peft_model_syncs_merged_weights_under_base_names():
     llm, loaded = _fake_llm(tied=False, dtype=torch.float32)
     rollout = VLLMCPURollout("unused", "float32", llm=llm)  # the engine-free part: sync_from on a stand-in LLM
     trainer = SimpleNamespace(model=lora, is_fsdp_enabled=False, _metrics={"train": defaultdict(list)},
+                              state=SimpleNamespace(global_step=0),  # the engine records the synced version
                               accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None),
                                                           unwrap_model=lambda m: m))
     trainer.model.train()
