@@ -3,22 +3,13 @@ and a sequence-classification reward model, both with the char-level tokenizer o
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from tiny_model import make_tokenizer
+from tiny_model import make_tokenizer, save_model_dir
 
 
 def _save(model, path: str) -> str:
-    tok = make_tokenizer()
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.pad_token_id = tok.pad_token_id
-        model.generation_config.eos_token_id = tok.eos_token_id
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return save_model_dir(model, make_tokenizer(), path)
 
 
 def _common(tok) -> dict:

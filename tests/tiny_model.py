@@ -109,6 +109,15 @@ def make_tiny_model_dir(path: str, arch: str = "llama", seed: int = 0, chat_temp
     model, tok = make_tiny_model(arch, seed)
     if chat_template:
         tok.chat_template = CHAT_TEMPLATE
+    return save_model_dir(model, tok, path, generation_ids=False)
+
+
+def save_model_dir(model, tok, path: str, generation_ids: bool = True) -> str:
+    """Save ``model`` and ``tok`` to ``path`` (created); with ``generation_ids`` the generation config's pad/eos ids
+    are set from ``tok`` first."""
+    if generation_ids and getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tok.pad_token_id
+        model.generation_config.eos_token_id = tok.eos_token_id
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     tok.save_pretrained(path)

@@ -16,9 +16,9 @@ compact, prefix-preserving Qwen-style one (no tool schema in the system prompt) 
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from tiny_model import save_model_dir
 
 TOOL_CALL = '<tool_call>{"name": "multiply_tool", "arguments": {"a": 3, "b": 4}}</tool_call>'
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
@@ -157,9 +157,4 @@ def make_tool_model_dir(path: str, steps: int = 150, seed: int = 0) -> str:
         loss.backward()
         optimizer.step()
     model.eval()
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return save_model_dir(model, tok, path)
