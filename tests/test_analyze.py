@@ -89,7 +89,7 @@ def _same(a: RolloutCorrectionConfig, b: RolloutCorrectionConfig) -> bool:
 @pytest.mark.unit
 def test_yaml_configs(tmp_path):
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "cpu_smollm2_decoupled.yaml"
-    named = yaml_config(recipe)  # a recipe config: its correction part, the other keys ignored
+    named = yaml_config(recipe)  # a recipe config: its correction part, the other keys are the recipe's
     assert named.label == "cpu_smollm2_decoupled"
     assert _same(named.config, RolloutCorrectionConfig.decoupled_k3_rs_token_tis())
     f = tmp_path / "mine.yaml"

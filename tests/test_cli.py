@@ -145,3 +145,40 @@ def test_plots_without_matplotlib_name_the_extra(dump, monkeypatch, capsys):
     assert "pip install 'trl-rollout-corr[cpu]'" in err and "--no-plots" in err
     assert not (dump / "analysis" / "analysis.json").exists()  # failed before writing anything
     assert _analyze(dump, "--no-plots", capsys=capsys)[0] == EXIT_OK
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--length-buckets", "32,4"], "--length-buckets '32,4': length_buckets must be strictly increasing positive"),
+    (["--length-buckets", "0"], "--length-buckets '0': length_buckets must be strictly increasing positive"),
+    (["--length-buckets", "8,x"], "--length-buckets '8,x': expected comma-separated integers"),
+    (["--tolerance", "-1"], "--tolerance -1.0: tolerance must be a finite number >= 0"),
+    (["--tolerance", "nan"], "--tolerance nan: tolerance must be a finite number >= 0"),
+    (["--tolerance", "inf"], "--tolerance inf: tolerance must be a finite number >= 0"),
+])
+def test_bad_flag_values_are_usage_errors_not_tracebacks(dump, flags, message, capsys):
+    """Issue 22: ``--length-buckets 32,4`` / ``0`` raised a traceback with the check-failed code, and a negative or
+    NaN ``--tolerance`` was accepted and then reported MISMATCH on an exact reproduction."""
+    code, out, err = _analyze(dump, "--no-plots", *flags, capsys=capsys)
+    assert code == EXIT_BAD_INPUT and message in err and "Traceback" not in err
+    assert not (dump / "analysis").exists()  # refused before any work
+
+
+def test_tolerance_zero_and_fine_buckets_are_accepted(dump, capsys):
+    code, out, _ = _analyze(dump, "--no-plots", "--tolerance", "0", "--length-buckets", "1,2", capsys=capsys)
+    assert code == EXIT_OK and "(tolerance 0 x max(1, |value|)): OK" in out  # the hand dump reproduces bit for bit
+
+
+def test_an_unknown_key_in_a_what_if_config_is_refused(dump, tmp_path, capsys):
+    """Issue 22: ``rs_threshold: 0.05`` was silently ignored and the what-if ran at the preset's value."""
+    cfg = tmp_path / "typo.yaml"
+    cfg.write_text("rollout_corr_preset: decoupled_k3_rs\nrs_threshold: 0.05\n")
+    code, _, err = _analyze(dump, "--no-plots", "--config", cfg, capsys=capsys)
+    assert code == EXIT_BAD_INPUT
+    assert f"{cfg}: unknown key 'rs_threshold'; did you mean 'rollout_rs_threshold'?" in err
+    assert "Correction keys: bypass_loss_type, bypass_mode, rollout_corr_preset, rollout_is," in err
+    cfg.write_text("rollout_corr_preset: decoupled_k3_rs\nrouting_replay: r3\n")
+    code, _, err = _analyze(dump, "--no-plots", "--config", cfg, capsys=capsys)
+    assert code == EXIT_BAD_INPUT and "unknown key 'routing_replay' (a training setting" in err
+    cfg.write_text("rollout_corr_preset: decoupled_k3_rs\nwhatever: 1\n")
+    code, _, err = _analyze(dump, "--no-plots", "--config", cfg, capsys=capsys)
+    assert code == EXIT_BAD_INPUT and "unknown key 'whatever'. Correction keys:" in err

@@ -72,13 +72,21 @@ _NOT_CORRECTION = ("rollout_dump_dir", "rollout_dump_every", "rollout_generate_d
                    "rollout_dtype", "rollout_max_model_len", "rollout_kv_cache_gib", "rollout_seed")
 
 
+# A recipe config (``recipes/configs/*.yaml``) always names its model; a what-if config never does.
+RECIPE_KEY = "model_name_or_path"
+
+
 def yaml_config(path: str | Path) -> NamedConfig:
-    """A correction config from a YAML file: the correction fields and/or ``rollout_corr_preset``, as in a recipe
-    config (``recipes/configs/*.yaml``: other keys are ignored), optionally a ``label``.
+    """A correction config from a YAML file: the correction fields and/or ``rollout_corr_preset``, optionally a
+    ``label``. Any other key is refused (a misspelt field, e.g. ``rs_threshold``, would otherwise leave the what-if
+    at the preset's value), except in a recipe config (``recipes/configs/*.yaml``, recognised by its
+    ``model_name_or_path``): its other keys belong to the recipe, whose parser (TRL's ``TrlParser``) refuses
+    unknown ones, and only a key within a typo of a correction field is refused here.
 
     Raises:
-        ConfigError: the file is missing, is not valid YAML (names the line and column), is not a mapping, has a
-            misspelt correction key (names the closest field), or an invalid value (the config's own message).
+        ConfigError: the file is missing, is not valid YAML (names the line and column), is not a mapping, has an
+            unknown key (names it, the closest field and the known keys), or an invalid value (the config's own
+            message).
     """
     import yaml
 
@@ -99,13 +107,18 @@ def yaml_config(path: str | Path) -> NamedConfig:
         raise ConfigError(f"{path}: expected a YAML mapping of correction fields (e.g. 'rollout_rs: seq_mean_k3'), "
                           f"got {type(data).__name__}.")
     known = set(CORRECTION_FIELDS) | {"rollout_corr_preset", "label"}
+    recipe = RECIPE_KEY in data
     for key in data:
-        if key in known or key in _NOT_CORRECTION:
+        if key in known or (recipe and key in _NOT_CORRECTION):
             continue
-        close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.8)
-        if close:
-            raise ConfigError(f"{path}: unknown key {key!r}; did you mean {close[0]!r}? Correction keys: "
-                              f"{', '.join(sorted(known - {'label'}))}.")
+        close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.8 if recipe else 0.6)
+        if recipe and not close:
+            continue  # the recipe's own key
+        hint = f"; did you mean {close[0]!r}?" if close else "."
+        if key in _NOT_CORRECTION:
+            hint = " (a training setting, which a what-if config cannot change)."
+        raise ConfigError(f"{path}: unknown key {key!r}{hint} Correction keys: "
+                          f"{', '.join(sorted(known - {'label'}))}, and label.")
     fields = {k: data[k] for k in CORRECTION_FIELDS if k in data and data[k] is not None}
     if not fields and "rollout_corr_preset" not in data:
         raise ConfigError(f"{path}: no correction key (rollout_corr_preset or one of {', '.join(CORRECTION_FIELDS)}).")
@@ -515,6 +528,32 @@ class Recomputer:
 
 
 # ---------------------------------------------------------------------------------------------- the check
+def check_tolerance(tolerance: Any) -> float:
+    """The check's tolerance as a float, checked: a finite number >= 0 (``|logged - recomputed| <= tolerance *
+    max(1, |logged|)``; 0 demands bit-equal values).
+
+    Raises:
+        ConfigError: a bool, a non-number, NaN (every comparison would fail), an infinity (every one would pass) or
+            a negative number (nothing could pass).
+    """
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
+        raise ConfigError(f"tolerance must be a number >= 0 (e.g. 1e-5), got {tolerance!r}.")
+    if not math.isfinite(tolerance) or tolerance < 0:
+        raise ConfigError(f"tolerance must be a finite number >= 0 (e.g. 1e-5), got {tolerance!r}: NaN fails every "
+                          "comparison, a negative one passes none, an infinite one passes all.")
+    return float(tolerance)
+
+
+def check_length_edges(length_buckets: Sequence[int]) -> tuple[int, ...]:
+    """``correction.check_length_buckets`` (the trainer's rule), raising ``ConfigError``."""
+    from .correction.layout import check_length_buckets
+
+    try:
+        return check_length_buckets(length_buckets)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 @dataclass
 class CheckResult:
     """Logged vs recomputed ``rollout_corr/*`` values of the training config.
@@ -629,9 +668,13 @@ def analyse_dump(dump: RolloutDump, configs: Sequence[NamedConfig], *, length_bu
         (check, [trained analysis, what-if analyses...], the recomputer).
 
     Raises:
-        RecordsError: an invalid dump (see ``records``). ConfigError: a config the dump cannot serve, or a run
-            trained with support matching (its missed tokens are not recorded).
+        RecordsError: an invalid dump (see ``records``). ConfigError: a config the dump cannot serve, a run
+            trained with support matching (its missed tokens are not recorded), length buckets that are not
+            increasing positive ints, or a tolerance that is not a finite number >= 0 (checked before any work).
     """
+    tolerance = check_tolerance(tolerance)
+    if length_buckets is not None:
+        length_buckets = check_length_edges(length_buckets)
     matching = dump.metadata.get("trainer", {}).get("rollout_support_matching") or "off"
     if matching != "off":
         raise ConfigError(

@@ -79,12 +79,13 @@ def _config_label(named, trained_preset: Optional[str]) -> str:
 
 def run_analyze(args: argparse.Namespace) -> int:
     """``analyze``: see ``trl_rollout_corr.analyze``. Returns the exit code."""
-    from .analyze import analyse_dump, length_slices, preset_config, summary_row, yaml_config
+    from .analyze import analyse_dump, check_tolerance, length_slices, preset_config, summary_row, yaml_config
     from .records import open_dump
 
+    buckets = _length_buckets(args.length_buckets) if args.length_buckets else None
+    tolerance = _flag_checked(check_tolerance, args.tolerance, "--tolerance")
     dump = open_dump(args.dump_dir)
     configs = [preset_config(v) if kind == "preset" else yaml_config(v) for kind, v in args.configs or ()]
-    buckets = _int_list(args.length_buckets, "--length-buckets") if args.length_buckets else None
     steps = _step_range(args.steps) if args.steps else None
     out = Path(args.out) if args.out else Path(args.dump_dir) / "analysis"
     if not args.no_plots:
@@ -93,7 +94,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         require_matplotlib()  # fail before any work
     check_outputs(out, ANALYZE_OUTPUTS, args.overwrite)
     check, analyses, recomputer = analyse_dump(dump, configs, length_buckets=buckets, steps=steps,
-                                               tolerance=args.tolerance)  # reads and validates every file
+                                               tolerance=tolerance)  # reads and validates every file
     meta = dump.metadata
     preset = meta.get("correction", {}).get("rollout_corr_preset")
     analyses[0].named = type(analyses[0].named)(_config_label(analyses[0].named, preset), analyses[0].named.config)
@@ -189,6 +190,23 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
         raise UsageError(f"{flag} {text!r}: expected comma-separated integers, e.g. 8,16,32.") from e
 
 
+def _length_buckets(text: str) -> tuple[int, ...]:
+    """``--length-buckets``: comma-separated edges, checked by the trainer's rule (``analyze.check_length_edges``)."""
+    from .analyze import check_length_edges
+
+    return _flag_checked(check_length_edges, _int_list(text, "--length-buckets"), "--length-buckets", text)
+
+
+def _flag_checked(check, value, flag: str, text: Optional[str] = None):
+    """``check(value)``, its ``ConfigError`` re-raised as a ``UsageError`` naming ``flag`` and what was typed."""
+    from .analyze import ConfigError
+
+    try:
+        return check(value)
+    except ConfigError as e:
+        raise UsageError(f"{flag} {text if text is not None else value!r}: {e}") from None  # as typed
+
+
 def _step_range(text: str) -> tuple[int, int]:
     try:
         first, _, last = text.partition(":")
@@ -235,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a what-if correction preset (repeatable), e.g. decoupled_token_icepop")
     a.add_argument("--config", dest="configs", action=_AppendConfig, metavar="YAML",
                    help="a what-if correction config: a YAML file with rollout_corr_preset and/or the correction "
-                        "fields (a recipe config works; other keys are ignored); repeatable")
+                        "fields, optionally a label (any other key is refused); a recipe config (one with "
+                        "model_name_or_path) also works: its other keys are the recipe's; repeatable")
     a.add_argument("--length-buckets", metavar="E1,E2,...",
                    help="response-length slice edges in valid tokens per row (default: the trainer's, 64,256,1024)")
     a.add_argument("--steps", metavar="FIRST:LAST", help="only these logged steps (inclusive)")

@@ -18,6 +18,26 @@ from .workspace import Needs
 DEFAULT_LENGTH_BUCKETS = (64, 256, 1024)  # response-length slice edges, in valid tokens per row
 
 
+def check_length_buckets(edges: Sequence[int]) -> tuple[int, ...]:
+    """The response-length slice edges as a tuple of ints, checked (the one rule for every caller: the trainer's
+    metrics, ``analyze --length-buckets``).
+
+    Args:
+        edges: strictly increasing positive token counts (valid tokens per row), e.g. ``(64, 256, 1024)``; ``()``
+            for no slices.
+
+    Raises:
+        ValueError: an edge that is not an int (bools refused), not positive, or not above the previous one.
+    """
+    edges = tuple(edges)
+    if any(isinstance(e, bool) or not isinstance(e, int) for e in edges):
+        raise ValueError(f"length_buckets must be ints (token counts), got {edges}.")
+    if any(b <= a for a, b in zip(edges, edges[1:])) or any(e <= 0 for e in edges):
+        raise ValueError(f"length_buckets must be strictly increasing positive token counts (e.g. 64,256,1024), "
+                         f"got {edges}.")
+    return edges
+
+
 @dataclass(frozen=True)
 class MetricLayout:
     """What one correction computes.
@@ -42,9 +62,7 @@ class MetricLayout:
     needs: Needs = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        edges = self.length_buckets
-        if any(b <= a for a, b in zip(edges, edges[1:])) or any(e <= 0 for e in edges):
-            raise ValueError(f"length_buckets must be increasing positive token counts, got {edges}.")
+        check_length_buckets(self.length_buckets)
         flags = rejection.needs(self.rs_specs)
         flags["x_range"] |= self.is_level == "token" and not self.is_bounds.is_icepop  # TIS W extrema from x
         object.__setattr__(self, "needs", Needs(**flags))
