@@ -1,26 +1,43 @@
-"""Policy-lag stress experiment on the CPU main job: does correcting for stale rollouts change the outcome?
+"""Policy-lag evidence on the CPU main job: does correcting for stale rollouts change the training outcome?
 
 Every cell is the main job (SmolLM2-135M-Instruct, real vLLM CPU bf16 rollouts, float32 trainer, reasoning-gym
-chain_sum, same data and seed) with the vLLM engine synced only every k optimizer steps (``rollout_sync_interval``:
-k = 1 is on-policy, k = 2 gives lags 0-1, k = 8 lags 0-7), under one of these methods:
+chain_sum) with the vLLM engine synced only every k optimizer steps (``rollout_sync_interval``: k = 1 is
+on-policy, k = 8 gives lags 0-7), under one method:
 
 * ``trl``: plain TRL GRPO (no correction; TRL's own vLLM IS off: with a ``rollout_func`` TRL never applies it);
-* ``decoupled``: ours, decoupled mode, token TIS 2 + seq_mean_k3 RS 0.01 (``decoupled_k3_rs_token_tis``);
-* ``bypass``: ours, bypass PPO-clip on pi_theta / mu with seq_mean_k3 RS (``cpu_smollm2_bypass.yaml``);
-* ``trl_is`` (k = 8 only): TRL's built-in vLLM IS at its defaults. TRL applies it only when ``use_vllm=True`` and
-  silently skips it with a ``rollout_func``; ``TRLISOnRolloutFunc`` below switches its code path on by setting the
-  trainer's ``use_vllm`` attribute to True after construction (TRL then computes pi_old and multiplies its
-  ``token_truncate`` ratio, cap 3, into the loss) and back to False inside ``_generate`` only (so TRL does not try
-  to sync a vLLM engine it does not have). This couples to TRL 1.16 internals; it is a benchmark, not the package.
-* ``direct_gate`` (k = 8 only): ours, bypass REINFORCE with the token IcePop band [0.5, 5] on pi_theta / mu
-  (``bypass_pg_token_icepop``) and ``max_policy_lag=4``.
+* ``trl_is``: TRL's built-in vLLM IS at its defaults (``token_truncate``, cap 3). TRL applies it only when
+  ``use_vllm=True`` and silently skips it with a ``rollout_func``; the ``trl_is`` trainer below switches its code
+  path on by setting ``use_vllm`` to True after construction and back to False inside ``_generate`` only (TRL then
+  computes pi_old and multiplies its ratio into the loss). This couples to TRL 1.16 internals: a benchmark device,
+  not the package;
+* ``tis``: ours, decoupled, token TIS cap 2, no RS (``decoupled_token_is``);
+* ``decoupled``: ours, the default preset (token TIS 2 + ``seq_mean_k3`` RS 0.01): what RS tuned for engine
+  mismatch does under lag;
+* ``bypass``: ours, bypass PPO-clip on pi_theta / mu, no IS, no RS (``bypass_ppo_clip``);
+* ``direct_gate``: ours, bypass REINFORCE with the token IcePop band [0.5, 5] on pi_theta / mu and
+  ``max_policy_lag=4``;
+* ``trl_slow``: plain TRL at half the learning rate: the effective-step control (RS and IcePop drop tokens under a
+  fixed normaliser and so shrink the step; a method must beat this to count as correcting lag).
 
-Each cell runs ``recipes/grpo_rollout_corr.py``'s ``main`` in its own process (``--run-cell``; each builds its own
-vLLM engine) and is skipped when its ``results.json`` exists (resumable). Then a table goes into
-``benchmarks/RESULTS.md`` between this script's markers, and ``benchmarks/policy_lag_accuracy.png`` plots the final
-greedy accuracy against k per method.
+Design (issue 19): every cell starts from one shared checkpoint past the take-off (cell ``warmstart``: on-policy
+plain TRL from the base model; its weights stay in ``--out`` and are never committed; the runner rebuilds them
+from the recipe when missing and checks the rebuilt run's held-out scores against the committed ones), runs
+``--steps`` optimizer steps of ``--prompts`` x 4 completions, and is evaluated greedily on the same 512 held-out
+problems before and after, plus a 128-problem greedy check (the first 128 of them) every ``--check-every``
+steps for the curves. A cell is one process at one torch thread (``--jobs 2`` runs two side by side).
 
-    .venv-vllm/bin/python benchmarks/policy_lag_experiment.py [--cells trl_k8,decoupled_k8] [--lock /tmp/heavy.lock]
+Results that outlive the machine: a finished cell's small outputs (``results.json``, ``log.jsonl``,
+``curve.jsonl``, ``cell_meta.json``, the last lines of its console log; never weights) are copied to
+``--results`` (default ``benchmarks/results/policy_lag/<cell>/``) and, with ``--commit``, committed there at
+once; a cell whose ``results.json`` is already under ``--results`` is skipped (resumable on a new machine).
+
+The lag-accounting check runs on every finished cell: every logged step's ``policy_lag_max`` lies in [0, k-1],
+at least one step in every k has lag 0, and at every lag-0 step ``rollout_corr/kl`` is at the engine-mismatch
+level (``rollout_corr/k3_kl`` <= ``--engine-kl-max`` nats/token: the K3 estimator, never negative and less noisy
+than the K1 ``kl`` on a small batch). A cell that violates it is marked failed in its ``cell_meta.json``
+and in the report.
+
+    .venv-vllm/bin/python benchmarks/policy_lag_experiment.py --commit [--cells trl_k1,trl_k8] [--jobs 1]
     .venv-vllm/bin/python benchmarks/policy_lag_experiment.py --report-only
 """
 
@@ -28,11 +45,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,231 +61,446 @@ END = "<!-- END policy_lag_experiment.py output -->"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from results_md import replace_section  # noqa: E402  (benchmarks/, next to this file)
 
-MODEL = os.environ.get("TRL_ROLLOUT_CORR_SMOLLM2", str(ROOT / "models" / "SmolLM2-135M-Instruct"))
-
-METHODS = {
-    "trl": ("cpu_smollm2_no_correction", ["--vllm_importance_sampling_correction", "false"]),
+BASE_MODEL = os.environ.get("TRL_ROLLOUT_CORR_SMOLLM2", str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+NO_CORR = "cpu_smollm2_no_correction"
+METHODS = {  # method -> (recipe config, extra flags after the common ones)
+    "trl": (NO_CORR, ["--vllm_importance_sampling_correction", "false"]),
+    "trl_is": (NO_CORR, ["--vllm_importance_sampling_correction", "true"]),
+    "tis": (NO_CORR, ["--rollout_corr_preset", "decoupled_token_is"]),
     "decoupled": ("cpu_smollm2_decoupled", []),
-    "bypass": ("cpu_smollm2_bypass", []),
-    "trl_is": ("cpu_smollm2_no_correction", ["--vllm_importance_sampling_correction", "true"]),
-    "direct_gate": ("cpu_smollm2_bypass", ["--rollout_corr_preset", "bypass_pg_token_icepop", "--rollout_rs", "none",
-                                           "--rollout_is", "token", "--rollout_is_threshold", "0.5_5.0",
-                                           "--max_policy_lag", "4"]),
+    "bypass": (NO_CORR, ["--rollout_corr_preset", "bypass_ppo_clip"]),
+    "direct_gate": (NO_CORR, ["--rollout_corr_preset", "bypass_pg_token_icepop", "--max_policy_lag", "4"]),
+    "trl_slow": (NO_CORR, ["--vllm_importance_sampling_correction", "false"]),  # lr halved in cell_flags
 }
-# The order cells run in: the k = 8 column first (the issue's priority), then the on-policy reference, then the rest.
-ORDER = ("trl_k8", "decoupled_k8", "bypass_k8", "trl_k1", "direct_gate_k8", "trl_is_k8", "decoupled_k1", "bypass_k1",
-         "trl_k2", "decoupled_k2", "bypass_k2", "trl_k8_s2", "decoupled_k8_s2", "bypass_k8_s2")
+# The shared starting point: on-policy plain TRL from the base model (the pilot's seed-42 run, which took off).
+WARMSTART = "warmstart"
+WARMSTART_FLAGS = ["--learning_rate", "3e-5", "--per_device_train_batch_size", "16", "--seed", "42"]
+CALIBRATION = [f"trl_k{k}_s{s}" for s in (1, 2, 3, 4) for k in (1, 8)]
+ORDER = [WARMSTART, *CALIBRATION]
+KEEP_FILES = ("results.json", "log.jsonl", "curve.jsonl", "cell_meta.json")
 
 
 def parse_cell(name: str) -> tuple[str, int, int]:
-    """``<method>_k<interval>[_s<seed index>]`` -> (method, sync interval, seed index); ``<method>_a<depth>``
-    (asynchronous depth instead of a sync interval) returns the depth as a negative interval."""
+    """``<method>_k<interval>[_s<seed index>]`` -> (method, sync interval k, seed index, 1 when absent).
+
+    Raises:
+        ValueError: an unknown method or a malformed name (the message lists the methods).
+    """
     parts = name.split("_")
     seed = int(parts.pop()[1:]) if parts[-1].startswith("s") and parts[-1][1:].isdigit() else 1
-    lag = parts.pop()
-    k = int(lag[1:]) if lag.startswith("k") else -int(lag[1:])
+    lag = parts.pop() if parts else ""
     method = "_".join(parts)
-    if method not in METHODS:
-        raise ValueError(f"unknown method in cell {name!r}; methods: {sorted(METHODS)}")
-    return method, k, seed
+    if method not in METHODS or not lag.startswith("k") or not lag[1:].isdigit() or int(lag[1:]) < 1:
+        raise ValueError(f"cell {name!r} is not <method>_k<k>[_s<seed>] with k >= 1; methods: {sorted(METHODS)}")
+    return method, int(lag[1:]), seed
 
 
-def cell_flags(name: str, out: Path, common: list[str]) -> list[str]:
+def cell_flags(name: str, out: Path, args: argparse.Namespace) -> list[str]:
+    """The recipe flags of one cell (``warmstart`` or ``<method>_k<k>[_s<seed>]``)."""
+    common = ["--output_dir", str(out), "--plots", "false", "--torch_threads", "1", "--eval_size",
+              str(args.eval_size)]
+    if name == WARMSTART:
+        return ["--config", str(ROOT / "recipes" / "configs" / f"{NO_CORR}.yaml"), "--model_name_or_path",
+                BASE_MODEL, "--vllm_importance_sampling_correction", "false", *common, *WARMSTART_FLAGS,
+                "--max_steps", str(args.warmstart_steps)]
     method, k, seed = parse_cell(name)
     config, extra = METHODS[method]
-    lag = ["--rollout_sync_interval", str(k)] if k > 0 else ["--rollout_async_depth", str(-k)]
-    return ["--config", str(ROOT / "recipes" / "configs" / f"{config}.yaml"), "--output_dir", str(out),
-            "--model_name_or_path", MODEL, *lag, "--seed", str(41 + seed), "--plots", "false", *common, *extra]
+    lr = args.lr / 2 if method == "trl_slow" else args.lr
+    return ["--config", str(ROOT / "recipes" / "configs" / f"{config}.yaml"), "--model_name_or_path",
+            str(Path(args.out) / WARMSTART), "--rollout_sync_interval", str(k), "--seed", str(41 + seed),
+            "--max_steps", str(args.steps), "--per_device_train_batch_size", str(4 * args.prompts),
+            "--learning_rate", repr(lr), *common, *extra]
 
 
-class _TRLISOnRolloutFunc:
-    """Factory of the ``trl_is`` trainer (see the module docstring): built lazily, TRL imports are heavy."""
+# ----------------------------------------------------------------------------------------------- inside a cell
+def _greedy_scores(llm, task, n: int, max_tokens: int) -> list[float]:
+    from vllm import SamplingParams
 
-    @staticmethod
-    def build():
-        from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
+    outs = llm.chat([task.messages(i) for i in range(n)], SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                    use_tqdm=False)
+    return [task.score(o.outputs[0].text, i) for i, o in enumerate(outs)]
 
-        class TRLISOnRolloutFunc(RolloutCorrGRPOTrainer):
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, **kwargs)
+
+def _trainer_class(method: str, curve_path: Path, check_every: int, check_size: int, held_out, max_tokens: int):
+    """The cell's trainer: ours (or the ``trl_is`` variant) plus the periodic greedy check.
+
+    The check loads the trainer's current weights into the engine, scores the first ``check_size`` held-out
+    problems greedily (no random numbers are drawn for an all-greedy batch), and loads back the weights the engine
+    held (a bf16 copy kept at each sync: the engine's own dtype, so the restore is exact and the lag schedule is
+    untouched)."""
+    import torch
+    from transformers import TrainerCallback
+
+    from trl_rollout_corr.engines.vllm_cpu import sync_weights
+    from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
+
+    class CurveCallback(TrainerCallback):
+        def __init__(self, trainer):
+            self.trainer, self.kept = trainer, None
+            rollout = trainer.rollout_func
+            original = rollout.sync_from
+
+            def sync_and_keep(tr):
+                seconds = original(tr)
+                weights = rollout.trainer_weights(tr).state_dict()
+                self.kept = {k: v.detach().to(rollout.dtype, copy=True) for k, v in weights.items()}
+                return seconds
+
+            rollout.sync_from = sync_and_keep
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % check_every or not state.is_world_process_zero:
+                return
+            rollout, t0 = self.trainer.rollout_func, time.perf_counter()
+            with torch.no_grad():
+                sync_weights(rollout.llm, rollout.trainer_weights(self.trainer))
+                scores = _greedy_scores(rollout.llm, held_out, check_size, max_tokens)
+                sync_weights(rollout.llm, self.kept)
+            with curve_path.open("a") as f:
+                f.write(json.dumps({"step": state.global_step, "correct": int(sum(scores)), "total": len(scores),
+                                    "scores": scores, "seconds": round(time.perf_counter() - t0, 2)}) + "\n")
+
+    class CellTrainer(RolloutCorrGRPOTrainer):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            if method == "trl_is":
                 if not self.vllm_importance_sampling_correction:
                     raise ValueError("trl_is needs vllm_importance_sampling_correction=True.")
                 self.use_vllm = True  # TRL 1.16 gates its vLLM IS on this attribute alone
+            self.add_callback(CurveCallback(self))
 
-            def _generate(self, prompts):
-                self.use_vllm = False  # no TRL vLLM engine to sync: the rollout_func generates
-                try:
-                    return super()._generate(prompts)
-                finally:
-                    self.use_vllm = True
+        def _generate(self, prompts):
+            if method != "trl_is":
+                return super()._generate(prompts)
+            self.use_vllm = False  # no TRL vLLM engine to sync: the rollout_func generates
+            try:
+                return super()._generate(prompts)
+            finally:
+                self.use_vllm = True
 
-        return TRLISOnRolloutFunc
+    return CellTrainer
 
 
-def run_cell_in_process(name: str, flags: list[str]) -> None:
-    """The ``--run-cell`` entry point: parse the recipe's flags and run its ``main``."""
+def run_cell_in_process(name: str, flags: list[str], check_every: int, check_size: int) -> None:
+    """The ``--run-cell`` entry point: parse the recipe's flags and run its ``main`` with the cell's trainer."""
     sys.path.insert(0, str(ROOT / "recipes"))
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import grpo_recipe_utils as ru
     from grpo_rollout_corr import ModelConfig, RolloutCorrGRPOConfig, ScriptArguments, TrlParser, main
 
     parser = TrlParser((ScriptArguments, RolloutCorrGRPOConfig, ModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config(args=flags)
-    method, _, _ = parse_cell(name)
-    kwargs = {"trainer_cls": _TRLISOnRolloutFunc.build()} if method == "trl_is" else {}
-    main(script_args, training_args, model_args, **kwargs)
+    _, held_out = ru.make_task_splits(script_args.task, json.loads(script_args.task_config), script_args.train_size,
+                                      script_args.train_seed, script_args.eval_size, script_args.eval_seed,
+                                      script_args.instruction)
+    method = "trl" if name == WARMSTART else parse_cell(name)[0]
+    curve = Path(training_args.output_dir) / "curve.jsonl"
+    curve.write_text("")
+    cls = _trainer_class(method, curve, check_every, min(check_size, held_out.size), held_out,
+                         script_args.eval_max_tokens)
+    main(script_args, training_args, model_args, trainer_cls=cls)
 
 
-def run_cell(name: str, out_root: Path, common: list[str], lock: str = "") -> None:
-    """Run one cell in a fresh process (skipped when its results.json exists); with ``lock``, holds an exclusive
-    ``fcntl.flock`` on that file for the cell only (a machine shared by several jobs)."""
-    out = out_root / name
-    if (out / "results.json").exists():
-        print(f"=== {name}: done already (resumable: delete {out} to rerun)", flush=True)
+# ----------------------------------------------------------------------------------------------- the runner
+def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    for attempt in range(20):  # another git process (a merge, a commit) may hold the index lock for a moment
+        proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+        if proc.returncode == 0 or "index.lock" not in proc.stderr:
+            break
+        time.sleep(3)
+    if check and proc.returncode:
+        raise RuntimeError(f"git {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc
+
+
+def commit_cell(results: Path, name: str, summary: str) -> None:
+    """Commit ``results/<name>`` alone (``git commit -- <path>``: nothing else staged is taken along)."""
+    repo = Path(_git(results, "rev-parse", "--show-toplevel").stdout.strip())
+    path = str((results / name).resolve().relative_to(repo))
+    _git(repo, "add", "--", path)
+    _git(repo, "commit", "-q", "-m", f"results: policy_lag/{name} ({summary})", "--", path)
+
+
+def code_revision() -> str:
+    proc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "trl_rollout_corr", "recipes",
+                            "benchmarks/policy_lag_experiment.py"], capture_output=True, text=True).stdout.strip()
+    return proc.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def lag_check(name: str, log: list[dict], engine_kl_max: float) -> list[str]:
+    """The lag-accounting violations of one finished cell (empty when it passes; see the module docstring)."""
+    k = 1 if name == WARMSTART else parse_cell(name)[1]
+    steps = [r for r in log if "loss" in r and "step_time" in r]
+    problems = []
+    fresh = 0
+    for i, r in enumerate(steps):
+        lag_max, lag_mean, kl = (r.get(f"rollout_corr/{m}") for m in ("policy_lag_max", "policy_lag_mean", "k3_kl"))
+        if lag_max is None or kl is None:
+            problems.append(f"step {r['step']}: no policy_lag_max / k3_kl logged")
+            continue
+        if not 0 <= lag_max <= k - 1:
+            problems.append(f"step {r['step']}: policy_lag_max {lag_max} outside [0, {k - 1}]")
+        if lag_mean == 0:
+            fresh = i
+            if kl > engine_kl_max:
+                problems.append(f"step {r['step']}: lag 0 but k3_kl {kl:.4f} > {engine_kl_max} (engine level)")
+        elif i - fresh >= k:
+            problems.append(f"step {r['step']}: no lag-0 step in the last {k} steps")
+    return problems
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def run_cell(name: str, args: argparse.Namespace) -> None:
+    """Run one cell in a fresh process unless ``--results/<name>/results.json`` exists; copy its small outputs to
+    ``--results`` and (``--commit``) commit them."""
+    results, out = Path(args.results) / name, Path(args.out) / name
+    if (results / "results.json").exists() and not (name == WARMSTART and not (out / "model.safetensors").exists()):
+        print(f"=== {name}: committed already ({results})", flush=True)
         return
-    if lock:
-        import fcntl
-
-        with open(lock, "a") as handle:
-            print(f"... {name}: waiting for {lock}", flush=True)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                return run_cell(name, out_root, common)
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+    if name != WARMSTART and not (Path(args.out) / WARMSTART / "model.safetensors").exists():
+        run_cell(WARMSTART, args)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, __file__, "--run-cell", name, "--", *cell_flags(name, out, common)]
+    flags = cell_flags(name, out, args)
+    cmd = [sys.executable, __file__, "--run-cell", name, str(args.check_every), str(args.check_size), "--", *flags]
     print(f">>> {name}: {' '.join(cmd)}", flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(":"),
+           "OMP_NUM_THREADS": "1"}
     t0, load, cpu0 = time.time(), os.getloadavg()[0], os.times()
     with open(out / "run.log", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     cpu1 = os.times()
-    meta = {"wall_s": time.time() - t0, "cpu_s": (cpu1.children_user + cpu1.children_system)
-            - (cpu0.children_user + cpu0.children_system), "load_before": load, "load_after": os.getloadavg()[0],
-            "returncode": proc.returncode}
-    (out / "cell_meta.json").write_text(json.dumps(meta))
-    print(f"<<< {name}: rc {proc.returncode}, {meta['wall_s']:.0f}s wall, {meta['cpu_s']:.0f}s CPU", flush=True)
-
-
-def summarize(out: Path) -> dict:
-    records = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines() if x.strip()]
-    steps = [r for r in records if "loss" in r and "step_time" in r]
+    meta = {"cell": name, "flags": flags, "code": code_revision(), "wall_s": round(time.time() - t0, 1),
+            "cpu_s": round((cpu1.children_user + cpu1.children_system)
+                           - (cpu0.children_user + cpu0.children_system), 1),
+            "load_before": load, "load_after": os.getloadavg()[0], "returncode": proc.returncode,
+            "jobs": args.jobs, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if proc.returncode:
+        print(f"!!! {name}: rc {proc.returncode}; see {out / 'run.log'}", flush=True)
+        return
+    meta["lag_check"] = lag_check(name, _read_jsonl(out / "log.jsonl"), args.engine_kl_max) or "passed"
+    if name == WARMSTART and (results / "results.json").exists():  # a rebuilt checkpoint: the same run?
+        old = json.loads((results / "results.json").read_text())["after"]["scores"]
+        new = json.loads((out / "results.json").read_text())["after"]["scores"]
+        if old != new:
+            raise RuntimeError(f"the rebuilt warm start scores {sum(new)}/{len(new)} held-out items, the committed "
+                               f"one {sum(old)}/{len(old)}: the checkpoint is not the committed one (other "
+                               "versions or threads?); delete benchmarks/results/policy_lag to restart the grid.")
+        print(f"=== {name}: rebuilt, same held-out scores as committed", flush=True)
+        return
+    (out / "cell_meta.json").write_text(json.dumps(meta, indent=1))
+    results.mkdir(parents=True, exist_ok=True)
+    for f in KEEP_FILES:
+        if (out / f).exists():
+            shutil.copy2(out / f, results / f)
+    (results / "run_tail.log").write_text("\n".join((out / "run.log").read_text().splitlines()[-60:]) + "\n")
     res = json.loads((out / "results.json").read_text())
-    meta = json.loads((out / "cell_meta.json").read_text()) if (out / "cell_meta.json").exists() else {}
+    summary = (f"{res['before']['correct']} -> {res['after']['correct']}/{res['after']['total']}, "
+               f"{meta['wall_s']:.0f} s, lag check {'passed' if meta['lag_check'] == 'passed' else 'FAILED'}")
+    print(f"<<< {name}: {summary}", flush=True)
+    if args.commit:
+        commit_cell(Path(args.results), name, summary)
+
+
+# ----------------------------------------------------------------------------------------------- the report
+def summarize(results: Path) -> dict:
+    log = _read_jsonl(results / "log.jsonl")
+    steps = [r for r in log if "loss" in r and "step_time" in r]
+    res = json.loads((results / "results.json").read_text())
+    meta = json.loads((results / "cell_meta.json").read_text()) if (results / "cell_meta.json").exists() else {}
 
     def series(key):
         return [r.get(key) for r in steps]
 
-    def mean(key):
-        vals = [v for v in series(key) if isinstance(v, (int, float))]
-        return statistics.fmean(vals) if vals else None
+    icepop = results.name != WARMSTART and parse_cell(results.name)[0] == "direct_gate"  # band: outside = zeroed
 
-    return {"steps": len(steps), "before": res.get("before"), "after": res.get("after"),
-            "improvement": res.get("improvement"), "reward": series("reward"), "kl": series("rollout_corr/kl"),
-            "lag_mean": mean("rollout_corr/policy_lag_mean"),
-            "dropped": mean("rollout_corr/policy_lag_dropped_fraction"),
-            "rs_frac": mean("rollout_corr/rollout_rs_masked_fraction"), "step_time": mean("step_time"),
-            "meta": meta}
+    def trained(r):  # fraction of completion tokens that carry gradient after RS, IcePop and the lag filter
+        kept = 1.0 - (r.get("rollout_corr/rollout_rs_masked_fraction") or 0.0)
+        if icepop:
+            kept *= 1.0 - sum(r.get(f"rollout_corr/rollout_is_ratio_fraction_{s}") or 0.0 for s in ("high", "low"))
+        return kept * (1.0 - (r.get("rollout_corr/policy_lag_dropped_token_fraction") or 0.0))
 
-
-def paired(a: list, b: list) -> str:
-    """after(a) - after(b) over the same held-out items: mean ± paired standard error."""
-    d = [x - y for x, y in zip(a, b)]
-    if len(d) < 2:
-        return "n/a"
-    m = statistics.fmean(d)
-    return f"{m:+.3f} ± {statistics.stdev(d) / len(d) ** 0.5:.3f}"
+    return {"steps": steps, "before": res.get("before"), "after": res.get("after"), "meta": meta,
+            "curve": _read_jsonl(results / "curve.jsonl"), "trained": [trained(r) for r in steps],
+            "series": series}
 
 
-def report(out_root: Path, common: list[str], figure: bool = True) -> str:
-    cells = {c.name: summarize(c) for c in sorted(out_root.iterdir()) if (c / "results.json").exists()}
+def mcnemar(a: list, b: list) -> tuple[int, int, float]:
+    """Exact McNemar test of two paired 0/1 score lists: (a right b wrong, a wrong b right, two-sided p)."""
+    from scipy.stats import binomtest
+
+    n10 = sum(1 for x, y in zip(a, b) if x and not y)
+    n01 = sum(1 for x, y in zip(a, b) if y and not x)
+    p = binomtest(n10, n10 + n01, 0.5).pvalue if n10 + n01 else 1.0
+    return n10, n01, p
+
+
+def paired(a: list, b: list) -> tuple[float, float]:
+    """mean(a - b) over the same items and its paired standard error (accuracy fraction)."""
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    return statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
+
+
+def _mean(xs):
+    xs = [x for x in xs if isinstance(x, (int, float))]
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03) -> str:
+    cells = {c.name: summarize(c) for c in sorted(results_root.iterdir()) if (c / "results.json").exists()} \
+        if results_root.exists() else {}
     lines = [BEGIN, "", "### Policy lag: stale vLLM CPU rollouts, with and without correction "
              "(`benchmarks/policy_lag_experiment.py`)", "",
-             f"Common flags: `{' '.join(common)}`. Lag comes from syncing the vLLM CPU engine every k optimizer "
-             "steps (k = 1: on-policy). Accuracy: greedy, on the held-out problems, before -> after (s.e.); the "
-             "paired column compares a cell's *after* scores with plain TRL's at the same k and seed, item by item. "
-             "Reward and `rollout_corr/kl` are listed per step.", "",
-             "| cell | steps | greedy acc before -> after | after - before (paired s.e.) | after vs plain TRL, same k "
-             "(paired s.e.) | mean policy lag | dropped (max_policy_lag) | RS rejected | reward per step "
-             "| rollout_corr/kl per step | step time (s) | wall / CPU (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Every cell starts from the shared `warmstart` checkpoint (on-policy plain TRL from the base model, "
+             f"`{' '.join(WARMSTART_FLAGS)}`, 16 steps by default), syncs the vLLM CPU engine every k optimizer "
+             "steps, and is scored greedily on the same held-out problems before and after. *vs trl* compares a "
+             "cell's final scores item by item with plain TRL's at the same k and seed (mean difference ± paired s.e., and the exact "
+             "McNemar p). Per-step means: `rollout_corr/kl` (nats/token, behaviour vs trainer), trained = fraction "
+             "of completion tokens left after RS, IcePop zeroing and the lag filter. Generated from the committed "
+             "cells under `benchmarks/results/policy_lag/` (`--report-only`).", "",
+             "| cell | steps | held-out before -> after | vs trl same k, seed (paired s.e.) | McNemar p "
+             "| mean kl / k3 "
+             "| mean lag | trained | grad norm | entropy | length | clipped | zero-std groups | step s | wall s "
+             "| lag check |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in cells.items():
-        method, k, seed = parse_cell(name)
-        ref_name = f"trl_k{k}" + (f"_s{seed}" if seed != 1 else "")
+        ref_name = None if name == WARMSTART else "trl_k{1}_s{2}".format(*parse_cell(name))
         ref = cells.get(ref_name)
         b, a = s["before"] or {}, s["after"] or {}
-        vs = paired(a["scores"], ref["after"]["scores"]) if ref and ref.get("after") and a and ref_name != name \
-            else "—"
-        imp = s["improvement"] or {"mean": float("nan"), "stderr": float("nan")}
-        nums = lambda xs, f: " ".join("-" if x is None else format(x, f) for x in xs)  # noqa: E731
+        vs, p = "—", "—"
+        if ref and ref_name != name:
+            m, se = paired(a["scores"], ref["after"]["scores"])
+            vs, p = f"{100 * m:+.1f} ± {100 * se:.1f} pts", f"{mcnemar(a['scores'], ref['after']['scores'])[2]:.3f}"
+        ser = s["series"]
+        check = lag_check(name, s["steps"], engine_kl_max)  # recomputed: the committed log is the evidence
         lines.append(
-            f"| {name} | {s['steps']} | {b.get('correct')}/{b.get('total')} -> {a.get('correct')}/{a.get('total')} "
-            f"| {imp['mean']:+.3f} ± {imp['stderr']:.3f} | {vs} | {s['lag_mean'] or 0:.2f} | "
-            f"{'-' if s['dropped'] is None else format(s['dropped'], '.2f')} | "
-            f"{'-' if s['rs_frac'] is None else format(s['rs_frac'], '.2f')} | {nums(s['reward'], '.2f')} | "
-            f"{nums(s['kl'], '.3f')} | {s['step_time'] or 0:.1f} | {s['meta'].get('wall_s', 0):.0f} / "
-            f"{s['meta'].get('cpu_s', 0):.0f} |")
+            f"| {name} | {len(s['steps'])} | {b.get('correct')} -> {a.get('correct')}/{a.get('total')} | {vs} | {p} "
+            f"| {_mean(ser('rollout_corr/kl')):.4f} / {_mean(ser('rollout_corr/k3_kl')):.4f} "
+            f"| {_mean(ser('rollout_corr/policy_lag_mean')):.2f} "
+            f"| {_mean(s['trained']):.3f} | {_mean(ser('grad_norm')):.3f} | {_mean(ser('entropy')):.2f} "
+            f"| {_mean(ser('completions/mean_length')):.1f} | {_mean(ser('completions/clipped_ratio')):.2f} "
+            f"| {_mean(ser('frac_reward_zero_std')):.2f} | {_mean(ser('step_time')):.1f} "
+            f"| {s['meta'].get('wall_s', 0):.0f} | {'FAILED: ' + '; '.join(check) if check else 'passed'} |")
+    lines += ["", *seed_table(cells)]
     missing = [c for c in ORDER if c not in cells]
     if missing:
-        lines += ["", f"Not run (time box): {', '.join(missing)}."]
-    if cells and figure:
-        plot(cells, ROOT / "benchmarks" / "policy_lag_accuracy.png")
-        lines += ["", "![final greedy accuracy against the sync interval](policy_lag_accuracy.png)"]
+        lines += ["", f"Not run yet ({len(missing)} of the planned cells): {', '.join(missing)}."]
+    if figure and any(n != WARMSTART for n in cells):
+        plot(cells, ROOT / "benchmarks" / "policy_lag_accuracy.png", ROOT / "benchmarks" / "policy_lag_curves.png")
+        lines += ["", "![final accuracy against k](policy_lag_accuracy.png)",
+                  "", "![per-step curves](policy_lag_curves.png)"]
     lines += ["", END]
     return "\n".join(lines)
 
 
-def plot(cells: dict, path: Path) -> None:
+def seed_table(cells: dict) -> list[str]:
+    """Each (method, k) arm over its seeds: mean and standard deviation of the final accuracy, and the difference
+    of arm means with plain TRL at the same k (standard error over seeds, Welch)."""
+    arms: dict[tuple[str, int], list[float]] = {}
+    for name, s in cells.items():
+        if name != WARMSTART and s.get("after"):
+            method, k, _ = parse_cell(name)
+            arms.setdefault((method, k), []).append(s["after"]["accuracy"])
+    if not arms:
+        return []
+    out = ["| arm | seeds | final accuracy mean ± sd | minus trl at the same k (s.e. over seeds) |",
+           "|---|---|---|---|"]
+    for (method, k), accs in sorted(arms.items()):
+        sd = statistics.stdev(accs) if len(accs) > 1 else float("nan")
+        ref = arms.get(("trl", k))
+        diff = "—"
+        if ref and method != "trl" and len(ref) > 1 and len(accs) > 1:
+            se = math.sqrt(statistics.variance(accs) / len(accs) + statistics.variance(ref) / len(ref))
+            diff = f"{100 * (statistics.fmean(accs) - statistics.fmean(ref)):+.1f} ± {100 * se:.1f} pts"
+        out.append(f"| {method}_k{k} | {len(accs)} | {100 * statistics.fmean(accs):.1f} ± {100 * sd:.1f} % | {diff} |")
+    return out
+
+
+def plot(cells: dict, path: Path, curves_path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method in METHODS:
-        pts = sorted((parse_cell(n)[1], s["after"]["accuracy"], s["after"]["stderr"]) for n, s in cells.items()
-                     if parse_cell(n)[0] == method and parse_cell(n)[1] > 0 and parse_cell(n)[2] == 1
-                     and s.get("after"))
-        if pts:
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
-                        capsize=3, label=method)
-    befores = [s["before"]["accuracy"] for s in cells.values() if s.get("before")]
-    if befores:
-        ax.axhline(befores[0], color="grey", linestyle=":", label="before training")
+    methods = sorted({parse_cell(n)[0] for n in cells if n != WARMSTART})
+    for j, method in enumerate(methods):
+        pts = [(parse_cell(n)[1], s["after"]["accuracy"]) for n, s in cells.items()
+               if n != WARMSTART and parse_cell(n)[0] == method]
+        ks = sorted({k for k, _ in pts})
+        shift = 1 + 0.04 * (j - len(methods) / 2)
+        ax.scatter([k * shift for k, _ in pts], [a for _, a in pts], s=12, alpha=0.5, color=f"C{j}")
+        means = [statistics.fmean([a for kk, a in pts if kk == k]) for k in ks]
+        errs = [statistics.stdev(v) / math.sqrt(len(v)) if len(v := [a for kk, a in pts if kk == k]) > 1 else 0
+                for k in ks]
+        ax.errorbar([k * shift for k in ks], means, yerr=errs, marker="o", capsize=3, color=f"C{j}", label=method)
+    if WARMSTART in cells:
+        ax.axhline(cells[WARMSTART]["after"]["accuracy"], color="grey", linestyle=":", label="warm start")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("vLLM weight sync interval k (optimizer steps)")
-    ax.set_ylabel("greedy accuracy after training")
+    ax.set_ylabel("greedy held-out accuracy after training")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
-
-def write_section(text: str, path: Path = ROOT / "benchmarks" / "RESULTS.md") -> None:
-    """This experiment's section of RESULTS.md (between its markers; ``results_md.replace_section``)."""
-    replace_section(text, BEGIN, END, path)
+    keys = [("reward", "reward"), ("rollout_corr/kl", "kl (nats/token)"), ("rollout_corr/rollout_is_eff_sample_size",
+            "ESS"), (None, "trained fraction"), ("completions/mean_length", "mean length"), ("curve", "check acc")]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for ax, (key, label) in zip(axes.flat, keys):
+        for j, (name, s) in enumerate(n_s for n_s in cells.items() if n_s[0] != WARMSTART):
+            if key == "curve":
+                xs, ys = [c["step"] for c in s["curve"]], [c["correct"] / c["total"] for c in s["curve"]]
+            else:
+                xs = [r["step"] for r in s["steps"]]
+                ys = s["trained"] if key is None else [r.get(key, float("nan")) for r in s["steps"]]
+            ax.plot(xs, ys, label=name, color=f"C{j % 10}", linewidth=1)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("optimizer step", fontsize=8)
+    axes.flat[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(curves_path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--run-cell":
-        run_cell_in_process(sys.argv[2], sys.argv[4:])
+        run_cell_in_process(sys.argv[2], sys.argv[6:], int(sys.argv[3]), int(sys.argv[4]))
         return
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(ROOT / "outputs" / "policy_lag"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "outputs" / "policy_lag"), help="cell outputs with weights")
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "policy_lag"),
+                    help="committed small outputs (resume from here)")
     ap.add_argument("--cells", default=",".join(ORDER), help="comma list, in run order")
-    ap.add_argument("--common", default="--learning_rate 5e-5 --max_steps 8 --eval_size 64 --torch_threads 1",
-                    help="recipe flags for every cell")
-    ap.add_argument("--lock", default="", help="hold an exclusive flock on this file for each cell")
+    ap.add_argument("--steps", type=int, default=32, help="optimizer steps per cell")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per step (4 completions each)")
+    ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--warmstart-steps", type=int, default=16, help="on-policy steps of the shared checkpoint")
+    ap.add_argument("--eval-size", type=int, default=512)
+    ap.add_argument("--check-every", type=int, default=4)
+    ap.add_argument("--check-size", type=int, default=128)
+    ap.add_argument("--engine-kl-max", type=float, default=0.03, help="lag-0 k3_kl bound (nats/token)")
+    ap.add_argument("--jobs", type=int, default=1, help="cells side by side (1 torch thread each)")
+    ap.add_argument("--commit", action="store_true", help="git commit each finished cell's results folder")
     ap.add_argument("--report-only", action="store_true")
-    ap.add_argument("--no-write", action="store_true", help="print the table; leave RESULTS.md and the figure alone")
+    ap.add_argument("--no-write", action="store_true", help="print the report; leave RESULTS.md and figures alone")
     args = ap.parse_args()
-    out_root, common = Path(args.out), args.common.split()
-    out_root.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
-        for name in args.cells.split(","):
-            run_cell(name, out_root, common, args.lock)
-    text = report(out_root, common, figure=not args.no_write)
+        names = [n for n in args.cells.split(",") if n]
+        for n in names:
+            if n != WARMSTART:
+                parse_cell(n)  # a misspelt cell fails before hours of running
+        if WARMSTART in names or not (Path(args.out) / WARMSTART / "model.safetensors").exists():
+            run_cell(WARMSTART, args)
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            list(pool.map(lambda n: run_cell(n, args), [n for n in names if n != WARMSTART]))
+    text = report(Path(args.results), figure=not args.no_write, engine_kl_max=args.engine_kl_max)
     print(text)
     if not args.no_write:
-        write_section(text)
+        replace_section(text, BEGIN, END, ROOT / "benchmarks" / "RESULTS.md")
 
 
 if __name__ == "__main__":
