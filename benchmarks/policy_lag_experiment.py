@@ -357,8 +357,8 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
              "Every cell starts from the shared `warmstart` checkpoint (on-policy plain TRL from the base model, "
              f"`{' '.join(WARMSTART_FLAGS)}`, 16 steps by default), syncs the vLLM CPU engine every k optimizer "
              "steps, and is scored greedily on the same held-out problems before and after. *vs trl* compares a "
-             "cell's final scores item by item with plain TRL's at the same k and seed (mean difference ± paired s.e., and the exact "
-             "McNemar p). Per-step means: `rollout_corr/kl` (nats/token, behaviour vs trainer), trained = fraction "
+             "cell's final scores item by item with plain TRL's at the same k and seed (mean difference ± paired "
+             "s.e., and the exact McNemar p). Per-step means: `rollout_corr/kl` (nats/token, behaviour vs trainer), trained = fraction "
              "of completion tokens left after RS, IcePop zeroing and the lag filter. Generated from the committed "
              "cells under `benchmarks/results/policy_lag/` (`--report-only`).", "",
              "| cell | steps | held-out before -> after | vs trl same k, seed (paired s.e.) | McNemar p "
