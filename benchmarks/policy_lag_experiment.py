@@ -349,18 +349,22 @@ def _mean(xs):
     return statistics.fmean(xs) if xs else float("nan")
 
 
+INTRO = " ".join("""
+Every cell starts from the shared `warmstart` checkpoint (on-policy plain TRL from the base model, `{flags}`, 16
+steps by default), syncs the vLLM CPU engine every k optimizer steps, and is scored greedily on the same held-out
+problems before and after. *vs trl* compares a cell's final scores item by item with plain TRL's at the same k and
+seed (mean difference ± paired s.e., and the exact McNemar p). Per-step means: `rollout_corr/kl` and `k3_kl`
+(nats/token, behaviour vs trainer), trained = fraction of completion tokens left after RS, IcePop zeroing and the
+lag filter. Generated from the committed cells under `benchmarks/results/policy_lag/` (`--report-only`).
+""".split())
+
+
 def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03) -> str:
     cells = {c.name: summarize(c) for c in sorted(results_root.iterdir()) if (c / "results.json").exists()} \
         if results_root.exists() else {}
     lines = [BEGIN, "", "### Policy lag: stale vLLM CPU rollouts, with and without correction "
              "(`benchmarks/policy_lag_experiment.py`)", "",
-             "Every cell starts from the shared `warmstart` checkpoint (on-policy plain TRL from the base model, "
-             f"`{' '.join(WARMSTART_FLAGS)}`, 16 steps by default), syncs the vLLM CPU engine every k optimizer "
-             "steps, and is scored greedily on the same held-out problems before and after. *vs trl* compares a "
-             "cell's final scores item by item with plain TRL's at the same k and seed (mean difference ± paired "
-             "s.e., and the exact McNemar p). Per-step means: `rollout_corr/kl` (nats/token, behaviour vs trainer), trained = fraction "
-             "of completion tokens left after RS, IcePop zeroing and the lag filter. Generated from the committed "
-             "cells under `benchmarks/results/policy_lag/` (`--report-only`).", "",
+             INTRO.format(flags=" ".join(WARMSTART_FLAGS)), "",
              "| cell | steps | held-out before -> after | vs trl same k, seed (paired s.e.) | McNemar p "
              "| mean kl / k3 "
              "| mean lag | trained | grad norm | entropy | length | clipped | zero-std groups | step s | wall s "
