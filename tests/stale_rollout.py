@@ -23,7 +23,8 @@ class StaleRollout:
     Args:
         sync_interval, async_depth: the ``WeightSchedule``.
         report: "version" (return ``policy_version``), "none" (return no version), "future" (report one step
-            ahead of the trainer: a bad engine) or "per_token" (one version per token).
+            ahead of the trainer: a bad engine), "per_token" (one version per token) or "per_token_short" (one
+            version fewer than the completion's tokens: a bad engine).
         max_new_tokens: completion length bound.
     """
 
@@ -82,6 +83,8 @@ class StaleRollout:
             out["policy_version"] = [step + 1] * len(completions)
         elif self.report == "per_token":
             out["policy_version"] = [[version] * max(len(c), 1) for c in completions]
+        elif self.report == "per_token_short":
+            out["policy_version"] = [[version] * (len(c) - 1) if len(c) > 1 else [] for c in completions]
         return out
 
     def true_version(self, prompt_ids, completion_ids):

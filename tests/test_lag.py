@@ -34,6 +34,29 @@ def test_row_versions_checks_and_per_token_minimum():
         row_versions([-1], 1, current_step=1)
 
 
+def test_row_versions_take_numpy_and_tensor_integers_and_refuse_strings_and_bad_lengths():
+    """Issue 22: a NumPy integer was refused ("give an int"), the string "10" became version 0 (its characters
+    parsed as the per-token versions 1 and 0), and a per-token list of another length than the completion was
+    accepted."""
+    np = pytest.importorskip("numpy")
+    versions = row_versions([np.int64(3), np.array([4, 2, 5]), torch.tensor(1), torch.tensor([2, 2])], 4,
+                            current_step=5, completion_lengths=[1, 3, 7, 2])
+    assert versions.tolist() == [3, 2, 1, 2] and versions.dtype == torch.int64
+    with pytest.raises(ValueError, match="row 0 is the string '10', not a step"):
+        row_versions(["10"], 1, current_step=12)
+    with pytest.raises(ValueError, match="row 1 has 2 per-token versions for its 3 completion tokens"):
+        row_versions([0, [0, 0]], 2, current_step=1, completion_lengths=[1, 3])
+    with pytest.raises(ValueError, match="row 0 has 4 per-token versions for its 3 completion tokens"):
+        row_versions([[0, 0, 0, 0]], 1, current_step=1, completion_lengths=[3])
+    with pytest.raises(ValueError, match="row 0, token 1, is 1.5"):
+        row_versions([[1, 1.5]], 1, current_step=2)
+    with pytest.raises(ValueError, match="row 0 is 2.0; give the optimizer step as an int"):
+        row_versions([2.0], 1, current_step=2)
+    for flag in (np.bool_(True), torch.tensor(True)):
+        with pytest.raises(ValueError, match="row 0"):
+            row_versions([flag], 1, current_step=2)
+
+
 def test_lag_counts_by_hand():
     lags = policy_lag(torch.tensor([5, 4, 1, 0, 5]), current_step=5)  # [0, 1, 4, 5, 0]
     tokens = torch.tensor([2, 3, 1, 4, 0])  # the last row's tokens are all masked: a used row without tokens
@@ -164,6 +187,8 @@ def test_bad_versions_name_the_fix(llama_dir, tmp_path, monkeypatch):
         _train(llama_dir, tmp_path / "future", StaleRollout(report="future"), max_steps=1)
     with pytest.raises(ValueError, match="Return 'policy_version'"):
         _train(llama_dir, tmp_path / "none", StaleRollout(report="none"), max_steps=1, max_policy_lag=2)
+    with pytest.raises(ValueError, match=r"row 0 has \d+ per-token versions for its \d+ completion tokens"):
+        _train(llama_dir, tmp_path / "short", StaleRollout(report="per_token_short"), max_steps=1)
     with pytest.raises(ValueError, match="max_policy_lag must be an int >= 0"):
         RolloutCorrGRPOConfig(str(tmp_path), rollout_corr_preset="decoupled_token_is", max_policy_lag=-1,
                               bf16=False, use_cpu=True)

@@ -16,8 +16,9 @@ behind the learner, holds at a given step. Peers filter stale samples by the sam
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -31,27 +32,33 @@ VersionLike = Union[int, Sequence[int]]
 
 
 def row_versions(
-    raw: Optional[Sequence[VersionLike]], num_rows: int, current_step: int, *, required: bool = False
+    raw: Optional[Sequence[VersionLike]], num_rows: int, current_step: int, *, required: bool = False,
+    completion_lengths: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
-    """The (B,) int64 policy version of each row, checked.
+    """The (B,) int64 policy version of each row, checked (the one parser of a ``rollout_func``'s
+    ``policy_version``; ``RolloutCorrGRPOTrainer._collect_versions`` calls it for every generation batch).
 
     Args:
-        raw: per row, an int (the version of the weights that generated it) or a non-empty sequence of ints (one
-            version per completion token; the row's version is the oldest, ``min``). None: the generation path
-            reports no version, and the current step is assumed (true for TRL's own vLLM colocate/server paths,
-            which sync before every generation, and for ``transformers.generate``, which samples from the policy).
+        raw: per row, an integer (the version of the weights that generated it: a Python int, a NumPy integer or a
+            0-d integer tensor) or a sequence of integers (one version per completion token, e.g. a list, a 1-d
+            array or tensor; the row's version is the oldest, ``min``). None: the generation path reports no
+            version, and the current step is assumed (true for TRL's own vLLM colocate/server paths, which sync
+            before every generation, and for ``transformers.generate``, which samples from the policy).
         num_rows: B, the rows of the generation batch.
         current_step: the trainer's optimizer step now (``trainer.state.global_step``).
         required: True when a setting depends on real versions (``max_policy_lag``): None is then an error.
+        completion_lengths: (B,) completion tokens per row; a per-token list must have exactly that many entries.
+            None: not checked.
 
     Returns:
         (B,) int64 tensor, every entry in ``[0, current_step]``.
 
     Raises:
-        ValueError: ``raw`` is None while ``required``; a row count other than B; a version that is not an int
-            (bools refused), negative, an empty per-token list, or greater than ``current_step`` (a version from
-            the future: the engine reported a step its weights cannot come from). Each message names the row and
-            the fix.
+        ValueError: ``raw`` is None while ``required``; a row count other than B; a version that is not an integer
+            (bools, floats and strings refused: ``"10"`` is not the step 10), negative, an empty per-token list, a
+            per-token list whose length is not the row's completion length, or greater than ``current_step`` (a
+            version from the future: the engine reported a step its weights cannot come from). Each message names
+            the row and the fix.
     """
     if raw is None:
         if required:
@@ -64,7 +71,8 @@ def row_versions(
     raw = list(raw)
     if len(raw) != num_rows:
         raise ValueError(f"policy_version has {len(raw)} entries for {num_rows} rows; return one per row.")
-    versions = [_row_version(i, v) for i, v in enumerate(raw)]
+    lengths = [None] * num_rows if completion_lengths is None else list(completion_lengths)
+    versions = [_row_version(i, v, n) for i, (v, n) in enumerate(zip(raw, lengths))]
     future = [i for i, v in enumerate(versions) if v > current_step]
     if future:
         i = future[0]
@@ -76,21 +84,44 @@ def row_versions(
     return torch.tensor(versions, dtype=torch.int64)
 
 
-def _row_version(row: int, value: VersionLike) -> int:
+def _integer(value: Any) -> Optional[int]:
+    """``value`` as an int when it is an integer scalar (int, NumPy integer, 0-d integer tensor; not a bool), else
+    None (``operator.index`` refuses floats, strings and float tensors)."""
+    if isinstance(value, bool) or (hasattr(value, "dtype") and "bool" in str(value.dtype)) or isinstance(
+            value, (str, bytes)):
+        return None
+    if isinstance(value, torch.Tensor) and value.dim() != 0:
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _row_version(row: int, value: Any, length: Optional[int]) -> int:
+    give = "give the optimizer step as an int, or one int per completion token"
     if isinstance(value, bool):
-        raise ValueError(f"policy_version of row {row} is a bool ({value}); give the optimizer step as an int.")
-    if isinstance(value, int) or (isinstance(value, torch.Tensor) and value.dim() == 0):
-        version = int(value)
-    else:
+        raise ValueError(f"policy_version of row {row} is a bool ({value}); {give}.")
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"policy_version of row {row} is the string {value!r}, not a step; {give}.")
+    version = _integer(value)
+    if version is None:
         try:
-            tokens = [int(v) for v in value]
+            tokens = list(value)
         except TypeError:
-            raise ValueError(
-                f"policy_version of row {row} is {value!r}; give an int, or one int per completion token."
-            ) from None
-        if not tokens:
+            raise ValueError(f"policy_version of row {row} is {value!r}; {give}.") from None
+        ints = [_integer(v) for v in tokens]
+        bad = next((j for j, v in enumerate(ints) if v is None), None)
+        if bad is not None:
+            raise ValueError(f"policy_version of row {row}, token {bad}, is {tokens[bad]!r}; {give}.")
+        if not ints:
             raise ValueError(f"policy_version of row {row} is an empty per-token list; give the row's version.")
-        version = min(tokens)  # a rollout spanning a weight update: its oldest token's version
+        if length is not None and len(ints) != int(length):
+            raise ValueError(
+                f"policy_version of row {row} has {len(ints)} per-token versions for its {int(length)} completion "
+                "tokens; give one version per completion token, or one int for the row."
+            )
+        version = min(ints)  # a rollout spanning a weight update: its oldest token's version
     if version < 0:
         raise ValueError(f"policy_version of row {row} is {version}; versions are optimizer steps (>= 0).")
     return version

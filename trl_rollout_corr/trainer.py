@@ -925,7 +925,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             return
         raw = result[5].get("policy_version") if self.rollout_func is not None else None
         required = self.rollout_func is not None and self.args.max_policy_lag is not None
-        self._rc_versions.value = row_versions(raw, len(result[1]), self.state.global_step, required=required)
+        self._rc_versions.value = row_versions(raw, len(result[1]), self.state.global_step, required=required,
+                                               completion_lengths=[len(ids) for ids in result[1]])
 
     @contextlib.contextmanager
     def _hold_versions(self) -> Iterator[_Slot]:
