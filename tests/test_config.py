@@ -189,7 +189,7 @@ def test_markdown_table_has_one_row_per_field():
 
 
 def test_presets_are_registered_where_they_are_defined():
-    assert len(PRESETS) == len(set(PRESETS)) == 20 and PRESETS[0] == "disabled"
+    assert len(PRESETS) == len(set(PRESETS)) == 22 and PRESETS[0] == "disabled"
     for name in PRESETS:
         assert isinstance(RolloutCorrectionConfig.__dict__[name], classmethod)
     assert not hasattr(RolloutCorrectionConfig, "preset_names")

@@ -29,12 +29,22 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from .correction.rejection import RS_OPTIONS  # the RS option table lives with the RS math
+from .correction.rejection import RS_OPTION_PARTS, RS_OPTIONS  # the RS option table lives with the RS math
 
 IS_LEVELS = ("token", "sequence")
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 
 ThresholdSpec = Union[float, int, str, tuple, list, None]
+
+# KPop's phi in the presets, nats of Bernoulli KL (both directions). 0.1 is the KPop authors' default (as prime-rl#3283
+# and verl#6800 propose); AReaL's example config uses 2.0. Near p = q the KL is (p - q)^2 / (2 p (1 - p)), so 0.1
+# keeps |p - q| up to about 0.45 sqrt(p (1 - p)): at p = 0.5 the rollout may give q in [0.29, 0.71]; the confident
+# pair (0.99, 0.9) is rejected (reverse KL 0.145) while the rare pair (1e-4, 1e-3) is kept (KL 1.4e-3). At 2.0 the
+# band is so wide that a mid-probability token survives q = 0.005 vs p = 0.5 (KL 1.96) and a token the trainer gives
+# 0.99 survives q = 0.5 (KL 1.61): it removes only near-disjoint pairs and keeps almost every token of an engine
+# mismatch (bf16 vs float32 log ratios of 0.035 nats mean, 0.39 max on this project's model give KL <~ 0.13 even at
+# p = 0.5). 0.1 is the value that acts on numerical outliers; use 2.0 only as a last-resort guard.
+KPOP_PHI = 0.1
 
 
 @dataclass(frozen=True)
@@ -67,9 +77,10 @@ class RSSpec:
     Attributes:
         option: the option name, e.g. ``"seq_mean_k3"``.
         level: ``"token"``, ``"seq_sum"``, ``"seq_mean"`` or ``"seq_max"``.
-        stat: ``"k1"``, ``"k2"`` or ``"k3"``.
-        upper: k1: upper bound U of the ratio band; k2/k3: the largest kept statistic.
-        lower: k1 only: lower bound L of the ratio band (ratio units); None for k2/k3.
+        stat: ``"k1"``, ``"k2"``, ``"k3"`` or ``"binary_kl"`` (KPop, token level only).
+        upper: k1: upper bound U of the ratio band; k2/k3: the largest kept statistic; binary_kl: phi, the largest
+            kept Bernoulli KL in nats (both directions).
+        lower: k1 only: lower bound L of the ratio band (ratio units); None otherwise.
 
     For k1 the statistic is ``k1 = -clamp(l, -20, 20)`` (nats) and a token/row is kept when the ratio
     ``r = exp(-k1)`` lies in ``[L, U]``, i.e. ``-log U <= k1 <= -log L`` (see ``stat_bounds``).
@@ -91,7 +102,7 @@ class RSSpec:
 
         k1: ``(-log U, -log L)``, so that the kept ratio band is exactly ``[L, U]`` (deliberate
         difference from verl, which keeps ``[1/U, 1/L]``; both agree for symmetric bands).
-        k2/k3: ``(None, U)``.
+        k2/k3/binary_kl: ``(None, U)``.
         """
         if self.stat == "k1":
             return -math.log(self.upper), -math.log(self.lower)
@@ -199,10 +210,12 @@ def parse_rs_thresholds(options: tuple[str, ...], spec: ThresholdSpec) -> tuple[
         options: output of ``parse_rs_options``.
         spec: one spec shared by all options, or a comma list with one spec per option. For k1 options
             a spec is a ratio band ``"L_U"`` (or a number u meaning ``[1/u, u]``); for k2/k3 it is a
-            positive upper bound (a ``"L_U"`` band is an error).
+            positive upper bound (a ``"L_U"`` band is an error); for ``token_binary_kl`` (KPop) it is phi > 0, the
+            largest kept Bernoulli KL in nats.
 
     Raises:
-        ValueError: missing spec, wrong count, unparsable or non-positive bound, L > U, or a band for k2/k3.
+        ValueError: missing spec, wrong count, unparsable or non-positive bound, L > U, a band for k2/k3, or
+            phi <= 0 for ``token_binary_kl``.
         TypeError: a bool or an unsupported type.
     """
     if spec is None:
@@ -229,9 +242,11 @@ def parse_rs_thresholds(options: tuple[str, ...], spec: ThresholdSpec) -> tuple[
         )
     specs = []
     for option, part in zip(options, parts):
-        level, stat = option.rsplit("_", 1)
+        level, stat = RS_OPTION_PARTS[option]
         what = f"rollout_rs_threshold for {option}"
-        if stat == "k1":
+        if stat == "binary_kl":
+            specs.append(RSSpec(option=option, level=level, stat=stat, upper=_parse_phi(part, what)))
+        elif stat == "k1":
             lower, upper = _parse_band(part, what, "a ratio band 'L_U' with 0 < L <= U, or u >= 1 meaning [1/u, u]")
             if lower is None:
                 if upper < 1.0:
@@ -246,6 +261,21 @@ def parse_rs_thresholds(options: tuple[str, ...], spec: ThresholdSpec) -> tuple[
             _, upper = _parse_band(part, what, "a positive number (upper bound on the statistic)")
             specs.append(RSSpec(option=option, level=level, stat=stat, upper=upper, lower=None))
     return tuple(specs)
+
+
+def _parse_phi(part: Any, what: str) -> float:
+    """KPop's phi: a single positive number (nats of Bernoulli KL)."""
+    if isinstance(part, str) and "_" in part:
+        raise ValueError(f"{what}: KPop takes a single phi (the largest kept Bernoulli KL, nats), not a band "
+                         f"({part!r}); e.g. 0.1.")
+    phi = _to_float(part, what)
+    if not phi > 0:
+        raise ValueError(
+            f"{what}: phi must be > 0 (the largest kept Bernoulli KL between the trainer's and the rollout's "
+            f"probability of the sampled token, in nats, in both directions), got {phi!r}: phi <= 0 would reject "
+            "every token that is not bit-identical. Use e.g. 0.1 (KPop's default), or turn rollout_rs off."
+        )
+    return phi
 
 
 # ---------------------------------------------------------------------------------------------- the field table
@@ -292,16 +322,17 @@ CORRECTION_FIELD_TABLE = (
     ),
     CorrectionField(
         "rollout_rs", Optional[str], str, None,
-        "comma list of `token_k1..3`, `seq_sum_k1..3`, `seq_mean_k1..3`, `seq_max_k2/3`",
-        "Rejection options, combined with AND. `x = clamp(l, ±20)`, `k1 = -x`, `k2 = x²/2`, `k3 = exp(x) - 1 - x`. "
-        "Unset: no rejection ('none' turns off a preset's RS).",
+        "comma list of `token_k1..3`, `token_binary_kl`, `seq_sum_k1..3`, `seq_mean_k1..3`, `seq_max_k2/3`",
+        "Rejection options, combined with AND. `x = clamp(l, ±20)`, `k1 = -x`, `k2 = x²/2`, `k3 = exp(x) - 1 - x`; "
+        "`token_binary_kl` (KPop): `max(KL(Ber(p)‖Ber(q)), KL(Ber(q)‖Ber(p)))` of the sampled token's probabilities "
+        "under pi_train and mu, nats. Unset: no rejection ('none' turns off a preset's RS).",
     ),
     CorrectionField(
         "rollout_rs_threshold", ThresholdSpec, str, None,
         "one spec, or one per option",
         'k1: a ratio band `"L_U"` (keep `L <= r <= U`; a single `u` means `[1/u, u]`) on the token ratio, the '
-        "row's product (`seq_sum`) or geometric mean (`seq_mean`); k2/k3: keep `stat <= U`. Required when "
-        "`rollout_rs` is set.",
+        "row's product (`seq_sum`) or geometric mean (`seq_mean`); k2/k3: keep `stat <= U`; `token_binary_kl`: keep "
+        "`KL <= phi` (phi > 0, nats; 0.1 as KPop). Required when `rollout_rs` is set.",
     ),
     CorrectionField(
         "bypass_mode", bool, bool, False,
@@ -539,6 +570,15 @@ class RolloutCorrectionConfig:
         )
 
     @_preset
+    def decoupled_kpop_rs(cls, rs_threshold: float = KPOP_PHI) -> "RolloutCorrectionConfig":
+        """KPop rejection (``token_binary_kl``) at phi = 0.1 nats against pi_old, no IS weights.
+
+        A token is kept iff the Bernoulli KL between pi_old's and mu's probability of the sampled token is <= phi in
+        both directions. Why 0.1 and not AReaL's example 2.0: ``KPOP_PHI``.
+        """
+        return cls(rollout_rs="token_binary_kl", rollout_rs_threshold=rs_threshold)
+
+    @_preset
     def bypass_ppo_clip(cls) -> "RolloutCorrectionConfig":
         """Bypass mode, PPO clip on pi_theta / mu, no IS, no RS."""
         return cls(bypass_mode=True, bypass_loss_type="ppo_clip")
@@ -555,6 +595,14 @@ class RolloutCorrectionConfig:
         """Bypass PPO clip plus ``seq_mean_k3`` rejection."""
         return cls(
             rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold, bypass_mode=True, bypass_loss_type="ppo_clip"
+        )
+
+    @_preset
+    def bypass_ppo_clip_kpop_rs(cls, rs_threshold: float = KPOP_PHI) -> "RolloutCorrectionConfig":
+        """Bypass PPO clip plus KPop rejection (``token_binary_kl``, phi = 0.1 nats) on pi_theta vs mu."""
+        return cls(
+            rollout_rs="token_binary_kl", rollout_rs_threshold=rs_threshold, bypass_mode=True,
+            bypass_loss_type="ppo_clip",
         )
 
     @_preset

@@ -8,6 +8,10 @@ user wrote, ``L <= r <= U`` on the token ratio, the row's product (``seq_sum``) 
 (``seq_mean``) (deliberate difference: verl keeps ``[1/U, 1/L]``). Several options combine with AND; a NaN
 statistic rejects. RS never changes IS weights. Metric names follow verl's ``rollout_corr_helper`` (0.9.x).
 
+``token_binary_kl`` is KPop (``correction.binary_kl``): per token, ``max(KL(Ber(p) || Ber(q)), KL(Ber(q) ||
+Ber(p)))`` of the sampled token's probabilities ``p = pi_train``, ``q = mu`` (nats, float64, from the log-probs, not
+from x), kept when ``<= phi``; its metrics are those of a k2/k3 token option (``rollout_rs_token_binary_kl_*``).
+
 To add a sequence level, add it to ``LEVELS`` (the statistics it supports), ``_ROW_VALUES`` (its per-row value) and
 ``_USES_TOKENS`` / ``_USES_ROW_SUMS`` (what it reads): config validation, the mask and the metrics follow.
 """
@@ -24,12 +28,14 @@ from .workspace import Workspace
 
 # level -> the statistics it supports (seq_max of the signed k1 would let padding zeros win: not offered)
 LEVELS = {
-    "token": ("k1", "k2", "k3"),
+    "token": ("k1", "k2", "k3", "binary_kl"),
     "seq_sum": ("k1", "k2", "k3"),
     "seq_mean": ("k1", "k2", "k3"),
     "seq_max": ("k2", "k3"),
 }
-RS_OPTIONS = tuple(f"{level}_{stat}" for level, stats in LEVELS.items() for stat in stats)
+# option name -> (level, statistic); option names are "{level}_{stat}" (a statistic may contain "_")
+RS_OPTION_PARTS = {f"{level}_{stat}": (level, stat) for level, stats in LEVELS.items() for stat in stats}
+RS_OPTIONS = tuple(RS_OPTION_PARTS)
 
 # per-row value of a sequence level, (B,) (k2, k3 >= 0 and 0 off valid: a row max needs no mask)
 _ROW_VALUES = {
@@ -49,10 +55,13 @@ REJECTED_SEQS = "rs_rejected_seqs"
 
 def needs(specs: Sequence) -> dict[str, bool]:
     """The ``workspace.Needs`` flags these options require (k3 row sums are always prepared)."""
-    flags = dict(x_range=False, k2_tokens=False, k3_tokens=False, k1_row_sum=False, k2_row_sum=False)
+    flags = dict(x_range=False, k2_tokens=False, k3_tokens=False, k1_row_sum=False, k2_row_sum=False,
+                 binary_kl_tokens=False)
     for spec in specs:
         tokens, row_sums = spec.level in _USES_TOKENS, spec.level in _USES_ROW_SUMS
-        if spec.stat == "k1":  # k1 = -x is never materialised: row sums of x, token extrema from those of x
+        if spec.stat == "binary_kl":  # the (B, T) float64 statistic and its row sums, from the log-probs
+            flags["binary_kl_tokens"] = True
+        elif spec.stat == "k1":  # k1 = -x is never materialised: row sums of x, token extrema from those of x
             flags["k1_row_sum"] |= row_sums
             flags["x_range"] |= spec.is_token_level
         elif spec.stat == "k2":  # k2 row sums are summed from the k2 tensor

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from .binary_kl import binary_kl_both
+
 SAFETY_BOUND = 20.0  # |log ratio| clamp before exponentiation, in nats (as verl)
 _BIG = 1e30  # float32 stand-in for +-inf in masked extrema (|x| <= 20, so x +- _BIG never rounds back to x)
 
@@ -33,6 +35,7 @@ class Needs:
         k3_tokens: the (B, T) k3 tensor (token-level k3 or ``seq_max_k3``); k3 row sums are always computed.
         k1_row_sum: row sums of x (any k1 option).
         k2_row_sum: row sums of k2 (a k2 option other than ``seq_max``).
+        binary_kl_tokens: the (B, T) float64 KPop statistic and its row sums (``token_binary_kl``).
     """
 
     x_range: bool = False
@@ -40,6 +43,7 @@ class Needs:
     k3_tokens: bool = False
     k1_row_sum: bool = False
     k2_row_sum: bool = False
+    binary_kl_tokens: bool = False
 
 
 @dataclass
@@ -59,6 +63,9 @@ class Workspace:
         k2_tokens, k3_tokens: (B, T) k2 / k3 (0 off valid), or None when not needed.
         k1_row_sum, k2_row_sum: (B,) float64 row sums of k1 (``-sum x``) / k2, or None.
         x_max_rows, x_min_rows: (B,) max/min of x over valid tokens (+-_BIG on rows without one), or None.
+        binary_kl_tokens: (B, T) float64 ``max(KL(Ber(p) || Ber(q)), KL(Ber(q) || Ber(p)))`` of the sampled token
+            (p = pi_train, q = mu; ``correction.binary_kl``), 0 off valid, or None; ``binary_kl_row_sum`` its (B,)
+            row sums.
         exact_inputs: both log-prob inputs are float64 (l, E and k3 are formed in float64).
         scratch: a (B, T) float32 temporary (see the module docstring).
     """
@@ -87,6 +94,8 @@ class Workspace:
     k2_row_sum: Optional[torch.Tensor] = None
     x_max_rows: Optional[torch.Tensor] = None
     x_min_rows: Optional[torch.Tensor] = None
+    binary_kl_tokens: Optional[torch.Tensor] = None
+    binary_kl_row_sum: Optional[torch.Tensor] = None
     _spare: Optional[torch.Tensor] = None
 
     # -------------------------------------------------------------- buffers
@@ -118,14 +127,15 @@ class Workspace:
         return ratio
 
     def token_stat(self, stat: str) -> torch.Tensor:
-        """The (B, T) k2 or k3 tensor (k1 = -x is never materialised)."""
-        t = self.k2_tokens if stat == "k2" else self.k3_tokens
+        """The (B, T) k2, k3 or binary-KL tensor (k1 = -x is never materialised)."""
+        t = {"k2": self.k2_tokens, "k3": self.k3_tokens, "binary_kl": self.binary_kl_tokens}[stat]
         assert t is not None, f"{stat} tokens were not prepared (layout Needs)"
         return t
 
     def stat_row_sum(self, stat: str) -> torch.Tensor:
-        """(B,) float64 row sums of k1, k2 or k3 over valid tokens."""
-        t = {"k1": self.k1_row_sum, "k2": self.k2_row_sum, "k3": self.k3_row}[stat]
+        """(B,) float64 row sums of k1, k2, k3 or the binary KL over valid tokens."""
+        t = {"k1": self.k1_row_sum, "k2": self.k2_row_sum, "k3": self.k3_row,
+             "binary_kl": self.binary_kl_row_sum}[stat]
         assert t is not None, f"{stat} row sums were not prepared (layout Needs)"
         return t
 
@@ -224,6 +234,10 @@ def prepare(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_m
         ws.k2_row_sum = ws.k2_tokens.sum(-1).double()  # float64: band edges compare in float64
     if needs.k1_row_sum:
         ws.k1_row_sum = -ws.x.sum(-1).double()
+    if needs.binary_kl_tokens:  # from the log-probs themselves (not x): the KL depends on p and q, not only on p/q
+        stat = binary_kl_both(log_probs.detach(), rollout_log_probs.detach())
+        ws.binary_kl_tokens = torch.where(ws.valid > 0, stat, 0.0)
+        ws.binary_kl_row_sum = ws.binary_kl_tokens.sum(-1)
     return ws
 
 
