@@ -23,13 +23,17 @@ Design (issue 19): every cell starts from one shared checkpoint past the take-of
 plain TRL from the base model; its weights stay in ``--out`` and are never committed; the runner rebuilds them
 from the recipe when missing and checks the rebuilt run's held-out scores against the committed ones), runs
 ``--steps`` optimizer steps of ``--prompts`` x 4 completions, and is evaluated greedily on the same 512 held-out
-problems before and after, plus a 128-problem greedy check (the first 128 of them) every ``--check-every``
-steps for the curves. A cell is one process at one torch thread (``--jobs 2`` runs two side by side).
+problems at the end (its start is the warm start's final evaluation), plus a 128-problem greedy check (the first
+128 of them) at step 0 and every ``--check-every`` steps for the curves (step 0 also checks that the cell starts
+from the committed warm start). A cell is one process at one torch thread (``--jobs 2`` runs two side by side).
 
-Results that outlive the machine: a finished cell's small outputs (``results.json``, ``log.jsonl``,
-``curve.jsonl``, ``cell_meta.json``, the last lines of its console log; never weights) are copied to
-``--results`` (default ``benchmarks/results/policy_lag/<cell>/``) and, with ``--commit``, committed there at
-once; a cell whose ``results.json`` is already under ``--results`` is skipped (resumable on a new machine).
+Evaluation: ``greedy_eval``, the trainer's float32 policy with ``transformers.generate`` (greedy, 32 new tokens =
+the training cap), not the bf16 vLLM engine, which decodes about 5x slower on this CPU (AVX2, bf16 emulated).
+
+Results that outlive the machine: a finished cell's small outputs (``eval.json``, ``results.json``,
+``log.jsonl``, ``curve.jsonl``, ``cell_meta.json``, the last lines of its console log; never weights) are copied
+to ``--results`` (default ``benchmarks/results/policy_lag/<cell>/``) and, with ``--commit``, committed there at
+once; a cell whose ``eval.json`` is already under ``--results`` is skipped (resumable on a new machine).
 
 The lag-accounting check runs on every finished cell: every logged step's ``policy_lag_max`` lies in [0, k-1],
 at least one step in every k has lag 0, and at every lag-0 step ``rollout_corr/kl`` is at the engine-mismatch
@@ -77,7 +81,7 @@ WARMSTART = "warmstart"
 WARMSTART_FLAGS = ["--learning_rate", "3e-5", "--per_device_train_batch_size", "16", "--seed", "42"]
 CALIBRATION = [f"trl_k{k}_s{s}" for s in (1, 2, 3, 4) for k in (1, 8)]
 ORDER = [WARMSTART, *CALIBRATION]
-KEEP_FILES = ("results.json", "log.jsonl", "curve.jsonl", "cell_meta.json")
+KEEP_FILES = ("eval.json", "results.json", "log.jsonl", "curve.jsonl", "cell_meta.json")
 
 
 def parse_cell(name: str) -> tuple[str, int, int]:
@@ -97,8 +101,7 @@ def parse_cell(name: str) -> tuple[str, int, int]:
 
 def cell_flags(name: str, out: Path, args: argparse.Namespace) -> list[str]:
     """The recipe flags of one cell (``warmstart`` or ``<method>_k<k>[_s<seed>]``)."""
-    common = ["--output_dir", str(out), "--plots", "false", "--torch_threads", "1", "--eval_size",
-              str(args.eval_size)]
+    common = ["--output_dir", str(out), "--plots", "false", "--torch_threads", "1", "--eval_size", "0"]
     if name == WARMSTART:
         return ["--config", str(ROOT / "recipes" / "configs" / f"{NO_CORR}.yaml"), "--model_name_or_path",
                 BASE_MODEL, "--vllm_importance_sampling_correction", "false", *common, *WARMSTART_FLAGS,
@@ -113,52 +116,75 @@ def cell_flags(name: str, out: Path, args: argparse.Namespace) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- inside a cell
-def _greedy_scores(llm, task, n: int, max_tokens: int) -> list[float]:
-    from vllm import SamplingParams
+def greedy_eval(trainer, task, n: int, max_tokens: int, batch: int = 128) -> dict:
+    """Greedy accuracy of the trainer's float32 policy on the first ``n`` items of ``task``.
 
-    outs = llm.chat([task.messages(i) for i in range(n)], SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                    use_tqdm=False)
-    return [task.score(o.outputs[0].text, i) for i, o in enumerate(outs)]
+    ``transformers.generate`` on the trainer's own model (left padding, fixed batches of ``batch`` prompts in item
+    order, no sampling, under ``torch.random.fork_rng`` so the training's random stream is untouched), not the
+    vLLM engine: on this CPU (AVX2, no native bf16) the bf16 engine decodes about 5x slower than float32, and the
+    held-out evaluation is of the learned (float32) policy, identical for every cell.
 
-
-def _trainer_class(method: str, curve_path: Path, check_every: int, check_size: int, held_out, max_tokens: int):
-    """The cell's trainer: ours (or the ``trl_is`` variant) plus the periodic greedy check.
-
-    The check loads the trainer's current weights into the engine, scores the first ``check_size`` held-out
-    problems greedily (no random numbers are drawn for an all-greedy batch), and loads back the weights the engine
-    held (a bf16 copy kept at each sync: the engine's own dtype, so the restore is exact and the lag schedule is
-    untouched)."""
+    Returns:
+        ``{"accuracy", "correct", "total", "scores", "mean_completion_tokens", "seconds"}``; scores are 0/1 per item
+        in item order.
+    """
     import torch
+    from transformers import GenerationConfig
+
+    tok, model, t0 = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model), time.perf_counter()
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, pad_token_id=tok.pad_token_id,
+                              eos_token_id=tok.eos_token_id)
+    scores, n_tok, side, was_training = [], 0, tok.padding_side, model.training
+    tok.padding_side = "left"
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng():
+            for lo in range(0, n, batch):
+                idx = range(lo, min(lo + batch, n))
+                texts = [tok.apply_chat_template(task.messages(i), tokenize=False, add_generation_prompt=True)
+                         for i in idx]
+                enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+                out = model.generate(**enc, generation_config=config)[:, enc["input_ids"].shape[1]:]
+                n_tok += int((out != tok.pad_token_id).sum())
+                scores += [task.score(t, i) for i, t in zip(idx, tok.batch_decode(out, skip_special_tokens=True))]
+    finally:
+        tok.padding_side = side
+        model.train(was_training)
+    correct = int(sum(scores))
+    return {"accuracy": correct / n, "correct": correct, "total": n, "scores": scores,
+            "mean_completion_tokens": n_tok / n, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _trainer_class(method: str, out: Path, check_every: int, check_size: int, eval_size: int, held_out,
+                   max_tokens: int):
+    """The cell's trainer: ours (or the ``trl_is`` variant) plus the evaluations (``greedy_eval``): the held-out
+    set before training (the warm start only: a cell starts from the warm start's final weights, whose scores are
+    committed) and after, and a ``check_size`` check every ``check_every`` steps and at step 0 (curve.jsonl)."""
     from transformers import TrainerCallback
 
-    from trl_rollout_corr.engines.vllm_cpu import sync_weights
     from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
 
-    class CurveCallback(TrainerCallback):
+    class EvalCallback(TrainerCallback):
         def __init__(self, trainer):
-            self.trainer, self.kept = trainer, None
-            rollout = trainer.rollout_func
-            original = rollout.sync_from
+            self.trainer, self.evals = trainer, {}
 
-            def sync_and_keep(tr):
-                seconds = original(tr)
-                weights = rollout.trainer_weights(tr).state_dict()
-                self.kept = {k: v.detach().to(rollout.dtype, copy=True) for k, v in weights.items()}
-                return seconds
+        def _check(self, step: int) -> None:
+            r = greedy_eval(self.trainer, held_out, check_size, max_tokens)
+            with (out / "curve.jsonl").open("a") as f:
+                f.write(json.dumps({"step": step, **r}) + "\n")
 
-            rollout.sync_from = sync_and_keep
+        def on_train_begin(self, args, state, control, **kwargs):
+            if method == WARMSTART:
+                self.evals["before"] = greedy_eval(self.trainer, held_out, eval_size, max_tokens)
+            self._check(0)
 
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step % check_every or not state.is_world_process_zero:
-                return
-            rollout, t0 = self.trainer.rollout_func, time.perf_counter()
-            with torch.no_grad():
-                sync_weights(rollout.llm, rollout.trainer_weights(self.trainer))
-                scores = _greedy_scores(rollout.llm, held_out, check_size, max_tokens)
-                sync_weights(rollout.llm, self.kept)
-            with curve_path.open("a") as f:
-                f.write(json.dumps({"step": state.global_step, "correct": int(sum(scores)), "total": len(scores),
-                                    "scores": scores, "seconds": round(time.perf_counter() - t0, 2)}) + "\n")
+            if state.global_step % check_every == 0 and state.global_step < args.max_steps:
+                self._check(state.global_step)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.evals["after"] = greedy_eval(self.trainer, held_out, eval_size, max_tokens)
+            (out / "eval.json").write_text(json.dumps({**self.evals, "max_tokens": max_tokens}))
 
     class CellTrainer(RolloutCorrGRPOTrainer):
         def __init__(self, *a, **kw):
@@ -167,7 +193,7 @@ def _trainer_class(method: str, curve_path: Path, check_every: int, check_size: 
                 if not self.vllm_importance_sampling_correction:
                     raise ValueError("trl_is needs vllm_importance_sampling_correction=True.")
                 self.use_vllm = True  # TRL 1.16 gates its vLLM IS on this attribute alone
-            self.add_callback(CurveCallback(self))
+            self.add_callback(EvalCallback(self))
 
         def _generate(self, prompts):
             if method != "trl_is":
@@ -181,8 +207,10 @@ def _trainer_class(method: str, curve_path: Path, check_every: int, check_size: 
     return CellTrainer
 
 
-def run_cell_in_process(name: str, flags: list[str], check_every: int, check_size: int) -> None:
-    """The ``--run-cell`` entry point: parse the recipe's flags and run its ``main`` with the cell's trainer."""
+def run_cell_in_process(name: str, flags: list[str], check_every: int, check_size: int, eval_size: int,
+                        max_tokens: int) -> None:
+    """The ``--run-cell`` entry point: parse the recipe's flags and run its ``main`` with the cell's trainer (the
+    recipe's own vLLM evaluation is off: ``--eval_size 0``; ``greedy_eval`` scores instead)."""
     sys.path.insert(0, str(ROOT / "recipes"))
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import grpo_recipe_utils as ru
@@ -191,13 +219,12 @@ def run_cell_in_process(name: str, flags: list[str], check_every: int, check_siz
     parser = TrlParser((ScriptArguments, RolloutCorrGRPOConfig, ModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config(args=flags)
     _, held_out = ru.make_task_splits(script_args.task, json.loads(script_args.task_config), script_args.train_size,
-                                      script_args.train_seed, script_args.eval_size, script_args.eval_seed,
+                                      script_args.train_seed, eval_size, script_args.eval_seed,
                                       script_args.instruction)
-    method = "trl" if name == WARMSTART else parse_cell(name)[0]
-    curve = Path(training_args.output_dir) / "curve.jsonl"
-    curve.write_text("")
-    cls = _trainer_class(method, curve, check_every, min(check_size, held_out.size), held_out,
-                         script_args.eval_max_tokens)
+    out = Path(training_args.output_dir)
+    (out / "curve.jsonl").write_text("")
+    method = WARMSTART if name == WARMSTART else parse_cell(name)[0]
+    cls = _trainer_class(method, out, check_every, min(check_size, eval_size), eval_size, held_out, max_tokens)
     main(script_args, training_args, model_args, trainer_cls=cls)
 
 
@@ -255,17 +282,18 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def run_cell(name: str, args: argparse.Namespace) -> None:
-    """Run one cell in a fresh process unless ``--results/<name>/results.json`` exists; copy its small outputs to
+    """Run one cell in a fresh process unless ``--results/<name>/eval.json`` exists; copy its small outputs to
     ``--results`` and (``--commit``) commit them."""
     results, out = Path(args.results) / name, Path(args.out) / name
-    if (results / "results.json").exists() and not (name == WARMSTART and not (out / "model.safetensors").exists()):
+    if (results / "eval.json").exists() and not (name == WARMSTART and not (out / "model.safetensors").exists()):
         print(f"=== {name}: committed already ({results})", flush=True)
         return
     if name != WARMSTART and not (Path(args.out) / WARMSTART / "model.safetensors").exists():
         run_cell(WARMSTART, args)
     out.mkdir(parents=True, exist_ok=True)
     flags = cell_flags(name, out, args)
-    cmd = [sys.executable, __file__, "--run-cell", name, str(args.check_every), str(args.check_size), "--", *flags]
+    cmd = [sys.executable, __file__, "--run-cell", name, str(args.check_every), str(args.check_size),
+           str(args.eval_size), str(args.eval_max_tokens), "--", *flags]
     print(f">>> {name}: {' '.join(cmd)}", flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(":"),
            "OMP_NUM_THREADS": "1"}
@@ -282,9 +310,13 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
         print(f"!!! {name}: rc {proc.returncode}; see {out / 'run.log'}", flush=True)
         return
     meta["lag_check"] = lag_check(name, _read_jsonl(out / "log.jsonl"), args.engine_kl_max) or "passed"
-    if name == WARMSTART and (results / "results.json").exists():  # a rebuilt checkpoint: the same run?
-        old = json.loads((results / "results.json").read_text())["after"]["scores"]
-        new = json.loads((out / "results.json").read_text())["after"]["scores"]
+    if name != WARMSTART:  # the step-0 check is the warm start's first evaluation batch: bit-identical scores
+        start = _read_jsonl(out / "curve.jsonl")[0]["scores"]
+        warm = json.loads((Path(args.results) / WARMSTART / "eval.json").read_text())["after"]["scores"]
+        meta["starts_at_warm_start"] = start == warm[:len(start)]
+    if name == WARMSTART and (results / "eval.json").exists():  # a rebuilt checkpoint: the same run?
+        old = json.loads((results / "eval.json").read_text())["after"]["scores"]
+        new = json.loads((out / "eval.json").read_text())["after"]["scores"]
         if old != new:
             raise RuntimeError(f"the rebuilt warm start scores {sum(new)}/{len(new)} held-out items, the committed "
                                f"one {sum(old)}/{len(old)}: the checkpoint is not the committed one (other "
@@ -297,8 +329,8 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
         if (out / f).exists():
             shutil.copy2(out / f, results / f)
     (results / "run_tail.log").write_text("\n".join((out / "run.log").read_text().splitlines()[-60:]) + "\n")
-    res = json.loads((out / "results.json").read_text())
-    summary = (f"{res['before']['correct']} -> {res['after']['correct']}/{res['after']['total']}, "
+    res = json.loads((out / "eval.json").read_text())
+    summary = (f"{res['after']['correct']}/{res['after']['total']} after, "
                f"{meta['wall_s']:.0f} s, lag check {'passed' if meta['lag_check'] == 'passed' else 'FAILED'}")
     print(f"<<< {name}: {summary}", flush=True)
     if args.commit:
@@ -309,7 +341,7 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
 def summarize(results: Path) -> dict:
     log = _read_jsonl(results / "log.jsonl")
     steps = [r for r in log if "loss" in r and "step_time" in r]
-    res = json.loads((results / "results.json").read_text())
+    res = json.loads((results / "eval.json").read_text())
     meta = json.loads((results / "cell_meta.json").read_text()) if (results / "cell_meta.json").exists() else {}
 
     def series(key):
@@ -360,7 +392,7 @@ lag filter. Generated from the committed cells under `benchmarks/results/policy_
 
 
 def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03) -> str:
-    cells = {c.name: summarize(c) for c in sorted(results_root.iterdir()) if (c / "results.json").exists()} \
+    cells = {c.name: summarize(c) for c in sorted(results_root.iterdir()) if (c / "eval.json").exists()} \
         if results_root.exists() else {}
     lines = [BEGIN, "", "### Policy lag: stale vLLM CPU rollouts, with and without correction "
              "(`benchmarks/policy_lag_experiment.py`)", "",
@@ -373,13 +405,16 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
     for name, s in cells.items():
         ref_name = None if name == WARMSTART else "trl_k{1}_s{2}".format(*parse_cell(name))
         ref = cells.get(ref_name)
-        b, a = s["before"] or {}, s["after"] or {}
+        b = s["before"] or (cells.get(WARMSTART) or {}).get("after") or {}  # a cell starts at the warm start
+        a = s["after"] or {}
         vs, p = "—", "—"
         if ref and ref_name != name:
             m, se = paired(a["scores"], ref["after"]["scores"])
             vs, p = f"{100 * m:+.1f} ± {100 * se:.1f} pts", f"{mcnemar(a['scores'], ref['after']['scores'])[2]:.3f}"
         ser = s["series"]
         check = lag_check(name, s["steps"], engine_kl_max)  # recomputed: the committed log is the evidence
+        if s["meta"].get("starts_at_warm_start") is False:
+            check.append("the step-0 check differs from the warm start's scores")
         lines.append(
             f"| {name} | {len(s['steps'])} | {b.get('correct')} -> {a.get('correct')}/{a.get('total')} | {vs} | {p} "
             f"| {_mean(ser('rollout_corr/kl')):.4f} / {_mean(ser('rollout_corr/k3_kl')):.4f} "
@@ -472,7 +507,7 @@ def plot(cells: dict, path: Path, curves_path: Path) -> None:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--run-cell":
-        run_cell_in_process(sys.argv[2], sys.argv[6:], int(sys.argv[3]), int(sys.argv[4]))
+        run_cell_in_process(sys.argv[2], sys.argv[8:], *map(int, sys.argv[3:7]))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "outputs" / "policy_lag"), help="cell outputs with weights")
@@ -484,7 +519,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-5)
     ap.add_argument("--warmstart-steps", type=int, default=16, help="on-policy steps of the shared checkpoint")
     ap.add_argument("--eval-size", type=int, default=512)
-    ap.add_argument("--check-every", type=int, default=4)
+    ap.add_argument("--eval-max-tokens", type=int, default=32, help="greedy budget (the training cap)")
+    ap.add_argument("--check-every", type=int, default=8)
     ap.add_argument("--check-size", type=int, default=128)
     ap.add_argument("--engine-kl-max", type=float, default=0.03, help="lag-0 k3_kl bound (nats/token)")
     ap.add_argument("--jobs", type=int, default=1, help="cells side by side (1 torch thread each)")
