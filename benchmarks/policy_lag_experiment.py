@@ -277,6 +277,24 @@ def lag_check(name: str, log: list[dict], engine_kl_max: float) -> list[str]:
     return problems
 
 
+TIMING_KEYS = ("time", "cpu_time", "step_time", "train_runtime", "train_samples_per_second",
+               "train_steps_per_second", "rollout/vllm_generate_s", "rollout/vllm_sync_s", "rollout/vllm_async_wait_s")
+
+
+def same_training(a: Path, b: Path) -> list[str]:
+    """The logged steps on which two cell folders' training metrics differ (every ``log.jsonl`` value except
+    wall/CPU timings; exact float equality): empty when the two runs trained bit-identically (e.g. a cell run alone
+    and the same cell run beside another, 1 torch thread each)."""
+    def steps(folder):
+        return [{k: v for k, v in r.items() if k not in TIMING_KEYS}
+                for r in _read_jsonl(folder / "log.jsonl") if "run_config" not in r]
+
+    sa, sb = steps(a), steps(b)
+    diff = [f"step {x.get('step')}: " + ", ".join(sorted(k for k in x.keys() | y.keys() if x.get(k) != y.get(k)))
+            for x, y in zip(sa, sb) if x != y]
+    return diff + ([f"{len(sa)} vs {len(sb)} logged steps"] if len(sa) != len(sb) else [])
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
@@ -526,8 +544,13 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="cells side by side (1 torch thread each)")
     ap.add_argument("--commit", action="store_true", help="git commit each finished cell's results folder")
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--same-training", nargs=2, metavar="CELL_DIR", help="compare two cell folders' metrics, exit")
     ap.add_argument("--no-write", action="store_true", help="print the report; leave RESULTS.md and figures alone")
     args = ap.parse_args()
+    if args.same_training:
+        diff = same_training(*map(Path, args.same_training))
+        print("bit-identical training metrics" if not diff else "\n".join(diff))
+        sys.exit(1 if diff else 0)
     if not args.report_only:
         names = [n for n in args.cells.split(",") if n]
         for n in names:
