@@ -75,12 +75,28 @@ METHODS = {  # method -> (recipe config, extra flags after the common ones)
     "bypass": (NO_CORR, ["--rollout_corr_preset", "bypass_ppo_clip"]),
     "direct_gate": (NO_CORR, ["--rollout_corr_preset", "bypass_pg_token_icepop", "--max_policy_lag", "4"]),
     "trl_slow": (NO_CORR, ["--vllm_importance_sampling_correction", "false"]),  # lr halved in cell_flags
+    # top-p 0.9 (sampling-support matching): TRL's own IS vs ours (default preset) without / with matching
+    "topp_trl_is": (NO_CORR, ["--vllm_importance_sampling_correction", "true", "--top_p", "0.9"]),
+    "topp_decoupled": ("cpu_smollm2_decoupled", ["--top_p", "0.9"]),
+    "topp_recompute": ("cpu_smollm2_decoupled", ["--top_p", "0.9", "--rollout_support_matching", "recompute"]),
 }
+TRL_IS_METHODS = ("trl_is", "topp_trl_is")  # run by the trainer with TRL's vLLM IS switched on (_trainer_class)
+
+
+def reference(method: str) -> str:
+    """The method a cell is compared with, item by item, at the same k and seed."""
+    return "topp_trl_is" if method.startswith("topp_") else "trl"
+
 # The shared starting point: on-policy plain TRL from the base model (the pilot's seed-42 run, which took off).
 WARMSTART = "warmstart"
 WARMSTART_FLAGS = ["--learning_rate", "3e-5", "--per_device_train_batch_size", "16", "--seed", "42"]
 CALIBRATION = [f"trl_k{k}_s{s}" for s in (1, 2, 3, 4) for k in (1, 8)]
-ORDER = [WARMSTART, *CALIBRATION]
+# The grid at the provisional interval k = 8 (to be replaced by the calibrated k and seed count once CALIBRATION is
+# read), in the issue's priority order, then the top-p comparison at k = 1.
+GRID = [*(f"{m}_k8_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)),
+        *(f"{m}_k8_s1" for m in ("decoupled", "trl_is", "direct_gate", "trl_slow")), "tis_k1_s1",
+        *(f"{m}_k1_s{s}" for s in (1, 2) for m in ("topp_trl_is", "topp_decoupled", "topp_recompute"))]
+ORDER = [WARMSTART, *CALIBRATION, *GRID]
 KEEP_FILES = ("eval.json", "results.json", "log.jsonl", "curve.jsonl", "cell_meta.json")
 
 
@@ -189,14 +205,14 @@ def _trainer_class(method: str, out: Path, check_every: int, check_size: int, ev
     class CellTrainer(RolloutCorrGRPOTrainer):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
-            if method == "trl_is":
+            if method in TRL_IS_METHODS:
                 if not self.vllm_importance_sampling_correction:
                     raise ValueError("trl_is needs vllm_importance_sampling_correction=True.")
                 self.use_vllm = True  # TRL 1.16 gates its vLLM IS on this attribute alone
             self.add_callback(EvalCallback(self))
 
         def _generate(self, prompts):
-            if method != "trl_is":
+            if method not in TRL_IS_METHODS:
                 return super()._generate(prompts)
             self.use_vllm = False  # no TRL vLLM engine to sync: the rollout_func generates
             try:
@@ -421,7 +437,8 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
              "| lag check |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in cells.items():
-        ref_name = None if name == WARMSTART else "trl_k{1}_s{2}".format(*parse_cell(name))
+        ref_name = None if name == WARMSTART else "{0}_k{1}_s{2}".format(
+            reference(parse_cell(name)[0]), *parse_cell(name)[1:])
         ref = cells.get(ref_name)
         b = s["before"] or (cells.get(WARMSTART) or {}).get("after") or {}  # a cell starts at the warm start
         a = s["after"] or {}
@@ -463,13 +480,14 @@ def seed_table(cells: dict) -> list[str]:
             arms.setdefault((method, k), []).append(s["after"]["accuracy"])
     if not arms:
         return []
-    out = ["| arm | seeds | final accuracy mean ± sd | minus trl at the same k (s.e. over seeds) |",
+    out = ["| arm | seeds | final accuracy mean ± sd | minus its reference (trl; topp_trl_is for topp_*) at the same "
+           "k (s.e. over seeds) |",
            "|---|---|---|---|"]
     for (method, k), accs in sorted(arms.items()):
         sd = statistics.stdev(accs) if len(accs) > 1 else float("nan")
-        ref = arms.get(("trl", k))
+        ref = arms.get((reference(method), k))
         diff = "—"
-        if ref and method != "trl" and len(ref) > 1 and len(accs) > 1:
+        if ref and method != reference(method) and len(ref) > 1 and len(accs) > 1:
             se = math.sqrt(statistics.variance(accs) / len(accs) + statistics.variance(ref) / len(ref))
             diff = f"{100 * (statistics.fmean(accs) - statistics.fmean(ref)):+.1f} ± {100 * se:.1f} pts"
         out.append(f"| {method}_k{k} | {len(accs)} | {100 * statistics.fmean(accs):.1f} ± {100 * sd:.1f} % | {diff} |")
