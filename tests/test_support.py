@@ -351,3 +351,27 @@ def test_accumulator_flushes_support_metrics_per_mode():
     assert flushed == {f"eval_{k}": v for k, v in stats.finalize().items()}  # merging equal parts keeps the means
     assert flushed["eval_rollout_corr/support_size_p50"] == 7.0
     assert acc.flush("eval") == {} and acc.flush("train") == {}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_entropy_is_the_full_vocabulary_entropy_at_the_trainer_temperature(temperature):
+    """``entropy_temperature``: -sum q log q of softmax(z / t) over all of V (no engine processor), by hand."""
+    spec = S.sampler_from_generation_config({"do_sample": True, "top_p": 0.8, "repetition_penalty": 1.3})
+    hidden, weight, ids, mask = _constructed_batch()
+    expected = []
+    for p in PROBS:  # z = log p: softmax(z / t) is p^(1/t), normalised
+        q = [v ** (1 / temperature) for v in p]
+        q = [v / sum(q) for v in q]
+        expected.append(-sum(v * math.log(v) for v in q))
+    for chunk in (1, 10**9):
+        score = S.SupportScorer(spec, "recompute", chunk_elements=chunk).score(
+            hidden, weight, None, ids, mask, 3, entropy_temperature=temperature)
+        torch.testing.assert_close(score.entropy[0], torch.tensor(expected, dtype=torch.float64))
+        assert not score.entropy.requires_grad
+    plain = S.SupportScorer(spec, "recompute").score(hidden, weight, None, ids, mask, 3)
+    assert plain.entropy is None
+    torch.testing.assert_close(plain.log_probs, score.log_probs)  # the support log-probs do not change
+    assert S.SupportScore.cat([plain, plain]).entropy is None
+    assert S.SupportScore.cat([score, score]).entropy.shape == (2, 3)
+    with pytest.raises(ValueError, match="entropy_temperature must be > 0"):
+        S.SupportScorer(spec, "recompute").score(hidden, weight, None, ids, mask, 3, entropy_temperature=0.0)

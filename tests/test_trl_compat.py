@@ -622,3 +622,54 @@ def test_compact_scoring_equals_trls_full_scoring_and_the_logits(dtype, llama_di
     assert torch.allclose(compact[0][trained].float(), expected_lp[trained], atol=tol)
     assert torch.allclose(compact[1][trained].float(), expected_ent[trained], atol=tol)
     assert torch.all(compact[0][~trained] == 0) and torch.all(compact[1][~trained] == 0)
+
+
+def test_trl_coupling_skip_fused_lm_head_pin():
+    """``skip_fused_lm_head`` swaps the one name TRL's fused head calls to project the hidden states."""
+    import trl.trainer.utils as trl_utils
+
+    src = inspect.getsource(trl_utils.add_fused_lm_head)
+    assert src.count("_ChunkedLogProbFunction.apply(") == 1
+    assert "log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = per_token" in src
+    assert "_ChunkedLogProbFunction" in trl_utils.add_fused_lm_head.__globals__  # looked up at call time
+    trl_head = trl_utils._ChunkedLogProbFunction
+    with pytest.raises(RuntimeError):
+        with trl_compat.skip_fused_lm_head():
+            assert trl_utils._ChunkedLogProbFunction is not trl_head
+            raise RuntimeError
+    assert trl_utils._ChunkedLogProbFunction is trl_head  # restored, also on error
+
+
+def test_skip_fused_lm_head_runs_the_backbone_only_and_support_entropy_is_trls(llama_dir):
+    """Inside the block the fused forward's log-probs and entropies read 0 (no head pass, no graph to the head);
+    the support scorer's entropy over the same backbone output equals TRL's fused-head entropy."""
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from trl_rollout_corr import support
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    gen = torch.Generator().manual_seed(0)
+    B, P, T = 4, 5, 7
+    ids = torch.randint(3, 40, (B, P + T), generator=gen)
+    attn = torch.ones_like(ids)
+    attn[:2, :2] = 0
+    attn[2, P + 3:] = 0
+    labels = ids.masked_fill(attn == 0, -100)
+    labels[:, :-T] = -100
+    backbone, head = trl_compat.lm_head_input(model)
+    with torch.no_grad(), trl_compat.score_trained_tokens_only():
+        trl_out = model(input_ids=ids, attention_mask=attn, labels=labels, fused_lm_head=True)
+        spec = support.sampler_from_generation_config({"do_sample": True, "top_p": 0.9, "temperature": 0.7})
+        scorer = support.SupportScorer(spec, "recompute")
+        with support.capture_module_outputs(backbone, lambda _a, _k, out: out.last_hidden_state) as hidden:
+            with trl_compat.skip_fused_lm_head():
+                skipped = model(input_ids=ids, attention_mask=attn, labels=labels, fused_lm_head=True)
+        score = scorer.score(hidden[0], head.weight, head.bias, ids, attn, T, entropy_temperature=0.7)
+    trained = attn[:, P:] == 1
+    assert torch.all(skipped.log_probs == 0) and torch.all(skipped.entropy == 0)
+    assert not skipped.log_probs.requires_grad
+    torch.testing.assert_close(score.entropy[trained], trl_out.entropy[:, -T:][trained], atol=1e-5, rtol=0)
+    assert torch.all(score.entropy[~trained] == 0)
+    torch.testing.assert_close(hidden[0], model.model(input_ids=ids, attention_mask=attn).last_hidden_state)

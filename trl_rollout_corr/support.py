@@ -495,6 +495,9 @@ class SupportScore(NamedTuple):
         size: (b, T) int64 ``|K|``; 0 where not valid.
         miss: (b, T) bool, the sampled token is outside ``K`` (never where not valid).
         valid: (b, T) bool, the positions scored (the completion mask).
+        entropy: (b, T) entropy (nats) of the full-vocabulary softmax of ``z / temperature`` (the raw logits, no
+            engine processor: what TRL's fused LM head reports with ``compute_entropy``), detached; 0 where not
+            valid. None unless ``score`` was given ``entropy_temperature``.
     """
 
     log_probs: torch.Tensor
@@ -502,11 +505,13 @@ class SupportScore(NamedTuple):
     size: torch.Tensor
     miss: torch.Tensor
     valid: torch.Tensor
+    entropy: Optional[torch.Tensor] = None
 
     @staticmethod
     def cat(scores: Sequence["SupportScore"]) -> "SupportScore":
         """Concatenate row chunks (dim 0)."""
-        return SupportScore(*(torch.cat(parts, dim=0) for parts in zip(*scores)))
+        return SupportScore(*(None if any(p is None for p in parts) else torch.cat(parts, dim=0)
+                              for parts in zip(*scores)))
 
 
 class SupportScorer:
@@ -551,6 +556,7 @@ class SupportScorer:
         attention_mask: torch.Tensor,
         logits_to_keep: int,
         kept: Optional[Sequence[KeptTokens]] = None,
+        entropy_temperature: Optional[float] = None,
     ) -> SupportScore:
         """Support-matched log-probs of the completion tokens of a prompt + completion batch.
 
@@ -561,13 +567,16 @@ class SupportScorer:
             attention_mask: (b, L) 0/1; its completion part ``[:, P:]`` is the completion mask.
             logits_to_keep: T, the completion width.
             kept: replay only: ``b`` kept-token sets, ``len(kept[i])`` = row i's completion length.
+            entropy_temperature: also compute ``SupportScore.entropy`` at this temperature (TRL's
+                ``GRPOConfig.temperature``), from the logits this pass computes anyway, so that a caller needing
+                TRL's entropies does not run TRL's LM head as well (``trl_compat.skip_fused_lm_head``).
 
         Returns:
             ``SupportScore`` of shape (b, T).
 
         Raises:
             ValueError: mismatched shapes, replay without ``kept`` or with a row whose length differs from its
-                completion mask (naming the row).
+                completion mask (naming the row), a temperature that is not positive.
         """
         b, length = input_ids.shape
         T = int(logits_to_keep)
@@ -577,17 +586,21 @@ class SupportScorer:
                 f"attention_mask {tuple(attention_mask.shape)} and logits_to_keep {T} do not describe one (b, P + T) "
                 "batch."
             )
+        if entropy_temperature is not None and not entropy_temperature > 0:
+            raise ValueError(f"SupportScorer.score: entropy_temperature must be > 0, got {entropy_temperature}.")
         P = length - T
         valid = attention_mask[:, P:] != 0
         rows, steps = valid.nonzero(as_tuple=True)
         plan = _ChunkPlan(self, input_ids, attention_mask, P, rows, steps, weight.size(0), kept)
+        plan.entropy_temperature = entropy_temperature
         h = hidden[rows, P - 1 + steps]
-        logp, log_mass, size, miss = _SupportLogProbs.apply(h, weight, bias, plan)
-        out = [torch.zeros(b, T, dtype=t.dtype, device=t.device) for t in (logp, log_mass, size, miss)]
+        logp, log_mass, size, miss, entropy = _SupportLogProbs.apply(h, weight, bias, plan)
+        parts = (log_mass, size, miss) + ((entropy,) if entropy_temperature is not None else ())
+        out = [torch.zeros(b, T, dtype=t.dtype, device=t.device) for t in (logp, *parts)]
         out[0] = out[0].index_put((rows, steps), logp)  # out of place: keeps the graph to the hidden states
-        for full, part in zip(out[1:], (log_mass, size, miss)):
+        for full, part in zip(out[1:], parts):
             full[rows, steps] = part
-        return SupportScore(out[0], out[1], out[2], out[3], valid)
+        return SupportScore(out[0], out[1], out[2], out[3], valid, out[4] if entropy_temperature is not None else None)
 
 
 class _ChunkPlan:
@@ -600,6 +613,7 @@ class _ChunkPlan:
         self.labels = input_ids[rows, P + steps]
         self.chunk = max(1, scorer.chunk_elements // max(vocab, 1))
         self.input_ids, self.attention_mask = input_ids, attention_mask
+        self.entropy_temperature: Optional[float] = None  # SupportScorer.score sets it to compute the entropies
         self.kept = None
         if self.mode == "replay":
             self.kept = self._replay_rows(kept, attention_mask[:, P:] != 0)
@@ -743,8 +757,9 @@ class _SupportLogProbs(torch.autograd.Function):
     """``log pi(a)`` over ``K ∪ {a}`` per position, chunked over positions; the backward recomputes the logits.
 
     forward(hidden (N, H), weight (V, H), bias (V,) or None, plan) -> (log_probs (N,), log_mass (N,), size (N,),
-    miss (N,)); only ``log_probs`` is differentiable. Saved for the backward: the inputs, the (N,) thresholds
-    (recompute) and the (N,) outputs, never a (N, V) tensor.
+    miss (N,), entropy (N,): the full-vocabulary entropy at ``plan.entropy_temperature``, or (0,) when it is None);
+    only ``log_probs`` is differentiable. Saved for the backward: the inputs, the (N,) thresholds (recompute) and the
+    (N,) outputs, never a (N, V) tensor.
     """
 
     @staticmethod
@@ -756,8 +771,13 @@ class _SupportLogProbs(torch.autograd.Function):
         size = torch.empty(n_pos, dtype=torch.int64, device=device)
         miss = torch.empty(n_pos, dtype=torch.bool, device=device)
         thresholds = torch.full((n_pos,), -math.inf, dtype=dtype, device=device)
+        entropy_t = plan.entropy_temperature
+        entropy = torch.empty(n_pos if entropy_t is not None else 0, dtype=dtype, device=device)
         for sl in plan.chunks():
-            y, _ = plan.processed(_logits(hidden[sl], weight, bias, dtype), sl)
+            z = _logits(hidden[sl], weight, bias, dtype)
+            if entropy_t is not None:
+                entropy[sl] = _entropy(z, entropy_t)
+            y, _ = plan.processed(z, sl)
             kept, t = plan.support(y, sl)
             if t is not None:
                 thresholds[sl] = t
@@ -773,8 +793,8 @@ class _SupportLogProbs(torch.autograd.Function):
             miss[sl] = ~hit
         ctx.save_for_backward(hidden, weight, bias, thresholds)
         ctx.plan, ctx.dtype = plan, dtype
-        ctx.mark_non_differentiable(log_mass, size, miss)
-        return log_probs, log_mass, size, miss
+        ctx.mark_non_differentiable(log_mass, size, miss, entropy)
+        return log_probs, log_mass, size, miss, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, *_):
@@ -802,6 +822,15 @@ class _SupportLogProbs(torch.autograd.Function):
                 grad_b += grad.sum(dim=0)
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
         return cast(grad_h, hidden), cast(grad_w, weight), None if bias is None else cast(grad_b, bias), None
+
+
+def _entropy(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(n,) entropy (nats) of ``softmax(z / temperature)`` over the last dim of the (n, V) logits ``z``, as TRL's
+    chunked head: ``log Z - sum_v e^{x_v} x_v / Z`` with ``x = z * (1 / temperature)``."""
+    x = z * (1.0 / temperature)
+    log_z = torch.logsumexp(x, dim=-1, keepdim=True)
+    p = torch.exp(x - log_z)
+    return log_z.squeeze(-1) - torch.linalg.vecdot(p, x)
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

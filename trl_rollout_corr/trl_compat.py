@@ -36,6 +36,9 @@ here                              TRL 1.16
 ``SAMPLER_ARGS``                  the ``GRPOConfig`` fields TRL passes to both samplers (1155-1173, 1131-1138)
 ``score_trained_tokens_only``     ``trl/trainer/utils.py::add_fused_lm_head``: ``compact = _use_triton(device)``
                                   picks between scoring only the labelled positions and every position
+``skip_fused_lm_head``            ``add_fused_lm_head``: the head's one call ``_ChunkedLogProbFunction.apply(hidden,
+                                  weight, bias, labels, temperature, chunk, softcap, scale, outputs)`` -> its five
+                                  per-token fields
 ``lm_head_input``                 ``add_fused_lm_head``: the backbone (``base_model``) whose
                                   ``last_hidden_state[:, :-1]`` the head scores, and the head
                                   (``get_output_embeddings()``); ``unsupported_logit_transforms``: the config
@@ -579,3 +582,31 @@ def score_trained_tokens_only(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _trl_utils._use_triton = trl_choice
+
+
+class _SkippedLMHead:
+    """Stands in for TRL's ``_ChunkedLogProbFunction`` inside ``skip_fused_lm_head``: zeros, no LM-head pass."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, labels, temperature, chunk_size, softcap, logit_scale, outputs):
+        zeros = torch.zeros(hidden.size(0), dtype=torch.float32, device=hidden.device)
+        return zeros, (zeros.clone() if "entropy" in outputs else None), None, None, None
+
+
+@contextlib.contextmanager
+def skip_fused_lm_head() -> Iterator[None]:
+    """Within the block, TRL's fused LM head does not run: the per-token fields of the policy's fused forward
+    (``log_probs``, ``entropy``) read 0 and carry no gradient; the backbone runs as usual.
+
+    For a caller that scores the head's input itself (support matching: ``support.SupportScorer`` on the backbone's
+    last hidden state, with ``entropy_temperature`` for TRL's entropies) and would otherwise throw TRL's head pass
+    away: TRL 1.16's ``add_fused_lm_head`` makes exactly one ``_ChunkedLogProbFunction.apply`` call per forward
+    (pinned), which this swaps for ``_SkippedLMHead`` (a module attribute of ``trl.trainer.utils``, restored on
+    exit, also on error). Not thread-safe, like ``score_trained_tokens_only``.
+    """
+    trl_head = _trl_utils._ChunkedLogProbFunction
+    _trl_utils._ChunkedLogProbFunction = _SkippedLMHead
+    try:
+        yield
+    finally:
+        _trl_utils._ChunkedLogProbFunction = trl_head
