@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from transformers.generation.logits_process import (
+    LogitNormalization,
     LogitsProcessorList,
     MinPLogitsWarper,
     NoRepeatNGramLogitsProcessor,
@@ -271,6 +272,20 @@ def test_check_transformers_processors_names_disagreements():
     problems = S.check_transformers_processors(spec, bad)
     assert any("NoRepeatNGramLogitsProcessor" in p for p in problems)
     assert any("temperature" in p and "0.5" in p for p in problems)
+
+
+def test_renormalize_logits_last_is_not_a_disagreement():
+    """Issue 22: ``renormalize_logits=True`` appends ``LogitNormalization`` (a log-softmax: one constant per
+    position) after every processor; it changes neither the distribution nor mu, so it is accepted where it stands,
+    and reported anywhere else (a repetition penalty after it, sign-dependent, would see other logits)."""
+    spec = S.sampler_from_generation_config({"do_sample": True, "top_p": 0.9, "temperature": 0.7,
+                                             "renormalize_logits": True})
+    assert spec.unsupported == () and [p.name for p in spec.steps] == ["temperature", "top_p"]
+    good = [TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9), LogitNormalization()]
+    assert S.check_transformers_processors(spec, good) == []
+    early = [LogitNormalization(), TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)]
+    assert S.check_transformers_processors(spec, early) == [
+        "generate applied LogitNormalization, which the sampler contract does not list"]
 
 
 # ------------------------------------------------------------------------------ kept-token sets and metrics

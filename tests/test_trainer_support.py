@@ -115,6 +115,18 @@ def test_processors_generate_applies_are_checked_against_the_contract(llama_dir,
         _generation_batch(trainer)
 
 
+def test_renormalize_logits_with_recompute_trains_like_without(llama_dir, tmp_path, make_trainer):
+    """Issue 22: ``generation_kwargs={"renormalize_logits": True}`` passed start-up and then raised RuntimeError at
+    the first generation ("generate applied LogitNormalization"); it is a log-softmax after every processor, so mu
+    and the matched pi_old agree as without it (float32 both sides: engine ratio 1 to 1e-5)."""
+    trainer = make_trainer(llama_dir, tmp_path, rollout_support_matching="recompute", top_p=0.8,
+                           generation_kwargs={"renormalize_logits": True})
+    assert trainer.generation_config.renormalize_logits is True
+    out, _, _ = _generation_batch(trainer)
+    valid = out["completion_mask"].bool()
+    assert (out["old_per_token_logps"] - out["rollout_log_probs"])[valid].abs().max() < 1e-5
+
+
 class _RolloutFunc:
     """A rollout_func stand-in (never called): what the trainer asks of one at start-up."""
 
