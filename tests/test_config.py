@@ -208,7 +208,10 @@ def test_core_config_is_frozen_and_derived_fields_never_go_stale():
     assert cfg.is_bounds.upper == 2.0 and cfg.rs_specs[0].option == "seq_mean_k3"  # the original is untouched
     with pytest.raises(ValueError, match="rollout_is must be None"):
         dataclasses.replace(cfg, rollout_is="geometric")  # replace validates again
-    off = dataclasses.replace(cfg, rollout_is="none", rollout_rs="null")  # the "none" sentinels still mean None
+    with pytest.raises(ValueError, match="rollout_rs_threshold=0.01 is set but rollout_rs is off"):
+        dataclasses.replace(cfg, rollout_rs="null")  # the threshold would be ignored (issue 22)
+    # the "none" sentinels still mean None
+    off = dataclasses.replace(cfg, rollout_is="none", rollout_rs="null", rollout_rs_threshold=None)
     assert off.rollout_is is None and off.rollout_rs is None and off.is_bounds is None and off.rs_specs == ()
 
 
@@ -266,6 +269,22 @@ def test_a_setting_without_its_option_is_an_error_naming_it(fields, name):
     """Before issue 9 ``rollout_rs_threshold`` without ``rollout_rs`` (and the others) were silently ignored."""
     with pytest.raises(ValueError, match=f"{name}=.* is set but .* is off, so it would be ignored"):
         RolloutCorrectionArguments(**fields)
+
+
+@pytest.mark.parametrize("fields, name", [
+    (dict(rollout_rs_threshold="0.01"), "rollout_rs_threshold"),
+    (dict(rollout_rs_threshold=0.05, rollout_rs="none"), "rollout_rs_threshold"),
+    (dict(rollout_is_threshold=3.0), "rollout_is_threshold"),
+    (dict(bypass_loss_type="reinforce"), "bypass_loss_type"),
+])
+def test_the_core_config_refuses_a_setting_without_its_option(fields, name):
+    """Issue 22: ``RolloutCorrectionConfig(rollout_rs_threshold=...)`` without ``rollout_rs`` was accepted (and the
+    threshold ignored) although the flat arguments refused it; the same rule now holds in both."""
+    with pytest.raises(ValueError, match=f"{name}=.* is set but .* is off, so it would be ignored"):
+        RolloutCorrectionConfig(**fields)
+    # unset or the default is accepted: what the presets and the flat arguments construct
+    assert RolloutCorrectionConfig(rollout_is_threshold=None).is_bounds is None
+    assert RolloutCorrectionConfig(rollout_is_threshold="2.0", bypass_loss_type="ppo_clip").enabled is False
 
 
 def test_inherited_settings_of_a_switched_off_option_are_accepted_and_round_trip():

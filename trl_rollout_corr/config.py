@@ -27,7 +27,7 @@ import numbers
 import re
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
 from .correction.rejection import RS_OPTION_PARTS, RS_OPTIONS  # the RS option table lives with the RS math
 
@@ -417,7 +417,10 @@ class RolloutCorrectionConfig:
 
     Raises:
         ValueError / TypeError: on construction, for any invalid field (the message names the field
-        and the allowed values).
+        and the allowed values), or a setting given while its option is off (``rollout_rs_threshold`` without
+        ``rollout_rs``, ``rollout_is_threshold`` other than the default without ``rollout_is``, ``bypass_loss_type``
+        other than the default without ``bypass_mode``: it would be ignored), the rule
+        ``RolloutCorrectionArguments`` applies against a preset's values.
 
     Presets follow verl's ``RolloutCorrectionConfig`` classmethods, plus ``direct_double_sided``.
     """
@@ -445,6 +448,8 @@ class RolloutCorrectionConfig:
             set_("rs_specs", parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold))
         else:
             set_("rs_specs", ())
+        _check_settings_have_their_option(self, {name: getattr(self, name) for name in CORRECTION_FIELDS},
+                                          _FIELD_DEFAULTS)
 
     def _parse_is_bounds(self) -> Optional[ISBounds]:
         if self.rollout_is is None:
@@ -713,24 +718,52 @@ def _setting_key(value: Any) -> Any:
     return value
 
 
-def _check_settings_have_their_option(correction: "RolloutCorrectionConfig", given: dict, inherited: dict) -> None:
-    """Refuse a setting that was changed from its inherited value (the preset's, or the default) while the option
-    it belongs to is off, e.g. ``rollout_rs_threshold=0.01`` without ``rollout_rs``: it would be silently ignored.
+# The core config's own defaults of the dependent settings: what "unset" means there.
+_FIELD_DEFAULTS = {f.name: f.default for f in CORRECTION_FIELD_TABLE}
 
-    A value equal to the inherited one is accepted (the effective fields written back after construction carry
-    the inherited threshold of a switched-off option, and must parse again).
+
+def _check_settings_have_their_option(correction: "RolloutCorrectionConfig", given: dict, inherited: dict) -> None:
+    """The one rule for a setting whose option is off: refuse it when it was changed from its inherited value, e.g.
+    ``rollout_rs_threshold=0.01`` without ``rollout_rs``: it would be silently ignored. ``RolloutCorrectionConfig``
+    checks itself against its field defaults (``_FIELD_DEFAULTS``); ``RolloutCorrectionArguments`` checks the
+    given fields against the preset's (or the defaults without a preset), after ``_unset_inert_settings``.
+
+    None (unset) and a value equal to the inherited one are accepted.
 
     Raises:
         ValueError: naming the setting, its option and how to switch the option on.
     """
     for setting, option, how in _DEPENDENT_SETTINGS:
-        if getattr(correction, option) not in (None, False):
+        if getattr(correction, option) not in (None, False) or given[setting] is None:
             continue
         if _setting_key(given[setting]) != _setting_key(inherited[setting]):
             raise ValueError(
                 f"{setting}={given[setting]!r} is set but {option} is off, so it would be ignored: set {how}, or "
                 f"unset {setting}."
             )
+
+
+def _unset_inert_settings(base: dict, inherited: dict) -> dict:
+    """``base`` with every setting whose option is off and whose value is the inherited one (a preset's threshold
+    after its option was switched off) set back to the core default, i.e. unset: it is inert, and the core config
+    refuses a setting without its option (``_check_settings_have_their_option``)."""
+    out = dict(base)
+    for setting, option, _ in _DEPENDENT_SETTINGS:
+        off = out[option] is None or out[option] is False or _is_off(out[option])
+        if off and _setting_key(out[setting]) == _setting_key(inherited[setting]):
+            out[setting] = _FIELD_DEFAULTS[setting]
+    return out
+
+
+def unset_inert_settings(stored: Mapping[str, Any]) -> dict:
+    """Correction fields as stored by a run before ``RolloutCorrectionConfig`` refused a setting without its option
+    (records' ``run.json``: a preset's threshold kept after its option was switched off): those settings unset, the
+    other fields unchanged. They were inert in that run (the flat arguments accepted them only as inherited)."""
+    out = dict(stored)
+    for setting, option, _ in _DEPENDENT_SETTINGS:
+        if setting in out and option in out and (out[option] in (None, False) or _is_off(out[option])):
+            out[setting] = _FIELD_DEFAULTS[setting]
+    return out
 
 
 def _threshold_to_field(value: Any) -> Any:
@@ -782,10 +815,7 @@ class RolloutCorrectionArguments:
         Raises:
             ValueError / TypeError: for an unknown preset or an invalid field.
         """
-        if self.rollout_corr_preset is not None:
-            inherited = RolloutCorrectionConfig.from_preset(self.rollout_corr_preset).to_dict()
-        else:
-            inherited = RolloutCorrectionConfig().to_dict()
+        inherited = self._inherited()
         base = dict(inherited)
         for name in CORRECTION_FIELDS:
             value = getattr(self, name)
@@ -793,16 +823,27 @@ class RolloutCorrectionArguments:
                 base[name] = value
         if isinstance(base.get("rollout_is_threshold"), str):
             base["rollout_is_threshold"] = base["rollout_is_threshold"].strip()
-        correction = RolloutCorrectionConfig(**base)
+        correction = RolloutCorrectionConfig(**_unset_inert_settings(base, inherited))
         _check_settings_have_their_option(correction, base, inherited)
         return correction
 
+    def _inherited(self) -> dict[str, Any]:
+        """The fields an unset flat field takes: the preset's, or the core defaults without a preset."""
+        if self.rollout_corr_preset is not None:
+            return RolloutCorrectionConfig.from_preset(self.rollout_corr_preset).to_dict()
+        return RolloutCorrectionConfig().to_dict()
+
     def rollout_correction(self) -> RolloutCorrectionConfig:
-        """The validated ``RolloutCorrectionConfig`` the (effective) flat fields describe (a new object each call)."""
-        return RolloutCorrectionConfig(**{name: getattr(self, name) for name in CORRECTION_FIELDS})
+        """The validated ``RolloutCorrectionConfig`` the (effective) flat fields describe (a new object each call;
+        ``resolve()`` of the effective fields, equal to it)."""
+        return self.resolve()
 
     def _store_effective_fields(self, correction: RolloutCorrectionConfig) -> None:
         effective = correction.to_dict()
+        inherited = self._inherited()
+        for setting, option, _ in _DEPENDENT_SETTINGS:
+            if effective[option] in (None, False):  # inert, unset in the core: keep the inherited value, which
+                effective[setting] = inherited[setting]  # resolves to the same config when the fields are re-parsed
         for name in CORRECTION_FIELDS:
             value = effective[name]
             if name in ("rollout_is_threshold", "rollout_rs_threshold"):

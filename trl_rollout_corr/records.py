@@ -732,11 +732,12 @@ class RolloutDump:
         Raises:
             RecordsError: ``run.json`` has no valid correction config.
         """
-        from .config import CORRECTION_FIELDS, RolloutCorrectionConfig
+        from .config import CORRECTION_FIELDS, RolloutCorrectionConfig, unset_inert_settings
 
         stored = self.metadata.get("correction") or {}
-        try:
-            return RolloutCorrectionConfig(**{k: stored[k] for k in CORRECTION_FIELDS if k in stored})
+        try:  # a dump written before the core config refused inert settings may hold a switched-off preset's
+            return RolloutCorrectionConfig(**unset_inert_settings({k: stored[k] for k in CORRECTION_FIELDS
+                                                                    if k in stored}))
         except (TypeError, ValueError) as e:
             raise RecordsError(f"{self.path / RUN_FILE}: the stored correction config is invalid ({e}).") from e
 
