@@ -64,7 +64,7 @@ def configs(draw):
     specs = [("0.5_2.0" if o.endswith("k1") else str(draw(st.sampled_from([0.001, 0.05, 1.0])))) for o in options]
     return RolloutCorrectionConfig(
         rollout_is=level,
-        rollout_is_threshold=threshold,
+        rollout_is_threshold=threshold if level else None,  # a threshold without IS is refused (issue 22)
         rollout_is_batch_normalize=bool(level) and draw(st.booleans()),
         rollout_rs=",".join(options) or None,
         rollout_rs_threshold=",".join(specs) or None,
