@@ -1,6 +1,6 @@
 """Rollout-correction configuration: the field table, the core dataclass and its presets, the flat arguments.
 
-* ``CORRECTION_FIELD_TABLE``: the single source of the 7 correction fields (name, types, default, allowed values,
+* ``CORRECTION_FIELD_TABLE``: the single source of the 8 correction fields (name, types, default, allowed values,
   help). ``RolloutCorrectionConfig``, ``RolloutCorrectionArguments`` and the README table
   (``python -m trl_rollout_corr.docgen --config-table``) are all generated from it.
 * ``RolloutCorrectionConfig``: the validated, frozen core config the math takes; presets (verl's names) are
@@ -335,6 +335,13 @@ CORRECTION_FIELD_TABLE = (
         "`KL <= phi` (phi > 0, nats; 0.1 as KPop). Required when `rollout_rs` is set.",
     ),
     CorrectionField(
+        "rollout_m2_threshold", Optional[float], str, None,
+        "`tau > 0` (nats²)",
+        "M2PO (second-moment mask; AReaL's `m2_threshold`, paper 0.04): over the whole optimizer step, mask the "
+        "tokens with the largest `|l|` until the mean of `l²` over the remaining valid tokens is `<= tau` "
+        "(`correction/m2po.py`). Decoupled mode only. Not yet wired in the trainer: refused there.",
+    ),
+    CorrectionField(
         "bypass_mode", bool, bool, False,
         "bool",
         "False: decoupled (keep pi_old: one extra forward per generation batch). True: bypass (pi_old := mu, no "
@@ -450,6 +457,26 @@ class RolloutCorrectionConfig:
             set_("rs_specs", ())
         _check_settings_have_their_option(self, {name: getattr(self, name) for name in CORRECTION_FIELDS},
                                           _FIELD_DEFAULTS)
+        set_("rollout_m2_threshold", self._parse_m2_threshold())
+
+    def _parse_m2_threshold(self) -> Optional[float]:
+        value = self.rollout_m2_threshold
+        if value is None or _is_off(value):
+            return None
+        if isinstance(value, bool):
+            raise TypeError(f"rollout_m2_threshold must be a number (tau, nats^2), not a boolean ({value!r}).")
+        tau = _to_float(value, "rollout_m2_threshold")
+        if not tau > 0:
+            raise ValueError(f"rollout_m2_threshold must be > 0 (M2PO's largest kept mean of l^2 over the optimizer "
+                             f"step, nats^2; the paper uses 0.04), got {value!r}; unset it to turn M2PO off.")
+        if self.bypass_mode:
+            raise ValueError(
+                "rollout_m2_threshold (M2PO) needs decoupled mode: its mask is global over the optimizer step and "
+                "must be known before the first micro-batch's loss, but bypass mode computes its log ratio "
+                "(pi_theta vs mu) inside each micro-batch's loss. Set bypass_mode=False (decoupled: pi_old vs mu, "
+                "known for the whole step after generation), or unset rollout_m2_threshold."
+            )
+        return tau
 
     def _parse_is_bounds(self) -> Optional[ISBounds]:
         if self.rollout_is is None:
@@ -484,9 +511,14 @@ class RolloutCorrectionConfig:
         return bool(self.rs_specs)
 
     @property
+    def m2_enabled(self) -> bool:
+        """True when M2PO's second-moment mask is configured (``rollout_m2_threshold`` set)."""
+        return self.rollout_m2_threshold is not None
+
+    @property
     def enabled(self) -> bool:
-        """True when the correction changes training (IS weights, RS, or bypass mode)."""
-        return self.is_enabled or self.rs_enabled or self.bypass_mode
+        """True when the correction changes training (IS weights, RS, M2PO, or bypass mode)."""
+        return self.is_enabled or self.rs_enabled or self.m2_enabled or self.bypass_mode
 
     def to_dict(self) -> dict[str, Any]:
         """The user-facing fields (``CORRECTION_FIELDS``) as a plain dict (for YAML, logs and model cards)."""
@@ -698,6 +730,16 @@ _DEPENDENT_SETTINGS = (
 )
 
 
+# Until the trainer applies M2PO over the optimizer step, the flat arguments (the trainer's config, recipe YAML,
+# analyze --config) refuse the field instead of ignoring it. What the trainer must call: correction/m2po.py docstring.
+M2_NOT_WIRED = (
+    "rollout_m2_threshold={value!r} (M2PO) is not yet wired in the trainer (nor in analyze): the step-global mask is "
+    "implemented as pure functions (trl_rollout_corr.correction.m2po: m2po_candidates / m2po_select / keep_mask), but "
+    "applying it over an optimizer step needs the trainer's per-step hook, which does not exist yet. Unset "
+    "rollout_m2_threshold."
+)
+
+
 def _setting_key(value: Any) -> Any:
     """A comparable form of a threshold spec or setting: ``2``, ``2.0`` and ``"2.0"`` are the same setting."""
     if value is None or isinstance(value, bool):
@@ -825,6 +867,8 @@ class RolloutCorrectionArguments:
             base["rollout_is_threshold"] = base["rollout_is_threshold"].strip()
         correction = RolloutCorrectionConfig(**_unset_inert_settings(base, inherited))
         _check_settings_have_their_option(correction, base, inherited)
+        if correction.m2_enabled:
+            raise ValueError(M2_NOT_WIRED.format(value=base["rollout_m2_threshold"]))
         return correction
 
     def _inherited(self) -> dict[str, Any]:

@@ -6,7 +6,7 @@ Pure tensor math on ``(B, T)`` inputs; no TRL, no ``torch.distributed``. One mod
   ``compiled_rollout_correction``;
 * ``weights``: IS weights (token / sequence, TIS, IcePop, batch normalisation) and ``rollout_is_*``;
 * ``rejection``: RS masks (k1/k2/k3 x token / seq_sum / seq_mean / seq_max, KPop's token binary KL) and
-  ``rollout_rs_*``; ``binary_kl``: the Bernoulli KL of KPop;
+  ``rollout_rs_*``; ``binary_kl``: the Bernoulli KL of KPop; ``m2po``: M2PO's step-global second-moment mask;
 * ``diagnostics``: the off-policy metrics (``kl``, ``k3_kl``, perplexities, chi2); ``counts``: the denominators;
 * ``workspace``: the cleaned inputs and work buffers; ``reduce``: the batched reduction engine;
   ``stats``: ``CorrectionStats`` (merge / reduce / finalise) and the read view; ``layout``: ``MetricLayout``;

@@ -1,0 +1,199 @@
+"""M2PO's second-moment mask (correction.m2po): the greedy reference on a constructed batch (ties included), the same
+mask from 2 simulated ranks and from micro-batches as from 1 rank on the concatenated batch, metrics, bad input."""
+
+import math
+
+import pytest
+import torch
+
+from trl_rollout_corr.correction.m2po import M2Candidates, m2po_candidates, m2po_mask, m2po_select
+
+pytestmark = pytest.mark.unit
+
+
+def greedy_reference(l_rows, mask_rows, tau):
+    """Plain Python: order valid tokens by |l| descending then flat index ascending; mask from the front while the
+    mean of l^2 over the remaining valid tokens is above tau. Returns (masked flat positions, before, after)."""
+    width = max(len(r) for r in l_rows)
+    tokens = [(abs(v), i * width + j, v * v) for i, (r, m) in enumerate(zip(l_rows, mask_rows))
+              for j, (v, keep) in enumerate(zip(r, m)) if keep and math.isfinite(v)]
+    tokens.sort(key=lambda t: (-t[0], t[1]))
+    remaining = [t[2] for t in tokens]
+    masked = []
+
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else 0.0
+
+    before = mean(remaining)
+    while remaining and mean(remaining) > tau:
+        remaining.pop(0)
+        masked.append(tokens[len(masked)][1])
+    return masked, before, mean(remaining), width
+
+
+# a constructed batch: two outliers (1.5, -1.2), a tie at |l| = 0.6 (row 0 col 3 and row 2 col 0), padding, a NaN
+L = [[0.1, 1.5, -0.05, 0.6, 0.0],
+     [-0.2, 0.3, -1.2, 0.02, 9.0],  # the 9.0 is padding
+     [-0.6, 0.25, float("nan"), 0.1, -0.3],
+     [0.05, -0.4, 0.15, 0.0, 0.2]]
+MASK = [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+
+
+def _tensors(dtype=torch.float32):
+    return torch.tensor(L, dtype=dtype), torch.tensor(MASK)
+
+
+@pytest.mark.parametrize("tau", [0.04, 0.08, 0.2, 1.0, 1e-3])
+def test_mask_equals_the_greedy_reference(tau):
+    l, mask = _tensors(torch.float64)
+    keep, sel = m2po_mask(l, mask, tau)
+    masked, before, after, width = greedy_reference(L, MASK, tau)
+    got = [int(r) * width + int(c) for r, c in zip(sel.masked_row, sel.masked_col)]
+    assert got == masked
+    expected_keep = [[float(MASK[i][j] and math.isfinite(L[i][j]) and i * width + j not in masked)
+                      for j in range(5)] for i in range(4)]
+    assert keep.tolist() == expected_keep
+    m = sel.metrics()
+    assert m["rollout_corr/m2po_second_moment_before"] == pytest.approx(before, rel=1e-12)
+    assert m["rollout_corr/m2po_second_moment_after"] == pytest.approx(after, rel=1e-12, abs=1e-300)
+    assert m["rollout_corr/m2po_masked_fraction"] == pytest.approx(len(masked) / 18)  # 20 - padding - NaN
+    assert m["rollout_corr/m2po_second_moment_after"] <= tau
+
+
+def test_hand_values_and_the_tie_order():
+    l, mask = _tensors(torch.float64)
+    # l^2 of the 18 valid tokens by row: 0.01 + 2.25 + 0.0025 + 0.36 + 0 = 2.6225;
+    # 0.04 + 0.09 + 1.44 + 0.0004 = 1.5704; 0.36 + 0.0625 + 0.01 + 0.09 = 0.5225;
+    # 0.0025 + 0.16 + 0.0225 + 0 + 0.04 = 0.225; total 4.9404
+    keep, sel = m2po_mask(l, mask, 0.08)
+    assert sel.metrics()["rollout_corr/m2po_second_moment_before"] == pytest.approx(4.9404 / 18)
+    # masking 1.5, then -1.2: (4.9404 - 3.69) / 16 = 0.07815 <= 0.08 -> two tokens
+    assert [(int(r), int(c)) for r, c in zip(sel.masked_row, sel.masked_col)] == [(0, 1), (1, 2)]
+    assert sel.metrics()["rollout_corr/m2po_second_moment_after"] == pytest.approx(1.2504 / 16)
+    assert keep[0].tolist() == [1.0, 0.0, 1.0, 1.0, 1.0] and keep[2].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0]
+    # at tau = 0.06 one of the tied |l| = 0.6 goes: (1.2504 - 0.36) / 15 = 0.05936 <= 0.06; row 0 col 3 (flat 3)
+    # goes before row 2 col 0 (flat 10)
+    _, sel = m2po_mask(l, mask, 0.06)
+    assert [(int(r), int(c)) for r, c in zip(sel.masked_row, sel.masked_col)] == [(0, 1), (1, 2), (0, 3)]
+    # at tau = 0.05 both: (0.8904 - 0.36) / 14 = 0.0379
+    _, sel = m2po_mask(l, mask, 0.05)
+    assert [(int(r), int(c)) for r, c in zip(sel.masked_row, sel.masked_col)] == [(0, 1), (1, 2), (0, 3), (2, 0)]
+    assert sel.metrics()["rollout_corr/m2po_second_moment_after"] == pytest.approx(0.5304 / 14)
+    # only tokens with l^2 > tau are ever masked; a loose tau masks nothing
+    _, sel = m2po_mask(l, mask, 0.3)
+    assert sel.n_masked == 0 and sel.metrics()["rollout_corr/m2po_masked_fraction"] == 0.0
+
+
+def _random_step(seed, rows=12, width=9):
+    g = torch.Generator().manual_seed(seed)
+    l = 0.3 * torch.randn(rows, width, generator=g) ** 3  # heavy tails
+    l[3, 2] = l[5, 4] = 0.9  # an exact tie across rows
+    lengths = torch.randint(2, width + 1, (rows,), generator=g)
+    mask = (torch.arange(width) < lengths.unsqueeze(1)).long()
+    l = torch.where(mask > 0, l, torch.full_like(l, float("nan")))  # padding may hold anything
+    return l, mask, lengths
+
+
+def _trim(l, mask, lengths):
+    """A micro-batch padded to its own longest row (different micro-batches have different T)."""
+    width = int(lengths.max())
+    return l[:, :width], mask[:, :width]
+
+
+def test_two_ranks_and_micro_batches_give_the_one_rank_mask():
+    l, mask, lengths = _random_step(0)
+    tau = 0.01
+    whole_keep, whole = m2po_mask(l, mask, tau)
+    assert 0 < whole.n_masked < int(mask.sum())
+    # 2 ranks x 3 micro-batches of 2 rows each, each padded to its own width; rank r holds rows [6 r, 6 r + 6)
+    pieces = {}
+    for rank in range(2):
+        for micro in range(3):
+            start = 6 * rank + 2 * micro
+            pieces[(rank, micro)] = (start, *_trim(l[start:start + 2], mask[start:start + 2],
+                                                   lengths[start:start + 2]))
+    per_rank = [M2Candidates.cat([m2po_candidates(pl, pm, s) for (r, _), (s, pl, pm) in pieces.items() if r == rank])
+                for rank in range(2)]
+    # the all-gather: every rank's block as one (K, 3) tensor, concatenated in rank order (any order works)
+    gathered = [M2Candidates.from_tensor(c.to_tensor()) for c in per_rank]
+    for order in (gathered, gathered[::-1]):
+        sel = m2po_select(M2Candidates.cat(order), tau)
+        assert torch.equal(sel.masked_row, whole.masked_row) and torch.equal(sel.masked_col, whole.masked_col)
+        assert sel.metrics() == whole.metrics()
+        for start, pl, pm in pieces.values():
+            width = pl.shape[1]
+            assert torch.equal(sel.keep_mask(pm, start, pl), whole_keep[start:start + 2, :width])
+    # micro-batch 1 x accumulation 4 (rows 0..3 one at a time) equals micro-batch 4 x accumulation 1
+    four = l[:4], mask[:4]
+    _, sel4 = m2po_mask(*four, tau)
+    ones = M2Candidates.cat([m2po_candidates(*_trim(l[i:i + 1], mask[i:i + 1], lengths[i:i + 1]), i)
+                             for i in range(4)])
+    sel1 = m2po_select(ones, tau)
+    assert torch.equal(sel1.masked_row, sel4.masked_row) and torch.equal(sel1.masked_col, sel4.masked_col)
+    assert sel1.metrics() == sel4.metrics()
+
+
+def test_ties_across_ranks_are_broken_by_global_position():
+    l = torch.tensor([[0.9, 0.0], [0.9, 0.0]])
+    mask = torch.ones(2, 2)
+    # mean l^2 = 0.405; after one: 0.81 / 3 = 0.27; tau 0.3 masks exactly one of the two tied tokens: row 0's
+    _, whole = m2po_mask(l, mask, 0.3)
+    assert (whole.masked_row.tolist(), whole.masked_col.tolist()) == ([0], [0])
+    parts = [m2po_candidates(l[1:], mask[1:], 1), m2po_candidates(l[:1], mask[:1], 0)]  # rank 1 first
+    sel = m2po_select(M2Candidates.cat(parts), 0.3)
+    assert (sel.masked_row.tolist(), sel.masked_col.tolist()) == ([0], [0])
+
+
+def test_empty_and_all_masked():
+    keep, sel = m2po_mask(torch.zeros(2, 3), torch.zeros(2, 3), 0.04)
+    assert sel.n_valid == 0 and keep.sum() == 0 and sel.metrics()["rollout_corr/m2po_masked_fraction"] == 0.0
+    keep, sel = m2po_mask(torch.full((1, 2), 3.0), torch.ones(1, 2), 0.04)  # every token above tau: all masked
+    assert keep.tolist() == [[0.0, 0.0]] and sel.metrics()["rollout_corr/m2po_second_moment_after"] == 0.0
+
+
+@pytest.mark.parametrize("tau", [0, -0.04, float("nan"), float("inf")])
+def test_bad_threshold(tau):
+    with pytest.raises(ValueError, match=r"M2PO threshold tau must be a finite number > 0 .*paper uses 0.04"):
+        m2po_mask(torch.zeros(1, 2), torch.ones(1, 2), tau)
+
+
+def test_bad_positions_and_shapes():
+    c = m2po_candidates(torch.ones(1, 2), torch.ones(1, 2), 0)
+    with pytest.raises(ValueError, match="repeat a \\(row, column\\) position: each micro-batch and rank must pass"):
+        m2po_select(M2Candidates.cat([c, c]), 0.04)
+    with pytest.raises(ValueError, match=r"must both be \(B, T\)"):
+        m2po_candidates(torch.ones(2, 3), torch.ones(2, 2))
+    with pytest.raises(ValueError, match="at least one part"):
+        M2Candidates.cat([])
+
+
+# ---------------------------------------------------------------------------------------------- config
+def test_config_field():
+    from trl_rollout_corr import RolloutCorrectionConfig
+
+    assert RolloutCorrectionConfig(rollout_m2_threshold="0.04").rollout_m2_threshold == 0.04
+    cfg = RolloutCorrectionConfig(rollout_m2_threshold=0.04, rollout_is="token", rollout_is_threshold=2.0)
+    assert cfg.m2_enabled and cfg.enabled and cfg.to_dict()["rollout_m2_threshold"] == 0.04
+    assert not RolloutCorrectionConfig().m2_enabled and RolloutCorrectionConfig().rollout_m2_threshold is None
+    for bad in (0, -0.1, "0"):
+        with pytest.raises(ValueError, match=r"rollout_m2_threshold must be > 0 .*paper uses 0.04"):
+            RolloutCorrectionConfig(rollout_m2_threshold=bad)
+    with pytest.raises(TypeError, match="not a boolean"):
+        RolloutCorrectionConfig(rollout_m2_threshold=True)
+    with pytest.raises(ValueError, match=r"needs decoupled mode: .*Set bypass_mode=False"):
+        RolloutCorrectionConfig(rollout_m2_threshold=0.04, bypass_mode=True)
+
+
+def test_flat_arguments_refuse_it_until_the_trainer_applies_it(tmp_path):
+    from trl_rollout_corr.analyze import ConfigError, yaml_config
+    from trl_rollout_corr.config import RolloutCorrectionArguments
+
+    with pytest.raises(ValueError, match=r"rollout_m2_threshold='0.04' \(M2PO\) is not yet wired in the trainer"):
+        RolloutCorrectionArguments(rollout_m2_threshold="0.04")
+    with pytest.raises(ValueError, match="needs decoupled mode"):  # the mode error comes first
+        RolloutCorrectionArguments(rollout_corr_preset="bypass_ppo_clip", rollout_m2_threshold="0.04")
+    f = tmp_path / "m2.yaml"
+    f.write_text("rollout_m2_threshold: 0.04\n")
+    with pytest.raises(ConfigError, match="not yet wired in the trainer"):
+        yaml_config(f)
+    assert RolloutCorrectionArguments(rollout_corr_preset="decoupled_k3_rs").rollout_m2_threshold is None
