@@ -654,6 +654,35 @@ def length_slices(analysis: Analysis) -> list[dict[str, Any]]:
     return out
 
 
+def analysable_windows(dump: RolloutDump, steps: Optional[tuple[int, int]] = None) -> list[Window]:
+    """The logged windows of ``dump`` in ``steps`` (inclusive; all when None), after refusing dumps whose metrics
+    cannot be recomputed.
+
+    Raises:
+        ConfigError: a run trained with support matching or ``max_policy_lag``. RecordsError: no stored rows there.
+    """
+    matching = dump.metadata.get("trainer", {}).get("rollout_support_matching") or "off"
+    if matching != "off":
+        raise ConfigError(
+            f"{dump.path} was trained with rollout_support_matching={matching!r}: the trainer scored over the "
+            "engine's support and made the tokens outside it invalid, which records of schema "
+            f"{dump.metadata.get('schema_version', '1.0')} do not store, so its metrics cannot be recomputed. "
+            "Analyse runs trained with rollout_support_matching='off'."
+        )
+    bound = dump.metadata.get("trainer", {}).get("max_policy_lag")
+    if bound is not None:
+        raise ConfigError(
+            f"{dump.path} was trained with max_policy_lag={bound}: the rows it dropped left the correction's mask "
+            "before the metrics were computed, which this version of analyze does not reproduce. Analyse runs "
+            "trained without max_policy_lag."
+        )
+    windows = [w for w in dump.windows if steps is None or steps[0] <= w.logged_step <= steps[1]]
+    if not any(w.files for w in windows):
+        raise RecordsError(f"{dump.path}: no stored rows in the selected steps ({len(windows)} logged steps, "
+                           "none with a step file). Check --steps, or rollout_dump_every of the run.")
+    return windows
+
+
 def analyse_dump(dump: RolloutDump, configs: Sequence[NamedConfig], *, length_buckets: Optional[Sequence[int]] = None,
                  steps: Optional[tuple[int, int]] = None,
                  tolerance: float = DEFAULT_TOLERANCE) -> tuple[CheckResult, list[Analysis], Recomputer]:
@@ -675,25 +704,7 @@ def analyse_dump(dump: RolloutDump, configs: Sequence[NamedConfig], *, length_bu
     tolerance = check_tolerance(tolerance)
     if length_buckets is not None:
         length_buckets = check_length_edges(length_buckets)
-    matching = dump.metadata.get("trainer", {}).get("rollout_support_matching") or "off"
-    if matching != "off":
-        raise ConfigError(
-            f"{dump.path} was trained with rollout_support_matching={matching!r}: the trainer scored over the "
-            "engine's support and made the tokens outside it invalid, which records of schema "
-            f"{dump.metadata.get('schema_version', '1.0')} do not store, so its metrics cannot be recomputed. "
-            "Analyse runs trained with rollout_support_matching='off'."
-        )
-    bound = dump.metadata.get("trainer", {}).get("max_policy_lag")
-    if bound is not None:
-        raise ConfigError(
-            f"{dump.path} was trained with max_policy_lag={bound}: the rows it dropped left the correction's mask "
-            "before the metrics were computed, which this version of analyze does not reproduce. Analyse runs "
-            "trained without max_policy_lag."
-        )
-    windows = [w for w in dump.windows if steps is None or steps[0] <= w.logged_step <= steps[1]]
-    if not any(w.files for w in windows):
-        raise RecordsError(f"{dump.path}: no stored rows in the selected steps ({len(windows)} logged steps, "
-                           "none with a step file). Check --steps, or rollout_dump_every of the run.")
+    windows = analysable_windows(dump, steps)
     recomputer = Recomputer(dump, windows)
     trained = NamedConfig("trained", dump.correction_config())
     for named in configs:  # fail before any work on a config the dump cannot serve

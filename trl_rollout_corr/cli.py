@@ -78,7 +78,13 @@ def _config_label(named, trained_preset: Optional[str]) -> str:
 
 
 def run_analyze(args: argparse.Namespace) -> int:
-    """``analyze``: see ``trl_rollout_corr.analyze``. Returns the exit code."""
+    """``analyze``: see ``trl_rollout_corr.analyze`` (``--suggest``: ``trl_rollout_corr.suggest``). Returns the exit
+    code."""
+    if args.suggest:
+        return run_suggest(args)
+    if args.keep is not None or args.quantile is not None or args.suggest_options:
+        raise UsageError("--keep, --quantile and --suggest-options belong to --suggest: add --suggest (e.g. "
+                         "analyze DUMP --suggest --keep 0.99).")
     from .analyze import analyse_dump, check_tolerance, length_slices, preset_config, summary_row, yaml_config
     from .records import open_dump
 
@@ -147,6 +153,96 @@ def run_analyze(args: argparse.Namespace) -> int:
         written += analyze_figures(analyses, out, identity)
     print("\nWrote " + ", ".join(str(p) for p in written))
     return EXIT_OK if check.ok or args.no_check else EXIT_CHECK_FAILED
+
+
+SUGGEST_OUTPUTS = ("suggest.json", "suggest_kept_vs_threshold.png")
+
+
+def run_suggest(args: argparse.Namespace) -> int:
+    """``analyze --suggest``: a threshold per RS/IS option from the dump (``trl_rollout_corr.suggest``), its kept
+    fraction, ESS and kl by lag and length, a YAML file per option and a figure. Returns the exit code."""
+    from .records import open_dump
+    from .suggest import figure, report, suggest, yaml_text
+
+    if args.configs:
+        raise UsageError("--suggest computes its own configs: drop --preset / --config (re-apply a suggestion "
+                         "afterwards with analyze DUMP --config OUT/suggest_configs/OPTION.yaml).")
+    buckets = _length_buckets(args.length_buckets) if args.length_buckets else None
+    steps = _step_range(args.steps) if args.steps else None
+    options = [o.strip() for o in args.suggest_options.split(",") if o.strip()] if args.suggest_options else None
+    out = Path(args.out) if args.out else Path(args.dump_dir) / "analysis"
+    if not args.no_plots:
+        from .plotting import require_matplotlib
+
+        require_matplotlib()
+    check_outputs(out, (*SUGGEST_OUTPUTS, "suggest_configs"), args.overwrite)
+    dump = open_dump(args.dump_dir)
+    suggestions = suggest(dump, keep=args.keep, quantile=args.quantile, options=options, steps=steps,
+                          length_buckets=buckets)
+    by_keep = args.keep is not None
+    how = (f"keeps {100 * args.keep:g}% of the valid tokens (token_*, is_token) or rows (seq_*, is_sequence)"
+           if by_keep else f"sits at the {args.quantile:g} quantile of the statistic on the uses at policy lag 0")
+    mode = "bypass" if suggestions and suggestions[0].config.bypass_mode else "decoupled"
+    print(f"Suggestions for {dump.path} ({mode} rows, as analyze re-applies them): each threshold {how}; IS "
+          "options: the TIS cap U, kept = untruncated (R <= U). RS suggestions keep the trained IS settings, IS "
+          "suggestions its RS settings.")
+    header = ["option", "threshold", "unit", "kept", "kept tokens", "kept rows", "ESS", "kl", "k3 kept", "note"]
+    rows = []
+    for s in suggestions:
+        row = summary_row_of(s)
+        rows.append([s.option, f"{s.threshold:.6g}", s.unit, _fmt(s.kept(), "%"), _fmt(row["kept_tokens"], "%"),
+                     _fmt(row["kept_rows"], "%"), _fmt(row["ess"], "f"), _fmt(row["kl"]), _fmt(row["kept_k3"]),
+                     s.note])
+    print(format_table(header, rows))
+    print("\nBy policy lag (kept tokens / ESS / k3 of the kept tokens):")
+    lags = sorted({lag for s in suggestions for lag in s.analysis.by_lag})
+    rows = []
+    for s in suggestions:
+        cells = [s.option]
+        for lag in lags:
+            part = s.analysis.by_lag.get(lag)
+            r = summary_row_of(s, part) if part is not None else None
+            cells.append("n/a" if r is None else f"{_fmt(r['kept_tokens'], '%')} / {_fmt(r['ess'], 'f')} / "
+                                                 f"{_fmt(r['kept_k3'])}")
+        rows.append(cells)
+    print(format_table(["option", *(f"lag {lag}" for lag in lags)], rows))
+    print("\nBy response length (kept tokens / ESS / k3 of the kept tokens):")
+    from .analyze import length_slices
+
+    buckets_seen = [r["bucket"] for r in length_slices(suggestions[0].analysis) if r["rows"]] if suggestions else []
+    rows = []
+    for s in suggestions:
+        by = {r["bucket"]: r for r in length_slices(s.analysis)}
+        rows.append([s.option, *(f"{_fmt(by[b]['kept_tokens'], '%')} / {_fmt(by[b]['ess'], 'f')} / "
+                                 f"{_fmt(by[b]['kept_k3'])}" for b in buckets_seen)])
+    print(format_table(["option", *buckets_seen], rows))
+    out.mkdir(parents=True, exist_ok=True)
+    configs_dir = out / "suggest_configs"
+    configs_dir.mkdir(exist_ok=True)
+    print("\nYAML to paste into the recipe config (one option; also written to " + str(configs_dir) + "):")
+    for s in suggestions:
+        text = yaml_text(s, by_keep)
+        (configs_dir / f"{s.option}.yaml").write_text(text)
+        print(text)
+    (out / "suggest.json").write_text(json.dumps(report(suggestions), indent=2) + "\n")
+    written = [out / "suggest.json", configs_dir]
+    if not args.no_plots and suggestions:
+        meta = dump.metadata
+        identity = {"model": meta.get("model", {}).get("name_or_path"),
+                    "engine": meta.get("engine", {}).get("rollout_engine"),
+                    "rollout dtype": meta.get("engine", {}).get("rollout_dtype"),
+                    "train dtype": meta.get("model", {}).get("dtype"), "dump": str(dump.path),
+                    "rule": f"--keep {args.keep:g}" if by_keep else f"--quantile {args.quantile:g} (lag 0)"}
+        written.append(figure(suggestions, out, identity))
+    print("Wrote " + ", ".join(str(p) for p in written))
+    return EXIT_OK
+
+
+def summary_row_of(s, part=None) -> dict:
+    """The what-if columns of a suggestion's total (or of one of its slices)."""
+    from .analyze import summary_row
+
+    return summary_row(part if part is not None else s.analysis.total)
 
 
 def _print_check(check) -> None:
@@ -264,6 +360,18 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--out", metavar="DIR", help="where analysis.json and the PNGs go (default DUMP_DIR/analysis)")
     a.add_argument("--overwrite", action="store_true", help="replace existing output files in --out")
     a.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    a.add_argument("--suggest", action="store_true",
+                   help="instead of the check and what-if tables: a threshold for every RS and IS option from this "
+                        "dump (--keep or --quantile), its kept fraction, ESS and kl by lag and length, a YAML file "
+                        "per option (OUT/suggest_configs/) and a figure of kept fraction against threshold")
+    a.add_argument("--keep", type=float, metavar="F",
+                   help="--suggest: the threshold keeping the fraction F of valid tokens (token options) or rows "
+                        "(sequence options); IS: of untruncated weights, e.g. 0.99")
+    a.add_argument("--quantile", type=float, metavar="Q",
+                   help="--suggest: the threshold at the Q-quantile of each statistic on the uses at policy lag 0 "
+                        "(the engine mismatch alone), e.g. 0.99")
+    a.add_argument("--suggest-options", metavar="O1,O2,...",
+                   help="--suggest: only these options (RS option names, is_token, is_sequence; default all)")
     a.set_defaults(func=run_analyze)
 
     from .probe import add_arguments

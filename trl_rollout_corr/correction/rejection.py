@@ -72,6 +72,13 @@ def needs(specs: Sequence) -> dict[str, bool]:
     return flags
 
 
+def row_values(ws: Workspace, level: str, stat: str) -> torch.Tensor:
+    """(B,) the per-row value a sequence option ``{level}_{stat}`` tests (``seq_sum``/``seq_mean``: float64 row sum /
+    mean of the statistic over valid tokens, k1 = -x; ``seq_max``: the row max). The workspace must hold what the
+    option needs (``needs``)."""
+    return _ROW_VALUES[level](ws, stat)
+
+
 def rejection_mask(ws: Workspace, specs: Sequence, rows: RowTable) -> torch.Tensor:
     """(B, T) float32 0/1 keep mask over valid tokens, every option combined (AND); registers the statistics.
 
