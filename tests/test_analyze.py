@@ -163,6 +163,32 @@ def test_analyze_reproduces_the_logged_metrics(mode, llama_dir, tmp_path, make_t
     assert [a.named.label for a in analyses] == ["trained", what_if.label]
 
 
+def test_a_run_resumed_from_a_checkpoint_continues_its_dump(llama_dir, tmp_path, make_trainer):
+    """Issue 22: resuming from a checkpoint with the same rollout_dump_dir was refused. The run below trains 4 steps
+    (checkpoint at 2), then a second trainer resumes from checkpoint-2 into the same dump, as after a crash: the
+    dump keeps one window per step (the resumed run's 3 and 4), the same run_id, and analyze reproduces it."""
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2, rollout_corr_preset="decoupled_k3_rs_token_tis",
+              rollout_dump_dir=str(tmp_path / "dump"))
+    first = make_trainer(llama_dir, tmp_path, **kw)
+    first.train()
+    run_id = open_dump(tmp_path / "dump").metadata["run_id"]
+    resumed = make_trainer(llama_dir, tmp_path, **kw)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    dump = open_dump(tmp_path / "dump")
+    assert dump.metadata["run_id"] == run_id
+    assert [(w.logged_step, w.first_step) for w in dump.windows] == [(1, 1), (2, 2), (3, 3), (4, 4)]
+    logged = {h["step"]: h for h in resumed.state.log_history if "loss" in h}  # 1, 2 from the checkpoint
+    assert sorted(logged) == [1, 2, 3, 4]  # 3 and 4 the resumed run's, as the dump holds them:
+    for w in dump.windows[2:]:
+        assert w.metrics["rollout_corr/kl"] == logged[w.logged_step]["rollout_corr/kl"]
+    rows = dump.read_table(dump.windows[2:])
+    assert sorted(set(rows.column("generation_batch").to_pylist())) == [2, 3]  # numbered after the kept 0, 1
+    check, _, _ = analyse_dump(dump, [])
+    assert check.ok and not check.skipped, check.failures[:5]
+    assert sorted(p.name for p in (tmp_path / "dump" / "superseded" / "resume-at-00000002").iterdir()) == [
+        "logs.jsonl", "step-00000003.rank-00000.parquet", "step-00000004.rank-00000.parquet"]
+
+
 def test_records_do_not_change_training_and_are_off_by_default(llama_dir, tmp_path, make_trainer):
     kw = dict(max_steps=2, rollout_corr_preset="decoupled_k3_rs_token_tis")
     plain = make_trainer(llama_dir, tmp_path / "a", **kw)

@@ -144,8 +144,10 @@ def test_nothing_is_overwritten(tmp_path):
     w.add(_batch())
     w.end_window(1, {"rollout_corr/kl": 0.0})
     run_json = (tmp_path / "d" / "run.json").read_bytes()
-    with pytest.raises(RecordsError, match="already holds a rollout dump.*Choose another rollout_dump_dir"):
-        _writer(tmp_path / "d")
+    again = _writer(tmp_path / "d")  # a second run into the folder: refused at its first step, 0 (not a resume)
+    again.write_run_metadata(_metadata())
+    with pytest.raises(RecordsError, match="already holds a rollout dump.*starts at step 0.*Choose another"):
+        again.add(_batch())
     other_rank = _writer(tmp_path / "d", is_main_process=False)  # another rank of the same run: no check
     other_rank.add(_batch())
     step_file = tmp_path / "d" / "steps" / "step-00000001.rank-00000.parquet"
@@ -252,3 +254,60 @@ def test_rows_without_a_logged_step_are_read_with_a_warning(dump_dir):
         dump = open_dump(dump_dir)
     assert any("no logged values to check" in str(w.message) for w in caught)
     assert [(w.logged_step, w.metrics) for w in dump.windows] == [(1, {})]
+
+
+def test_a_resumed_run_continues_the_dump(tmp_path):
+    """Issue 22: a run resumed from a checkpoint with the same rollout_dump_dir was refused, so a crashed run could
+    not continue its dump. Now: same run_id, the interrupted run's windows after the checkpoint moved aside (no
+    step twice), generation batches numbered after the kept ones, the window count of rollout_dump_every kept."""
+    d = tmp_path / "d"
+    first = _writer(d)
+    first.write_run_metadata(_metadata())
+    for step in range(4):  # steps 0..3 trained, windows 1..4 logged, then the run dies (checkpoint at step 2)
+        first.add(_batch(step=step, generation_batch=step))
+        first.end_window(step + 1, {"rollout_corr/kl": float(step)})
+    run_id = json.loads((d / "run.json").read_text())["run_id"]
+    assert len(run_id) == 32
+    resumed = _writer(d)
+    resumed.write_run_metadata(_metadata())  # the same settings: accepted, run.json untouched
+    for step in (2, 3):  # resumed from checkpoint-2: trains steps 2 and 3 again, its generation batches from 0
+        resumed.add(_batch(step=step, generation_batch=step - 2))
+        resumed.end_window(step + 1, {"rollout_corr/kl": 10.0 + step})
+    dump = open_dump(d)
+    assert dump.metadata["run_id"] == run_id
+    assert [(w.logged_step, w.first_step, w.metrics["rollout_corr/kl"]) for w in dump.windows] == [
+        (1, 1, 0.0), (2, 2, 1.0), (3, 3, 12.0), (4, 4, 13.0)]  # each step once: the resumed run's 3 and 4
+    rows = dump.read_table().to_pylist()
+    assert [(r["logged_step"], r["generation_batch"]) for r in rows] == [(1, 0), (1, 0), (2, 1), (2, 1), (3, 2),
+                                                                         (3, 2), (4, 3), (4, 3)]
+    aside = d / "superseded" / "resume-at-00000002"
+    assert sorted(p.name for p in aside.iterdir()) == ["logs.jsonl", "step-00000003.rank-00000.parquet",
+                                                       "step-00000004.rank-00000.parquet"]
+    assert [json.loads(line)["logged_step"] for line in (aside / "logs.jsonl").read_text().splitlines()] == [3, 4]
+    assert json.loads((d / "logs.jsonl").read_text().splitlines()[2])["resumed_at_step"] == 2
+    # another run's settings are refused, naming the field; so is another schema version
+    other = _writer(d)
+    with pytest.raises(RecordsError, match=r"other settings \(correction: rollout_is: stored None, this run 'token'"):
+        other.write_run_metadata(_metadata(rollout_is="token"))
+    with pytest.raises(RecordsError, match=r"other settings \(rollout_dump_every: stored 1, this run 2"):
+        _writer(d, every=2).write_run_metadata(_metadata())
+    run = json.loads((d / "run.json").read_text())
+    (d / "run.json").write_text(json.dumps({**run, "schema_version": "1.1"}))
+    with pytest.raises(RecordsError, match="a resumed run can only continue a dump of its own schema"):
+        _writer(d).write_run_metadata(_metadata())
+
+
+def test_dump_every_counts_on_across_a_resume(tmp_path):
+    d = tmp_path / "d"
+    first = _writer(d, every=2)
+    first.write_run_metadata(_metadata())
+    for step in range(3):  # windows 1 (kept), 2 (skipped), 3 (kept)
+        first.add(_batch(step=step, generation_batch=step))
+        first.end_window(step + 1, {"rollout_corr/kl": 0.0})
+    resumed = _writer(d, every=2)
+    resumed.write_run_metadata(_metadata())
+    for step in (2, 3):  # resumed at checkpoint 2: window 3 again (kept), window 4 (skipped)
+        resumed.add(_batch(step=step, generation_batch=step - 2))
+        resumed.end_window(step + 1, {"rollout_corr/kl": 1.0})
+    assert [(w.logged_step, w.dumped) for w in open_dump(d).windows] == [(1, True), (2, False), (3, True),
+                                                                         (4, False)]

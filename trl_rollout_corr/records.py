@@ -22,9 +22,16 @@ Size: per sample about 4 bytes per prompt token and 14 bytes per completion toke
 and 2-4 float32 log-prob columns), zstd-compressed on disk; ``benchmarks/RESULTS.md`` has the measured bytes per
 1k samples of the main job. ``rollout_dump_every = N`` keeps one logged window in N to bound a long run.
 
-Writing never overwrites: a folder that already holds ``run.json`` is refused, each Parquet file is written to a
-temporary name and renamed into place (a crash leaves no half-written ``.parquet``), and an existing step file is
-an error. Reading validates everything (schema version, Parquet integrity, column types, per-token lengths) before
+Writing never overwrites: each Parquet file is written to a temporary name and renamed into place (a crash leaves
+no half-written ``.parquet``), and an existing step file is an error. A folder that already holds ``run.json`` is
+continued by a run resumed from a checkpoint (first trained step k > 0) whose ``run.json`` content is the same
+(schema version, model, tokenizer, engine, sampling, correction, trainer settings but ``max_steps``, rewards, world
+size, ``rollout_dump_every``; the ``run_id`` stays): the windows logged after step k by the interrupted run (its
+steps after the checkpoint, trained again now) are moved to ``superseded/resume-at-<k>/`` (never deleted), so no
+step is in the dump twice, and the resumed run's generation batches are numbered after the kept ones. A run from
+step 0 into a folder with a dump, or a different run's settings, is refused.
+
+Reading validates everything (schema version, Parquet integrity, column types, per-token lengths) before
 any result is produced. Needs ``pyarrow`` (installed with ``datasets``: the ``trl`` extra).
 """
 
@@ -37,6 +44,7 @@ import math
 import os
 import re
 import time
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -389,7 +397,9 @@ class RolloutRecordWriter:
         bytes_written: bytes of Parquet written by this rank. rows_written: rows written by this rank.
 
     Raises:
-        RecordsError: ``dump_dir`` already holds a dump (``run.json``), or a step file would be overwritten.
+        RecordsError: a step file would be overwritten; ``dump_dir`` already holds a dump (``run.json``) of other
+            settings (``write_run_metadata``), or of which this run is no continuation (its first trained step is
+            0: ``add``). See the module docstring, "Writing never overwrites".
     """
 
     def __init__(self, dump_dir: os.PathLike | str, *, rank: int = 0, world_size: int = 1,
@@ -404,11 +414,10 @@ class RolloutRecordWriter:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_completion_length = max_completion_length
-        if self.is_main_process and (self.dump_dir / RUN_FILE).exists():
-            raise RecordsError(
-                f"{self.dump_dir} already holds a rollout dump ({RUN_FILE}); records are never overwritten. Choose "
-                "another rollout_dump_dir, or move the old dump away."
-            )
+        self._existing = self.is_main_process and (self.dump_dir / RUN_FILE).exists()  # continued or refused
+        self._begun = False  # the first trained step decides: 0 a new dump, k > 0 a resumed run's continuation
+        self._batch_offset = 0  # resumed: generation batches numbered after the kept ones
+        self._resumed_at: Optional[int] = None
         (self.dump_dir / STEPS_DIR).mkdir(parents=True, exist_ok=True)
         self._batches: list = []
         self._micro_step = 0
@@ -421,11 +430,91 @@ class RolloutRecordWriter:
 
     # ------------------------------------------------------------------ once per run
     def write_run_metadata(self, metadata: Mapping[str, Any]) -> None:
-        """Write ``run.json`` (main process only; a no-op elsewhere), refusing to replace an existing one."""
+        """Write ``run.json`` with a new ``run_id`` (main process only; a no-op elsewhere). Where the folder already
+        holds one, nothing is written: its content must be this run's (a resumed run continues the dump).
+
+        Raises:
+            RecordsError: the existing ``run.json`` is of another schema version or of other settings (names the
+                first differing field and the fix).
+        """
         if not self.is_main_process:
             return
         payload = {**_json_safe(dict(metadata)), "world_size": self.world_size, "rollout_dump_every": self.every}
+        if self._existing:
+            self._check_same_run(json.loads(json.dumps(payload, sort_keys=True)))
+            return
+        payload["run_id"] = payload.get("run_id") or uuid.uuid4().hex
         _write_new(self.dump_dir / RUN_FILE, (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode())
+
+    def _check_same_run(self, ours: Mapping[str, Any]) -> None:
+        path = self.dump_dir / RUN_FILE
+        stored = _read_json(path)
+        if stored.get("schema") != SCHEMA_NAME or stored.get("schema_version") != SCHEMA_VERSION:
+            raise RecordsError(
+                f"{path}: a dump of schema {stored.get('schema')!r} {stored.get('schema_version')!r}, this writer "
+                f"writes {SCHEMA_NAME!r} {SCHEMA_VERSION!r}: a resumed run can only continue a dump of its own "
+                "schema. Choose another rollout_dump_dir."
+            )
+        for key in _SAME_RUN_FIELDS:
+            a, b = stored.get(key), ours.get(key)
+            if key == "trainer" and isinstance(a, dict) and isinstance(b, dict):
+                a, b = ({k: v for k, v in d.items() if k != "max_steps"} for d in (a, b))
+            if a != b:
+                raise RecordsError(
+                    f"{path} holds the dump of a run with other settings ({key}: {_first_difference(a, b)}); records "
+                    "are never overwritten and only a run resumed from its checkpoint continues a dump. Choose "
+                    "another rollout_dump_dir, or move the old dump away."
+                )
+
+    def _begin(self, step: int) -> None:
+        """At the first trained step ``step``: a new dump (0), or the continuation of a resumed run (k > 0: the
+        windows logged after k are moved aside, the window count and generation batches continue)."""
+        if self._begun:
+            return
+        self._begun = True
+        if step <= 0:
+            if self._existing:
+                raise RecordsError(
+                    f"{self.dump_dir} already holds a rollout dump ({RUN_FILE}) and this run starts at step 0; "
+                    "records are never overwritten (only a run resumed from a checkpoint continues a dump). Choose "
+                    "another rollout_dump_dir, or move the old dump away."
+                )
+            return
+        self._continue_at(int(step))
+
+    def _continue_at(self, k: int) -> None:
+        import pyarrow.parquet as pq
+
+        aside = self.dump_dir / "superseded" / f"resume-at-{k:08d}"
+        kept_batches = []
+        for p in sorted((self.dump_dir / STEPS_DIR).iterdir()):
+            match = _STEP_FILE.match(p.name)
+            if not match or int(match.group(2)) != self.rank:
+                continue
+            if int(match.group(1)) > k:  # trained again by this run: the interrupted run's rows move aside
+                aside.mkdir(parents=True, exist_ok=True)
+                os.replace(p, _free_name(aside / p.name))
+            else:
+                column = pq.read_table(p, columns=["generation_batch"]).column("generation_batch").to_pylist()
+                kept_batches.extend(int(b) for b in column if b is not None)
+        self._batch_offset = max(kept_batches, default=-1) + 1
+        logs = self.dump_dir / LOGS_FILE
+        lines = logs.read_text(encoding="utf-8").splitlines(keepends=True) if logs.is_file() else []
+        keep, later = [], []
+        for line in lines:
+            try:
+                (keep if int(json.loads(line)["logged_step"]) <= k else later).append(line)
+            except (ValueError, KeyError, TypeError):
+                keep.append(line)  # the reader names a bad line; it is not this writer's to drop
+        self._windows = sum(1 for line in keep if line.strip())
+        self._previous_logged_step = k
+        self._resumed_at = k
+        if self.is_main_process and later:
+            aside.mkdir(parents=True, exist_ok=True)
+            _free_name(aside / LOGS_FILE).write_text("".join(later), encoding="utf-8")
+            tmp = logs.with_name(logs.name + f".tmp-{os.getpid()}")
+            tmp.write_text("".join(keep), encoding="utf-8")
+            os.replace(tmp, logs)
 
     # ------------------------------------------------------------------ every micro-batch
     def add(self, batch: MicroBatch) -> None:
@@ -434,6 +523,7 @@ class RolloutRecordWriter:
         Raises:
             RecordsError: a per-token column does not have the completions' (B, T) shape, or an unknown column.
         """
+        self._begin(int(batch.step))
         t0, c0 = time.perf_counter(), time.process_time()
         try:
             self._batches.append(self._record_batch(batch))
@@ -452,7 +542,7 @@ class RolloutRecordWriter:
             "step": pa.array([int(b.step)] * B, pa.int64()),
             "rank": pa.array([self.rank] * B, pa.int32()),
             "micro_step": pa.array([self._micro_step] * B, pa.int64()),
-            "generation_batch": pa.array([int(b.generation_batch)] * B, pa.int64()),
+            "generation_batch": pa.array([int(b.generation_batch) + self._batch_offset] * B, pa.int64()),
             "generation_row": pa.array(b.generation_row.reshape(-1).cpu().to(torch.int32).numpy(), pa.int32()),
             "generation_step": pa.array([int(b.generation_step)] * B, pa.int64()),
             "prompt_ids": _list_array(b.prompt_ids.to(torch.int32), prompt_lengths, "int32",
@@ -509,6 +599,7 @@ class RolloutRecordWriter:
             has_metrics = any(str(k).startswith("rollout_corr/") for k in logs)
             if not self._batches and not has_metrics:
                 return None
+            self._begin(int(logged_step) - 1)  # a window with no trained rows: the latest step it can start at
             keep = self._windows % self.every == 0
             self._windows += 1
             path = self._write_rows(int(logged_step)) if keep else None
@@ -519,6 +610,8 @@ class RolloutRecordWriter:
                         "writer": {"seconds": self.seconds + time.perf_counter() - t0,
                                    "cpu_seconds": self.cpu_seconds + time.process_time() - c0,
                                    "bytes": self.bytes_written, "rows": self.rows_written}}
+                if self._resumed_at is not None:  # the first window of a resumed run
+                    line["resumed_at_step"], self._resumed_at = self._resumed_at, None
                 with open(self.dump_dir / LOGS_FILE, "a", encoding="utf-8") as f:
                     f.write(json.dumps(line, sort_keys=True) + "\n")
             self._previous_logged_step = int(logged_step)
@@ -578,6 +671,29 @@ def _numeric(logs: Mapping[str, Any]) -> dict[str, float]:
             v = v.item()
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out[str(k)] = float(v)
+    return out
+
+
+# run.json fields a resumed run must share with the dump it continues ("trainer" without max_steps).
+_SAME_RUN_FIELDS = ("model", "tokenizer", "engine", "sampling", "correction", "trainer", "rewards", "columns",
+                    "world_size", "rollout_dump_every")
+
+
+def _first_difference(a: Any, b: Any, where: str = "") -> str:
+    """The first place two JSON values differ, as ``key.sub: stored X, this run Y``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                return _first_difference(a.get(key), b.get(key), f"{where}.{key}" if where else str(key))
+    return f"{where + ': ' if where else ''}stored {a!r}, this run {b!r}"
+
+
+def _free_name(path: Path) -> Path:
+    """``path``, or ``path.1``, ``path.2``, ... where it exists (a second resume at the same step)."""
+    n, out = 0, path
+    while out.exists():
+        n += 1
+        out = path.with_name(f"{path.name}.{n}")
     return out
 
 
