@@ -31,6 +31,7 @@ puts `recipes/` on `sys.path`; the library itself (`trl_rollout_corr`) is instal
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shlex
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.16
+importlib.import_module("trl_rollout_corr")  # before TRL: its vLLM-range warning then prints once, not per module
 
 import torch  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
@@ -207,7 +209,7 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
     train_output = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     results["train"] = {"runtime_s": train_output.metrics.get("train_runtime"), "steps": trainer.state.global_step}
     if rollout is not None:
-        rollout.close()  # async mode: the background weight load, if one is in flight
+        rollout.drain()  # async mode: the background weight load, if one is in flight
         results["train"].update(vllm_generate_s=rollout.generate_seconds, vllm_sync_s=rollout.sync_seconds,
                                 vllm_syncs=rollout.num_syncs, vllm_async_wait_s=rollout.wait_seconds)
 
@@ -237,6 +239,8 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
     if training_args.push_to_hub:
         trainer.push_to_hub()
         say("hub", f"pushed to {trainer.hub_model_id}")
+    if rollout is not None:  # before trainer.end(), which destroys the process group vLLM's teardown needs
+        rollout.close()
     if hasattr(trainer, "end"):  # transformers >= 5.18: finish the trackers (as TRL's grpo.py)
         trainer.end()
     return results

@@ -8,9 +8,12 @@ with ``TRL_ROLLOUT_CORR_SMOLLM2``). Skips cleanly otherwise. About 1 minute on o
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import math
 import os
+import sys
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -538,3 +541,124 @@ def test_async_depth_is_the_lag_for_any_steps_per_generation(depth, expected, st
     assert [v for v, _, _ in loads] == sorted(set(held)) + ([following] if following <= 8 else [])
     assert all(v == w for v, w, _ in loads)  # the weights loaded are that version's
     assert all(name != threading.main_thread().name for _, _, name in loads[1:])  # prefetched in the background
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Clean ends (issue 22): TRL's vLLM-range warning once, the engine torn down in order (stand-ins; the real engine
+# in test_e2e_vllm_cpu.py's subprocess check)
+# ---------------------------------------------------------------------------------------------------------------
+def _trl_style_warning_from(site: int) -> None:
+    """TRL's ``is_vllm_available`` warning as each TRL module triggers it: one call site per module (a version no
+    real run prints, so that Python's process-wide "once" registry holds nothing for it yet)."""
+    message = ("TRL currently supports vLLM versions from 0.22.0 to 0.31.0. You have version 9.9.9.test installed. We "
+               "recommend installing a supported version to avoid compatibility issues.")
+    if site == 0:
+        warnings.warn(message, UserWarning, stacklevel=1)
+    elif site == 1:
+        warnings.warn(message, UserWarning, stacklevel=1)
+    else:
+        warnings.warn(message, UserWarning, stacklevel=1)
+
+
+def test_trls_vllm_range_warning_is_printed_once_not_once_per_module():
+    from trl_rollout_corr._environment import quiet_repeated_trl_vllm_warning
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.resetwarnings()
+        warnings.simplefilter("default")  # Python's default: once per call site
+        for site in range(3):
+            _trl_style_warning_from(site)
+        assert len(seen) == 3  # the issue: one per TRL module
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.resetwarnings()
+        warnings.simplefilter("default")
+        quiet_repeated_trl_vllm_warning()
+        for site in range(3):
+            _trl_style_warning_from(site)
+        warnings.warn("another warning", UserWarning)
+        assert [str(w.message)[:41] for w in seen] == ["TRL currently supports vLLM versions from", "another warning"]
+
+
+def test_close_tears_down_only_the_engine_the_rollout_built(monkeypatch):
+    from trl_rollout_corr.engines import vllm_cpu, vllm_cpu_rollout
+
+    calls = []
+    monkeypatch.setattr(vllm_cpu_rollout, "shutdown_cpu_llm", calls.append)
+    llm, _ = _fake_llm(tied=False)
+    VLLMCPURollout("unused", "float32", llm=llm).close()  # an engine passed in: left running
+    assert calls == []
+    monkeypatch.setattr(vllm_cpu_rollout, "build_cpu_llm", lambda *a, **k: llm)
+    rollout = VLLMCPURollout("unused", "float32", async_depth=1)
+    rollout.close()
+    assert calls == [llm] and rollout._executor._shutdown
+    assert vllm_cpu.shutdown_cpu_llm(object()) is None  # never built by build_cpu_llm: nothing to do
+
+
+class _EngineStandIn:
+    """An ``LLM`` stand-in whose engine core shuts down as vLLM 0.32's ``EngineCore.shutdown`` does
+    (``cleanup_dist_env_and_memory``: destroy vLLM's groups, then the default group)."""
+
+    def __init__(self, parallel_state, calls):
+        import torch.distributed as dist
+
+        def shutdown():
+            calls.append(self)
+            if parallel_state._TP is not None:
+                parallel_state._TP.destroy()
+                parallel_state._TP = None
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=shutdown))
+
+
+def test_engine_teardown_after_trainer_end_destroyed_the_process_group(monkeypatch, tmp_path):
+    """Issue 22: every vLLM CPU run ended with "Exception ignored ... Invalid process group specified": Trainer.end()
+    (accelerate's end_training) destroys the default group, and with it vLLM's subgroups, which vLLM's exit-time
+    teardown then destroyed again. The same sequence on a real one-process gloo group, with vLLM's group holder
+    stood in: shutdown_cpu_llm drops the dead references first and tears down without an error, once."""
+    import types
+
+    import torch.distributed as dist
+
+    from trl_rollout_corr.engines import vllm_cpu
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+
+    class GroupCoordinator:  # vLLM's: holds a subgroup of the default group
+        def __init__(self):
+            self.device_group = dist.new_group([0], backend="gloo")
+
+        def destroy(self):
+            dist.destroy_process_group(self.device_group)
+
+    parallel_state = types.ModuleType("vllm.distributed.parallel_state")
+    parallel_state.GroupCoordinator = GroupCoordinator
+    distributed = types.ModuleType("vllm.distributed")
+    distributed.parallel_state = parallel_state
+    for name, module in (("vllm", types.ModuleType("vllm")), ("vllm.distributed", distributed),
+                         ("vllm.distributed.parallel_state", parallel_state)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(vllm_cpu, "_LIVE", {})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        parallel_state._TP = GroupCoordinator()
+        calls = []
+        llm, other = _EngineStandIn(parallel_state, calls), _EngineStandIn(parallel_state, calls)
+        vllm_cpu._track_for_shutdown(llm)
+        vllm_cpu._track_for_shutdown(other)
+        vllm_cpu.shutdown_cpu_llm(llm)  # another engine is alive: they share vLLM's groups, nothing is torn down
+        assert calls == [] and parallel_state._TP is not None
+        del other
+        gc.collect()  # the stand-in holds itself through its shutdown closure
+        dist.destroy_process_group()  # what Trainer.end() does at the end of the recipe
+        with pytest.raises(ValueError, match="Invalid process group specified"):
+            parallel_state._TP.destroy()  # what vLLM's own teardown did, from its exit-time finalizer
+        vllm_cpu.shutdown_cpu_llm(llm)
+        assert calls == [llm] and parallel_state._TP is None and not dist.is_initialized()
+        vllm_cpu.shutdown_cpu_llm(llm)  # once
+        assert calls == [llm] and vllm_cpu._LIVE == {}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

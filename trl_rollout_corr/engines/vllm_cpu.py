@@ -40,6 +40,16 @@ This module knows vLLM, not TRL. The TRL ``rollout_func`` that drives this engin
 ``VLLMCPURollout``, lives in ``engines/vllm_cpu_rollout.py`` (the one place here that reads TRL trainer attributes)
 and is importable from this module too: ``from trl_rollout_corr.engines.vllm_cpu import VLLMCPURollout``.
 
+Clean ends: the in-process engine initialises ``torch.distributed`` (a one-process gloo world) and vLLM's parallel
+groups; ``Trainer.end()`` (accelerate's ``end_training``) destroys that default group, and vLLM's exit-time
+finalizer then destroyed its subgroups a second time: every successful run ended with an "Exception ignored ...
+Invalid process group specified" traceback. ``shutdown_cpu_llm`` tears an engine down first (before
+``Trainer.end()``: ``VLLMCPURollout.close``), or, for an engine still alive at exit, from an ``atexit`` hook
+``build_cpu_llm`` registers, dropping vLLM's references to groups already destroyed.
+TRL 1.16 warns that it supports vLLM 0.22-0.31 from every module that checks vLLM (five times per run);
+``trl_rollout_corr._environment.explain_vllm_build`` lets that warning print once and adds one line naming the build
+in use and why it is accepted.
+
 Side effect worth knowing: vLLM's ``CPUWorker.init_device`` replaces ``torch.set_num_threads`` with a no-op (it
 assumes it bound OpenMP threads itself, which the in-process executor does not do). ``build_cpu_llm`` puts the
 original function back afterwards (``restore_set_num_threads=True``) so that a colocated trainer keeps control of
@@ -139,6 +149,9 @@ def build_cpu_llm(
 
     from vllm import LLM
 
+    from .._environment import explain_vllm_build
+
+    explain_vllm_build()
     if max_num_seqs is not None:
         llm_kwargs["max_num_seqs"] = max_num_seqs
     original_set_num_threads = torch.set_num_threads
@@ -155,10 +168,82 @@ def build_cpu_llm(
     finally:
         if restore_set_num_threads:
             torch.set_num_threads = original_set_num_threads
+    _track_for_shutdown(llm)
     actual = engine_dtype(llm)
     if actual != torch_dtype:
         raise RuntimeError(f"vLLM loaded the model in {actual}, expected {torch_dtype}.")
     return llm
+
+
+# Engines built by build_cpu_llm and not shut down yet (id -> weak reference).
+_LIVE: dict[int, Any] = {}
+_ATEXIT_REGISTERED = False
+
+
+def _track_for_shutdown(llm: "LLM") -> None:
+    global _ATEXIT_REGISTERED
+    import weakref
+
+    _LIVE[id(llm)] = weakref.ref(llm)
+    if not _ATEXIT_REGISTERED:
+        import atexit
+
+        atexit.register(_shutdown_all)  # registered after vLLM's own exit hooks: runs before them
+        _ATEXIT_REGISTERED = True
+
+
+def shutdown_cpu_llm(llm: Any, *, at_exit: bool = False) -> None:
+    """Tear down an engine built by ``build_cpu_llm``, once (later calls, and engines this module did not build, do
+    nothing): vLLM's ``EngineCore.shutdown``, which also destroys vLLM's process groups and the ``torch.distributed``
+    default group (``cleanup_dist_env_and_memory``).
+
+    Where the default group is already gone (``Trainer.end()`` / accelerate's ``end_training`` destroy it, and with
+    it every subgroup vLLM made), vLLM's own teardown would destroy those subgroups again and raise "Invalid process
+    group specified" (the traceback every vLLM CPU run ended with, from vLLM's exit-time finalizer): vLLM's
+    references to the destroyed groups are dropped first (``_forget_destroyed_vllm_groups``).
+
+    vLLM's groups are process-wide: while another engine of this process is alive, the teardown is left to the
+    exit hook (``at_exit=True`` there), which shuts every engine down in turn. The engine cannot generate afterwards.
+    """
+    for key in [k for k, ref in _LIVE.items() if ref() is None]:  # engines collected meanwhile
+        del _LIVE[key]
+    if id(llm) not in _LIVE:
+        return
+    if not at_exit and any(key != id(llm) and ref() is not None for key, ref in _LIVE.items()):
+        return  # another engine shares vLLM's groups: the exit hook tears both down
+    _LIVE.pop(id(llm), None)
+    if torch.distributed.is_available() and not torch.distributed.is_initialized():
+        _forget_destroyed_vllm_groups()
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and callable(getattr(core, "shutdown", None)):
+        core.shutdown()
+
+
+def _forget_destroyed_vllm_groups() -> None:
+    """Drop vLLM's module-level ``GroupCoordinator`` references (``vllm.distributed.parallel_state``: the world,
+    tensor-, pipeline-, data-, expert-parallel groups, ...) whose process groups were destroyed with the default
+    group, so that vLLM's teardown does not destroy them a second time."""
+    from vllm.distributed import parallel_state
+
+    for name, value in list(vars(parallel_state).items()):
+        if isinstance(value, parallel_state.GroupCoordinator):
+            setattr(parallel_state, name, None)
+
+
+def _shutdown_all() -> None:
+    """``atexit``: shut down the engines still alive (never a traceback at exit: a failure is one warning line)."""
+    import logging
+
+    for key, ref in list(_LIVE.items()):
+        llm = ref()
+        if llm is None:
+            _LIVE.pop(key, None)
+            continue
+        try:
+            shutdown_cpu_llm(llm, at_exit=True)
+        except Exception as err:  # at interpreter exit: report, do not raise
+            logging.getLogger(__name__).warning("vLLM CPU engine teardown at exit failed: %s: %s",
+                                                type(err).__name__, err)
 
 
 def get_model_runner(llm: "LLM") -> Any:

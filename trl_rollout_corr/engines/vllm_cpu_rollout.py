@@ -36,7 +36,7 @@ import torch
 from .. import trl_compat
 from ..lag import WeightSchedule
 from ..support import SamplerSpec, sampler_from_vllm_params
-from .vllm_cpu import build_cpu_llm, resolve_rollout_dtype, sampled_log_probs_batch, sync_weights
+from .vllm_cpu import build_cpu_llm, resolve_rollout_dtype, sampled_log_probs_batch, shutdown_cpu_llm, sync_weights
 
 
 class VLLMCPURollout:
@@ -132,6 +132,7 @@ class VLLMCPURollout:
         self.seed = seed
         self.max_model_len = max_model_len
         t0 = time.perf_counter()
+        self._owns_llm = llm is None
         self.llm = llm if llm is not None else build_cpu_llm(
             model, self.dtype, max_model_len=max_model_len, seed=seed, kv_cache_gib=kv_cache_gib,
             max_num_seqs=max_num_seqs, **llm_kwargs,
@@ -318,11 +319,23 @@ class VLLMCPURollout:
         self.wait_seconds += waited
         return waited
 
+    def drain(self) -> float:
+        """Async: wait for the background weight load in flight (if any), e.g. before reading ``num_syncs``;
+        returns the seconds waited (re-raises its error). A no-op in sync mode."""
+        return self._wait_pending()
+
     def close(self) -> None:
-        """Wait for a background load and stop the async worker thread (no-op in sync mode)."""
+        """Wait for a background load, stop the async worker thread, and tear down the engine this rollout built
+        (``vllm_cpu.shutdown_cpu_llm``: vLLM's ``EngineCore.shutdown``, which destroys vLLM's process groups and the
+        ``torch.distributed`` default group), so the run ends without a process-group traceback. Call it last,
+        after anything that needs the other processes (``save_model``, ``push_to_hub``) and before
+        ``Trainer.end()``, as the recipe does. Idempotent. An engine passed in as ``llm`` (shared, or a stand-in) is
+        left running: ``shutdown_cpu_llm`` it, or let the exit hook do it."""
         self._wait_pending()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self._owns_llm:
+            shutdown_cpu_llm(self.llm)
 
     def sync_from(self, trainer: Any) -> float:
         """Load the trainer's current (unwrapped) weights into the engine; returns the seconds it took.
