@@ -15,7 +15,8 @@ import sys
 
 import torch
 
-from tiny_model import prompt_dataset, reward_len  # tests/ is on sys.path: this file runs as a script from there
+from dist_teardown import run_and_tear_down  # tests/ is on sys.path: this file runs as a script from there
+from tiny_model import prompt_dataset, reward_len
 from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
 
@@ -38,4 +39,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_tear_down(main)  # the process group destroyed on every rank before it exits
