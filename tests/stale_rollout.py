@@ -9,12 +9,14 @@ loss against what generated it (not against the trainer's own bookkeeping).
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
 import torch
 
 from trl_rollout_corr.engines.transformers_generate import capture_generate_log_probs
 from trl_rollout_corr.lag import WeightSchedule
+from trl_rollout_corr.routing import find_moe_routers, record_routes
 
 
 class StaleRollout:
@@ -26,12 +28,20 @@ class StaleRollout:
             ahead of the trainer: a bad engine), "per_token" (one version per token) or "per_token_short" (one
             version fewer than the completion's tokens: a bad engine).
         max_new_tokens: completion length bound.
+        top_p: the engine's nucleus (< 1: it declares the sampler contract ``top_p`` for support matching).
+        routes: record the engine's MoE routes and return them as ``routed_experts`` (for ``routing_replay='r3'``).
     """
 
-    def __init__(self, sync_interval: int = 1, async_depth: int = 0, report: str = "version", max_new_tokens=8):
+    def __init__(self, sync_interval: int = 1, async_depth: int = 0, report: str = "version", max_new_tokens=8,
+                 top_p: float = 1.0, routes: bool = False):
         self.schedule = WeightSchedule(sync_interval=sync_interval, async_depth=async_depth)
         self.report = report
         self.max_new_tokens = max_new_tokens
+        self.top_p, self.routes = top_p, routes
+        if top_p < 1.0:
+            from trl_rollout_corr.support import sampler_from_vllm_params
+
+            self.sampler_contract = lambda trainer: sampler_from_vllm_params({"top_p": top_p})
         self.engine = None
         self.engine_version = None
         self.published: dict[int, dict] = {}
@@ -64,10 +74,14 @@ class StaleRollout:
         batch = torch.tensor([[tok.pad_token_id] * (width - len(ids)) + ids for ids in prompt_ids])
         pad = torch.tensor([width - len(ids) for ids in prompt_ids])
         attention = (torch.arange(width)[None, :] >= pad[:, None]).long()
-        with torch.no_grad(), capture_generate_log_probs(self.engine) as capture:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            capture = stack.enter_context(capture_generate_log_probs(self.engine))
+            recording = stack.enter_context(record_routes(find_moe_routers(self.engine))) if self.routes else None
             seqs = self.engine.generate(input_ids=batch, attention_mask=attention, do_sample=True,
-                                        max_new_tokens=self.max_new_tokens, temperature=1.0, top_k=0, top_p=1.0,
-                                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                                        max_new_tokens=self.max_new_tokens, temperature=1.0, top_k=0,
+                                        top_p=self.top_p, pad_token_id=tok.pad_token_id,
+                                        eos_token_id=tok.eos_token_id)
         completions = []
         for row in seqs[:, width:].tolist():
             cut = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
@@ -76,6 +90,9 @@ class StaleRollout:
             self.truth[(tuple(p), tuple(c))].add(self.engine_version)
         out = {"prompt_ids": prompt_ids, "completion_ids": completions,
                "logprobs": capture.completion_log_probs(completions)}
+        if recording is not None:
+            out["routed_experts"] = recording.generate_rows([len(p) for p in prompt_ids],
+                                                            [len(c) for c in completions])
         version = self.engine_version
         if self.report == "version":
             out["policy_version"] = [version] * len(completions)
