@@ -184,6 +184,31 @@ def test_trl_coupling_batch_entries_follow_their_rows():
         GRPOTrainer._generate_single_turn)
 
 
+def test_trl_coupling_our_batch_keys_may_come_in_any_order():
+    """The order of our keys in the generation batch is free: TRL 1.16's ``shuffle_sequence_dict`` draws one
+    ``randperm`` sized by the first non-None value and ``split_tensor_dict`` takes its chunk size from the first
+    tensor, and that first key is TRL's ``prompt_ids`` (it builds the dict; we only add keys after it, a trained
+    batch's first key is checked in ``test_trainer_golden``). Reordering the keys after it changes nothing."""
+    from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+
+    rows = 6
+    ours = {"rollout_log_probs": torch.arange(rows * 2.0).reshape(rows, 2),
+            "rollout_policy_version": torch.arange(rows),
+            "rollout_generation_step": torch.tensor(4), "rollout_support": [f"kept{i}" for i in range(rows)]}
+    parts = []
+    for order in (list(ours), list(reversed(ours))):
+        batch = {"prompt_ids": torch.arange(rows)[:, None].repeat(1, 3), **{k: ours[k] for k in order}}
+        torch.manual_seed(0)
+        shuffled = shuffle_sequence_dict(batch)
+        parts.append(split_tensor_dict(shuffled, 3))
+    assert parts[0][0]["prompt_ids"][:, 0].tolist() != [0, 1]  # really permuted (seed 0)
+    for a, b in zip(*parts):
+        assert a.keys() == b.keys() and len(a["prompt_ids"]) == 2
+        for key in a:
+            assert torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key]
+        assert a["rollout_policy_version"].tolist() == a["prompt_ids"][:, 0].tolist()  # rows stay together
+
+
 @pytest.mark.parametrize("setting", [
     dict(scale_rewards="group"), dict(scale_rewards="batch"), dict(scale_rewards="none"),
     dict(multi_objective_aggregation="normalize_then_sum"),
