@@ -132,7 +132,7 @@ def main() -> None:
                 d, p = key.split("@")
                 results[(d, float(p))] = r
     else:
-        from trl_rollout_corr.engines.vllm_cpu import VLLMCPURollout
+        from trl_rollout_corr.engines.vllm_cpu_rollout import VLLMCPURollout
 
         rollout = VLLMCPURollout(args.model, dtypes[0], max_model_len=512, seed=0)
         for top_p in (float(p) for p in args.top_ps.split(",")):

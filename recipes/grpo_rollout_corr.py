@@ -139,7 +139,7 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
     engine = ru.engine_record(script_args.rollout_engine, script_args.rollout_dtype, model_path,
                               vllm_mode=training_args.vllm_mode, bf16=training_args.bf16)
     if script_args.rollout_engine == "vllm_cpu":
-        from trl_rollout_corr.engines.vllm_cpu import VLLMCPURollout
+        from trl_rollout_corr.engines.vllm_cpu_rollout import VLLMCPURollout
 
         say("vllm", f"starting vLLM CPU ({script_args.rollout_dtype}, processed log-probs)")
         rollout = VLLMCPURollout(model_path, script_args.rollout_dtype,

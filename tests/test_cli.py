@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from hand_dump import hand_dump
-from trl_rollout_corr.cli import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_OK, main
+from trl_rollout_corr.cli import main
+from trl_rollout_corr.console import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_OK
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from trl_rollout_corr import probe
-from trl_rollout_corr.cli import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_OK, main
+from trl_rollout_corr.cli import main
+from trl_rollout_corr.console import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------------- by hand

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from trl_rollout_corr import support as S
-from trl_rollout_corr.engines.vllm_cpu import VLLMCPURollout
+from trl_rollout_corr.engines.vllm_cpu_rollout import VLLMCPURollout
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 

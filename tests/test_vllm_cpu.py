@@ -22,13 +22,12 @@ import pytest
 import torch
 
 from trl_rollout_corr.engines.vllm_cpu import (
-    VLLMCPURollout,
     resolve_rollout_dtype,
     sampled_log_probs,
     sampled_log_probs_batch,
     sync_weights,
 )
-from trl_rollout_corr.engines.vllm_cpu_rollout import log_trl_metric
+from trl_rollout_corr.engines.vllm_cpu_rollout import VLLMCPURollout, log_trl_metric
 
 MODEL_DIR = Path(
     os.environ.get(

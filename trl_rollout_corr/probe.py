@@ -588,7 +588,7 @@ def fail_value(report: dict[str, Any], metric: str) -> float:
 
 def print_report(report: dict[str, Any], say=print) -> None:
     """The report as text."""
-    from .cli import format_table
+    from .console import format_table
 
     idn = report["identity"]
     say(f"\nProbe: {idn['model']} | {idn['engine']} {idn['rollout dtype']} vs train {idn['train dtype']} | "
@@ -630,7 +630,7 @@ def print_report(report: dict[str, Any], say=print) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """The ``probe`` sub-command. Returns 0, or 1 when ``--fail-above`` is exceeded."""
-    from .cli import EXIT_CHECK_FAILED, EXIT_OK, check_outputs
+    from .console import EXIT_CHECK_FAILED, EXIT_OK, check_outputs
 
     out = Path(args.out or f"probe-{args.engine}-{args.rollout_dtype}-{args.train_dtype}")
     if not args.no_plots:

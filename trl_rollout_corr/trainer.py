@@ -737,7 +737,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if spec is None:
             fail("the rollout_func declares no sampler, so the trainer cannot know the engine's processors; give it "
                  "a sampler_contract(trainer) method returning a support.SamplerSpec (as "
-                 "engines.vllm_cpu.VLLMCPURollout does), or set rollout_support_matching='off'.")
+                 "engines.vllm_cpu_rollout.VLLMCPURollout does), or set rollout_support_matching='off'.")
         if matching == "replay" and (self.use_vllm or self.rollout_func is not None):
             fail("this generation path cannot return the engine's kept-token sets (vLLM 0.32 returns them only with "
                  "return_sampling_mask=True on Model Runner V2, which TRL's vLLM paths and the CPU build do not "

@@ -37,8 +37,8 @@ Two things this module does that the stock paths do not:
    ``embed_tokens``), after checking that it equals ``model.embed_tokens.weight``.
 
 This module knows vLLM, not TRL. The TRL ``rollout_func`` that drives this engine from ``GRPOTrainer``,
-``VLLMCPURollout``, lives in ``engines/vllm_cpu_rollout.py`` (the one place here that reads TRL trainer attributes)
-and is importable from this module too: ``from trl_rollout_corr.engines.vllm_cpu import VLLMCPURollout``.
+``VLLMCPURollout``, lives in ``engines/vllm_cpu_rollout.py`` (the one place here that reads TRL trainer attributes):
+``from trl_rollout_corr.engines.vllm_cpu_rollout import VLLMCPURollout``.
 
 Clean ends: the in-process engine initialises ``torch.distributed`` (a one-process gloo world) and vLLM's parallel
 groups; ``Trainer.end()`` (accelerate's ``end_training``) destroys that default group, and vLLM's exit-time
@@ -387,15 +387,3 @@ def sampled_log_probs_batch(completions: Iterable[Any]) -> list[list[float]]:
 
 def _token_log_probs(completion: Any) -> list[float]:
     return [float(step[tok].logprob) for tok, step in zip(completion.token_ids, completion.logprobs, strict=True)]
-
-
-def __getattr__(name: str) -> Any:
-    # The TRL adaptor lives in its own module (it reads TRL trainer attributes; this one only knows vLLM) but keeps
-    # its historical import path: ``from trl_rollout_corr.engines.vllm_cpu import VLLMCPURollout``.
-    if name == "VLLMCPURollout":
-        from .vllm_cpu_rollout import VLLMCPURollout
-
-        return VLLMCPURollout
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
