@@ -1,0 +1,430 @@
+"""``RolloutCorrGRPOConfig``: ``GRPOConfig`` plus the rollout-correction fields, and the checks run at construction.
+
+The checks run in one fixed order (``RolloutCorrGRPOConfig.__post_init__``), so that a config with two faults
+reports the same first error whatever module owns each check: support mode, matching without a correction, TRL's own
+vLLM IS, ``GRPOConfig.__post_init__``, generate dtype, routing, dump-every, policy lag, the compatibility of a
+configured correction with TRL's options, the CPU-autocast warning. ``trl_rollout_corr.trainer`` re-exports the class
+(its public import path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+from trl import GRPOConfig
+
+from . import support, trl_compat
+from .config import RolloutCorrectionArguments, RolloutCorrectionConfig
+from .engines.transformers_generate import GENERATE_DTYPES
+
+logger = logging.getLogger(__name__)
+
+ROUTING_REPLAY_MODES = ("off", "r3")
+
+__all__ = ["ROUTING_REPLAY_MODES", "RolloutCorrGRPOConfig"]
+
+
+class _OptionalBoolFlag(argparse.Action):
+    """argparse action for an ``Optional[bool]`` field that also answers to TRL's ``--no_<name>`` spelling.
+
+    ``--name`` (bare) is True, ``--name false`` is False, ``--no_name`` is False, an absent flag leaves None (unset).
+    ``HfArgumentParser`` passes a field's ``metadata`` to ``add_argument`` (``aliases`` become extra option strings),
+    which is how ``vllm_importance_sampling_correction`` keeps TRL's ``--no_vllm_importance_sampling_correction``
+    flag while its default stays None (so that an explicit True can be told from "unset").
+    """
+
+    def __init__(self, option_strings, dest, nargs=None, const=None, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", const=True, **kwargs)
+        self._negated = {s for s in option_strings if s.startswith(("--no_", "--no-"))}
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = bool(values)
+        setattr(namespace, self.dest, (not value) if option_string in self._negated else value)
+
+
+def _no_flag(name: str) -> dict:
+    return {"aliases": [f"--no_{name}", f"--no-{name.replace('_', '-')}"], "action": _OptionalBoolFlag}
+
+
+@dataclass
+class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
+    r"""``GRPOConfig`` plus rollout correction.
+
+    The correction fields (``rollout_corr_preset`` and the fields of ``config.CORRECTION_FIELD_TABLE``) come from
+    ``RolloutCorrectionArguments``, flat, so each works as a ``TrlParser``/``HfArgumentParser`` flag
+    (``--rollout_is token``, a bare ``--bypass_mode``) and as a YAML key; explicitly set fields override the preset,
+    and after construction the flat fields hold the effective values (``args.rollout_correction()`` is the validated
+    config). (``RolloutCorrectionArguments`` comes first among the bases so that ``TrainingArguments``' fields keep
+    their positions: ``RolloutCorrGRPOConfig("out")`` sets ``output_dir``, as ``GRPOConfig("out")`` does.)
+
+    No correction configured (no IS, no RS, no bypass: the default and the ``disabled`` preset) means TRL's own
+    GRPO, unchanged: every ``GRPOConfig`` option is accepted and behaves as in ``GRPOConfig``, and
+    ``rollout_corr/*`` diagnostics are logged on the side where behaviour log-probs exist. With a correction
+    configured, every TRL option the correction interacts with is checked here, at construction: it either works
+    exactly (README, "TRL options") or is refused with an error naming it.
+
+    Parameters:
+        rs_keep_rejected_in_baseline (`bool`, defaults to `False`):
+            Decoupled mode: keep rows that RS rejects entirely in their group's reward mean/std (verl's
+            behaviour). Default False: they leave the baseline (a row whose every group-mate is rejected then has
+            advantage 0; counted in ``rollout_corr/rs_lone_survivor_fraction``). Their own advantage is 0 either way.
+        rollout_corr_compile (`bool`, defaults to `False`):
+            Run the correction math through ``torch.compile`` (``correction.make_correction_fn(..., compile=True)``):
+            same values, faster on large batches; the first step pays the compile. Used in both modes.
+        rollout_dump_dir (`str`, *optional*):
+            Write rollout records (``records.py``, spec 10) into this folder: every trained sample of every logged
+            step as Parquet, plus ``run.json`` (model, engine, sampling, tokenizer, correction) and ``logs.jsonl``
+            (the logged values), for ``trl-rollout-corr analyze``. Unset (default): nothing is written. A folder
+            that already holds a dump is refused.
+        rollout_dump_every (`int`, defaults to `1`):
+            Keep the rows of one logged window in N (every window's logged values are still written): bounds the
+            size of a long run's dump.
+        rollout_corr_compact_scoring (`bool`, defaults to `True`):
+            Score only the trained (completion, non-padding) positions through the LM head in every log-prob
+            forward (pi_old, pi_theta, pi_ref) on CPU, as TRL already does on Triton devices
+            (``trl_compat.score_trained_tokens_only``): the same log-probs, entropies and gradients, without the
+            prompt and padding rows of the vocabulary projection. False: TRL's choice (every position on CPU).
+        rollout_support_matching (`str`, defaults to `"off"`):
+            Sampling-support matching (``support``): ``"off"`` scores TRL's full-vocabulary log-probs (the start-up
+            report names every sampler parameter that shapes mu but not them, and with truncation on one warning
+            gives the measured mean log kept mass); ``"recompute"`` applies the engine's processors (penalties,
+            temperature, top-k / top-p / min-p, in the engine's order) to the trainer's own logits in every policy
+            forward (pi_old and pi_theta, gradients through the normaliser); ``"replay"`` uses the engine's
+            kept-token sets (the ``transformers.generate`` path). Adds ``rollout_corr/support_*`` metrics.
+        routing_replay (`str`, defaults to `"off"`):
+            ``"r3"``: Rollout Routing Replay for mixture-of-experts models (``routing.py``): the rollout's expert
+            choices (``transformers.generate``: recorded while sampling; a ``rollout_func``: its ``routed_experts``)
+            travel with the batch as ``routed_experts`` and the policy forwards (pi_old, pi_theta; not pi_ref) route
+            every token to them; ``rollout_corr/routing_mismatch_fraction`` (overall, ``/layer_<i>``) and
+            ``rollout_corr/routing_token_mismatch_fraction`` count the trainer's own differing choices before
+            substitution. ``"off"``: no capture, no replay.
+        rollout_generate_dtype (`str`, *optional*):
+            Plain ``transformers.generate`` path only: sample from a ``bfloat16`` / ``float16`` / ``float32`` copy of
+            the weights (``engines.transformers_generate.generate_in_dtype``), e.g. a bf16 rollout engine next to a
+            float32 trainer. Unset: generate with the weights as they are.
+        max_policy_lag (`int`, *optional*):
+            Drop every sample whose policy lag (optimizer steps between the version of the weights that generated
+            it and the update that uses it; ``lag.py``) exceeds this, from the loss and (when the lag is already
+            over the bound at generation) from its group's baseline, like a fully RS-rejected row; counted in
+            ``rollout_corr/policy_lag_dropped_fraction`` (rows) and ``policy_lag_dropped_token_fraction``. Needs a
+            configured correction and a generation path that reports versions (a ``rollout_func`` must return
+            ``policy_version``). Unset: no filter.
+        policy_lag_split (`bool`, defaults to `False`):
+            Split the direct ratio in three (spec section 7): engine ``pi_train@v / mu`` (numerics only), lag
+            ``pi_old / pi_train@v`` (staleness only) and update ``pi_theta / pi_old``, logged as
+            ``rollout_corr/{engine,lag,update,direct}_ratio_*``. Keeps a copy of the weights of every version still
+            in use (one per optimizer step of lag) and runs one extra no-grad forward per stale version and
+            generation batch. Decoupled mode or no correction (bypass has no pi_old).
+        vllm_importance_sampling_correction (`bool`, *optional*):
+            TRL's own vLLM IS correction (TRL's flags: ``--vllm_importance_sampling_correction [true|false]``,
+            ``--no_vllm_importance_sampling_correction``). Unset: off when this config's correction is enabled (IS,
+            RS or bypass), TRL's default (on) otherwise. Setting it True together with an enabled correction is an
+            error (the two would both apply).
+
+    Raises:
+        ValueError / TypeError: at construction, for an invalid correction field, an unknown preset, a setting
+            without its option (``rollout_rs_threshold`` without ``rollout_rs``), or a TRL option the configured
+            correction cannot serve exactly (the message names the options involved).
+
+    Warns:
+        UserWarning: when ``bf16=True`` (TRL's default) on CPU, where autocast hides the mismatch.
+    """
+
+    rs_keep_rejected_in_baseline: bool = field(
+        default=False,
+        metadata={"help": "Keep fully RS-rejected rows in their GRPO group's mean/std (verl). Default: excluded."},
+    )
+    rollout_corr_compile: bool = field(
+        default=False,
+        metadata={
+            "help": "torch.compile the correction math (same values, several times faster on large batches); the "
+            "first step pays the compile (tens of seconds on CPU)."
+        },
+    )
+    rollout_dump_dir: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Write rollout records (every trained sample per logged step, Parquet, plus run metadata) into "
+            "this folder for `trl-rollout-corr analyze`. Unset: off."
+        },
+    )
+    rollout_dump_every: int = field(
+        default=1,
+        metadata={"help": "With rollout_dump_dir: keep the rows of one logged window in N (bounds the dump size)."},
+    )
+    rollout_corr_compact_scoring: bool = field(
+        default=True,
+        metadata={
+            "help": "Score only the trained positions through the LM head on CPU (as TRL does on Triton devices): "
+            "same log-probs and gradients, less work. False: TRL's choice (every position)."
+        },
+    )
+    rollout_support_matching: str = field(
+        default="off",
+        metadata={
+            "help": "Sampling-support matching: 'off' (TRL's full-vocabulary log-probs; the sampler parameters they "
+            "ignore are reported), 'recompute' (the engine's top-k/top-p/min-p, penalties and temperature applied "
+            "to the trainer's logits in every policy forward) or 'replay' (the engine's kept-token sets; "
+            "transformers.generate path only)."
+        },
+    )
+    routing_replay: str = field(
+        default="off",
+        metadata={
+            "help": "MoE models: 'r3' replays the rollout's expert choices in the policy forwards (Rollout Routing "
+            "Replay) and logs rollout_corr/routing_mismatch_fraction; 'off' (default): the trainer routes itself.",
+            "choices": list(ROUTING_REPLAY_MODES),
+        },
+    )
+    rollout_generate_dtype: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "transformers.generate path: sample from a copy of the weights in this dtype "
+            f"({', '.join(GENERATE_DTYPES)}), e.g. a bf16 rollout engine next to a float32 trainer. Unset: as loaded."
+        },
+    )
+    max_policy_lag: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "Drop samples whose policy lag (optimizer steps since the weights that generated them) exceeds "
+            "this from the loss and the group baseline; counted in rollout_corr/policy_lag_dropped_fraction. "
+            "Unset: no filter."
+        },
+    )
+    policy_lag_split: bool = field(
+        default=False,
+        metadata={
+            "help": "Split the direct ratio into engine (pi_train@v / mu), lag (pi_old / pi_train@v) and update "
+            "(pi_theta / pi_old): keeps the weights of every version in use and runs one extra forward per stale "
+            "version. Decoupled mode or no correction."
+        },
+    )
+    vllm_importance_sampling_correction: Optional[bool] = field(
+        default=None,
+        metadata={
+            "help": "TRL's own vLLM IS correction. Unset: off when rollout correction is enabled, else TRL's default "
+            "(on). True together with an enabled rollout correction is an error.",
+            **_no_flag("vllm_importance_sampling_correction"),
+        },
+    )
+
+    def __post_init__(self):
+        support.check_matching_mode(self.rollout_support_matching)
+        correction = self.resolve()
+        if self.rollout_support_matching != "off" and not correction.enabled:
+            _refuse(
+                f"rollout_support_matching={self.rollout_support_matching!r} changes the log-probs the trainer "
+                "trains on, but no correction is configured (TRL's GRPO runs unchanged then); configure one "
+                "(rollout_is / rollout_rs / bypass_mode or a rollout_corr_preset) or set "
+                "rollout_support_matching='off'."
+            )
+        self._store_effective_fields(correction)
+        if self.vllm_importance_sampling_correction is None:
+            self.vllm_importance_sampling_correction = not correction.enabled
+            if correction.enabled and self.use_vllm:
+                logger.warning(
+                    "Rollout correction is enabled, so TRL's own vLLM importance-sampling correction "
+                    "(vllm_importance_sampling_correction) is switched off: the mismatch is corrected once, by "
+                    "trl_rollout_corr."
+                )
+        elif self.vllm_importance_sampling_correction and correction.enabled:
+            raise ValueError(
+                "vllm_importance_sampling_correction=True and rollout correction (rollout_is / rollout_rs / "
+                "bypass_mode) are both enabled: the mismatch would be corrected twice. Unset "
+                "vllm_importance_sampling_correction (it is then switched off) or disable the rollout correction."
+            )
+        GRPOConfig.__post_init__(self)
+        self._check_generate_dtype()
+        self._check_routing_replay()
+        if not isinstance(self.rollout_dump_every, int) or self.rollout_dump_every < 1:
+            _refuse(f"rollout_dump_every must be an integer >= 1, got {self.rollout_dump_every!r}.")
+        self._check_policy_lag(correction)
+        if correction.enabled:
+            self._check_compatibility(correction)
+        self._warn_cpu_autocast()
+
+    def _check_generate_dtype(self) -> None:
+        if self.rollout_generate_dtype is None:
+            return
+        if self.rollout_generate_dtype not in GENERATE_DTYPES:
+            _refuse(
+                f"rollout_generate_dtype must be one of {tuple(GENERATE_DTYPES)} or unset, "
+                f"got {self.rollout_generate_dtype!r}."
+            )
+        if self.use_vllm:
+            _refuse(
+                "rollout_generate_dtype applies to the transformers.generate path only; with use_vllm=True the "
+                "rollout dtype is vLLM's own (its model dtype); unset rollout_generate_dtype."
+            )
+
+    def _check_routing_replay(self) -> None:
+        if self.routing_replay not in ROUTING_REPLAY_MODES:
+            _refuse(f"routing_replay must be one of {ROUTING_REPLAY_MODES}, got {self.routing_replay!r}.")
+        kwargs = self.generation_kwargs or {}
+        if self.routing_replay == "r3" and (kwargs.get("do_sample") is False or (kwargs.get("num_beams") or 1) > 1):
+            _refuse(
+                f"routing_replay='r3' with generation_kwargs={kwargs!r}: routes are recorded from transformers' "
+                "sampled generation only (greedy / beam search is generated without the recorder); remove "
+                "do_sample=False / num_beams > 1, or set routing_replay='off'."
+            )
+        if self.routing_replay == "r3" and self.use_vllm and self.vllm_importance_sampling_correction:
+            _refuse(
+                "routing_replay='r3' with TRL's own vLLM importance sampling (vllm_importance_sampling_correction="
+                "True): TRL's pi_old forward for it cannot replay the routes. Use this package's correction "
+                "(e.g. rollout_is='token'; TRL's is then switched off) or set "
+                "vllm_importance_sampling_correction=False."
+            )
+
+    def _check_policy_lag(self, correction: RolloutCorrectionConfig) -> None:
+        """``max_policy_lag``: an int >= 0 with a configured correction; ``policy_lag_split``: not in bypass mode."""
+        bound = self.max_policy_lag
+        if bound is not None:
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+                _refuse(f"max_policy_lag must be an int >= 0 (optimizer steps) or unset, got {bound!r}.")
+            if not correction.enabled:
+                _refuse(
+                    "max_policy_lag drops stale samples from the loss, which changes TRL's GRPO; configure a rollout "
+                    "correction (rollout_is / rollout_rs / bypass_mode, or a rollout_corr_preset) or unset "
+                    "max_policy_lag."
+                )
+        if self.policy_lag_split and correction.bypass_mode:
+            _refuse(
+                "policy_lag_split needs pi_old (the lag ratio is pi_old / pi_train@v), which bypass mode does not "
+                "compute; use decoupled mode or unset policy_lag_split."
+            )
+
+    def _warn_cpu_autocast(self) -> None:
+        """bf16 autocast on CPU runs the generate forward and the training forwards in the same bf16 numerics."""
+        if self.bf16 and self.device.type == "cpu":
+            warnings.warn(
+                "bf16=True (TRL's default) on CPU: accelerate runs every forward, generate's included, under bfloat16 "
+                "autocast over the same float32 weights, so mu and pi_old share their numerics and rollout_corr/* "
+                "shows almost no mismatch (kl ~1e-7) where a real bf16 rollout engine would differ. Set bf16=False to "
+                "train in float32 (rollout_generate_dtype='bfloat16' samples from a bf16 copy of the weights).",
+                UserWarning,
+                stacklevel=4,  # the caller of RolloutCorrGRPOConfig(...) (through __init__ and __post_init__)
+            )
+
+    def _check_compatibility(self, correction: RolloutCorrectionConfig) -> None:
+        """With a correction configured: refuse every TRL option it cannot serve exactly (each message names the
+        option and the fix). Nothing here runs without a correction: that is TRL's GRPO, unchanged."""
+        if self.use_transformers_continuous_batching:
+            _refuse(
+                "use_transformers_continuous_batching=True returns no behaviour log-probs, so rollout correction "
+                "cannot run; use the plain transformers.generate path (use_transformers_continuous_batching=False) "
+                "or vLLM."
+            )
+        self._check_sampling_generation()
+        changed = [name for name in _TRL_VLLM_IS_SETTINGS if getattr(self, name) != _GRPO_DEFAULTS[name]]
+        if changed:
+            _refuse(
+                f"{', '.join(changed)} configure TRL's own vLLM importance sampling, which is off while rollout "
+                "correction is on (the mismatch is corrected once, by rollout_is / rollout_rs); leave them at "
+                "TRL's defaults, or disable the rollout correction to use TRL's."
+            )
+        if self.rollout_support_matching != "off" and not correction.bypass_mode:
+            reused = self.num_iterations > 1 or self.steps_per_generation != self.gradient_accumulation_steps
+            if reused:
+                _refuse(
+                    f"rollout_support_matching={self.rollout_support_matching!r} in decoupled mode scores pi_theta "
+                    "over its own recomputed support, which must be pi_old's: with num_iterations > 1 or "
+                    "steps_per_generation != gradient_accumulation_steps the policy changes between the pi_old and "
+                    "the loss forwards, and tokens outside pi_theta's support would be trained on uncounted. Use "
+                    "num_iterations=1 and steps_per_generation=gradient_accumulation_steps, bypass_mode=True (its "
+                    "missed tokens are made invalid), or rollout_support_matching='off'."
+                )
+        if self.loss_type == "vespo":
+            _refuse(
+                "loss_type='vespo' applies its own importance weighting; it cannot be combined with rollout "
+                "correction."
+            )
+        mode = "bypass" if correction.bypass_mode else "decoupled"
+        supported = trl_compat.SUPPORTED_LOSS_TYPES[mode]
+        if self.loss_type not in supported:
+            what = "bypass_mode=True" if correction.bypass_mode else "decoupled mode"
+            _refuse(f"{what} supports loss_type in {supported}, got {self.loss_type!r}.")
+        if correction.rollout_is_batch_normalize:
+            self._check_batch_norm_is_exact(correction)
+        if correction.bypass_mode:
+            self._check_bypass(correction)
+
+    def _check_sampling_generation(self) -> None:
+        """Behaviour log-probs exist only for sampled tokens: refuse greedy or beam search in ``generation_kwargs``."""
+        kwargs = self.generation_kwargs or {}
+        if kwargs.get("do_sample") is False or (kwargs.get("num_beams") or 1) > 1:
+            _refuse(
+                f"generation_kwargs={kwargs!r} asks for greedy or beam search, which has no sampling distribution: "
+                "rollout correction needs the log-probs of the distribution that sampled each token. Remove "
+                "do_sample=False / num_beams > 1 from generation_kwargs, or disable the rollout correction."
+            )
+
+    def _check_batch_norm_is_exact(self, correction: RolloutCorrectionConfig) -> None:
+        """Batch normalisation must divide by the mean over the optimizer step's global batch (spec section 3)."""
+        ga, spg, iters = self.gradient_accumulation_steps, self.steps_per_generation, self.num_iterations
+        generate_every = spg * iters
+        if correction.bypass_mode:
+            # bypass: with gradient accumulation the trainer scores the step's rows once, at its first micro-batch
+            # (one no-grad forward), which needs every row of the step to exist by then
+            if ga > 1 and generate_every % ga != 0:
+                _refuse(
+                    "rollout_is_batch_normalize=True with bypass_mode=True normalises over the optimizer step's rows, "
+                    "which must all be generated before the step starts: steps_per_generation * num_iterations "
+                    f"({spg} * {iters}) must be a multiple of gradient_accumulation_steps ({ga}). Change "
+                    "steps_per_generation, or turn batch normalisation off."
+                )
+        elif ga % spg != 0 or generate_every % ga != 0:
+            # decoupled: the weights are normalised once per generation batch, which must be the step's global batch
+            _refuse(
+                "rollout_is_batch_normalize=True in decoupled mode normalises over the generation batch, which is "
+                "the optimizer step's global batch only when each step trains on whole generation batches of one "
+                f"generation: gradient_accumulation_steps ({ga}) must be a multiple of steps_per_generation ({spg}), "
+                f"and steps_per_generation * num_iterations ({generate_every}) a multiple of "
+                "gradient_accumulation_steps. Set steps_per_generation=gradient_accumulation_steps (TRL's default), "
+                "use bypass_mode=True, or turn batch normalisation off."
+            )
+
+    def _check_bypass(self, correction: RolloutCorrectionConfig) -> None:
+        """Bypass mode: our loss replaces TRL's, so only what it reproduces exactly is allowed."""
+        if self.rs_keep_rejected_in_baseline:
+            logger.warning(
+                "rs_keep_rejected_in_baseline has no effect in bypass mode: RS runs in the loss, after the "
+                "advantages, so rejected rows always stay in their group's baseline."
+            )
+        unsupported = {
+            "importance_sampling_level": (self.importance_sampling_level != "token", "'token'"),
+            "top_entropy_quantile": (self.top_entropy_quantile < 1.0, "1.0"),
+            "off_policy_mask_threshold": (self.off_policy_mask_threshold is not None, "None"),
+            "entropy_coef": (self.entropy_coef != 0.0, "0.0"),
+            "use_adaptive_entropy": (bool(self.use_adaptive_entropy), "False"),
+        }
+        for name, (bad, needed) in unsupported.items():
+            if bad:
+                _refuse(f"bypass_mode=True replaces TRL's loss and does not support {name}={getattr(self, name)!r}; "
+                        f"set {name}={needed}.")
+        if self.delta is not None and correction.bypass_loss_type == "reinforce":
+            _refuse(
+                f"delta={self.delta} bounds the PPO ratio, but bypass_loss_type='reinforce' has no ratio in its loss; "
+                "unset delta or use bypass_loss_type='ppo_clip'."
+            )
+        epsilon_high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
+        if correction.bypass_loss_type == "ppo_clip" and self.delta is not None and not self.delta > 1 + epsilon_high:
+            _refuse(
+                f"bypass_mode=True uses delta as the dual-clip bound of PPO-clip on pi_theta / mu (for A < 0 the "
+                f"per-token loss is capped at -A * delta), which is TRL's two-sided clip only for delta > 1 + "
+                f"epsilon_high; got delta={self.delta}, epsilon_high={epsilon_high}."
+            )
+
+
+# Settings of TRL's own vLLM IS (inert while it is off, i.e. whenever a rollout correction is on) and TRL's defaults
+_TRL_VLLM_IS_SETTINGS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+                         "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")
+_GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+
+
+def _refuse(msg: str) -> None:
+    raise ValueError(f"RolloutCorrGRPOConfig: {msg}")
