@@ -33,7 +33,7 @@ def main() -> None:
     trainer = RolloutCorrGRPOTrainer(model=model_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8),
                                      args=args)
     trainer.train()
-    writer = trainer._rollout_records
+    writer = trainer.rollout_records
     with open(f"{dump}.rank{trainer.accelerator.process_index}.json", "w") as f:
         json.dump({"world": trainer.accelerator.num_processes, "rows": writer.rows_written}, f)
 

@@ -193,7 +193,7 @@ def test_records_do_not_change_training_and_are_off_by_default(llama_dir, tmp_pa
     kw = dict(max_steps=2, rollout_corr_preset="decoupled_k3_rs_token_tis")
     plain = make_trainer(llama_dir, tmp_path / "a", **kw)
     plain.train()
-    assert plain._rollout_records is None and not (tmp_path / "a" / "dump").exists()
+    assert plain.rollout_records is None and not (tmp_path / "a" / "dump").exists()
     dumped = make_trainer(llama_dir, tmp_path / "b", rollout_dump_dir=str(tmp_path / "b" / "dump"), **kw)
     dumped.train()
 
@@ -207,7 +207,7 @@ def test_records_do_not_change_training_and_are_off_by_default(llama_dir, tmp_pa
     assert run["engine"]["rollout_engine"] == "transformers.generate"
     assert run["sampling"]["max_completion_length"] == 8 and run["rewards"]["names"] == ["reward_len"]
     assert len(run["tokenizer"]["tokenizer_sha256"]) == 64 and run["trainer"]["per_device_train_batch_size"] == 4
-    assert dumped._rollout_records.rows_written == 8 and dumped._rollout_records.seconds > 0
+    assert dumped.rollout_records.rows_written == 8 and dumped.rollout_records.seconds > 0
     # logs.jsonl holds every numeric value the step logged, TRL's own (reward, step_time, ...) included
     lines = [json.loads(line) for line in (tmp_path / "b" / "dump" / "logs.jsonl").read_text().splitlines()]
     logged = [h for h in dumped.state.log_history if "loss" in h]

@@ -81,9 +81,11 @@ from trl.trainer.utils import get_config_model_id
 from . import model_card, support, trl_compat
 from .accumulator import Reducers, RolloutCorrAccumulator
 from .config import CORRECTION_FIELDS, RolloutCorrectionConfig
-from .correction import DEFAULT_LENGTH_BUCKETS, make_correction_fn, ratio_decomposition
+from .correction import make_correction_fn, ratio_decomposition
 from .engines.alignment import check_aligned
 from .engines.transformers_generate import capture_generate_log_probs, generate_in_dtype
+from .features import RolloutRecords, build_features, check_trainer_args
+from .hooks import GenerationBatch, LossStep
 from .lag import lag_keep, policy_lag, row_versions
 from .losses import DEFAULT_DUAL_CLIP, PPOClip, bypass_policy_loss
 from .routing import RouteReplayer, check_row_routes, pad_routes, record_routes
@@ -222,6 +224,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             )
         # before TRL loads the model or starts an engine
         _check_routing_sources(bound.arguments["args"], bound.arguments)
+        check_trainer_args(bound.arguments["args"], bound.arguments)
         super().__init__(*bound.args[1:], **bound.kwargs)
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction()
         self.rollout_corr_reducers = _accelerate_reducers(self.accelerator)
@@ -231,8 +234,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._rc_correction_fn = make_correction_fn(self.rollout_correction, compile=self.args.rollout_corr_compile)
         # Scoped hand-offs between TRL's hooks: set only inside the context managers below, None/False outside.
         self._rc_skip_old_forward = False
-        self._rc_policy_logps: Optional[_Slot] = None
-        self._rc_rewards: Optional[_Slot] = None
+        self._gen: Optional[GenerationBatch] = None  # the generation batch in progress
+        self._loss: Optional[LossStep] = None  # the micro-batch whose loss is being computed
         self._rc_routes: Optional[_Slot] = None
         self._rc_versions: Optional[_Slot] = None
         # policy_lag_split: the policy's weights per version still in use, and a scratch copy to score them with
@@ -248,7 +251,13 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._check_rollout_source()
         self.rollout_corr_router_replay = self._setup_routing_replay()
         self._init_support_matching()
-        self._rollout_records = self._open_rollout_records()  # None unless rollout_dump_dir is set
+        self.rollout_corr_features = build_features(self)
+
+    @property
+    def rollout_records(self):
+        """The ``records.RolloutRecordWriter`` of ``rollout_dump_dir``, or None (unset)."""
+        records = self.rollout_corr_features.get(RolloutRecords)
+        return None if records is None else records.writer
 
     @property
     def _rc_active(self) -> bool:
@@ -372,7 +381,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         return support.sampler_from_generation_config(config, sources=sources, trainer_temperature=self.temperature)
 
     @property
-    def _mode(self) -> str:
+    def metrics_mode(self) -> str:
         """``"train"`` or ``"eval"``, as TRL decides it (from the policy's training flag)."""
         return "train" if self.model.training else "eval"
 
@@ -533,10 +542,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             self._rc_versions = None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """TRL's rewards; inside ``_hold_rewards`` the gathered ``(B_global, F)`` tensor is also handed over."""
+        """TRL's rewards; the gathered ``(B_global, F)`` tensor also goes to ``GenerationBatch.rewards``."""
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self._rc_rewards is not None:
-            self._rc_rewards.value = rewards_per_func
+        if self._gen is not None:
+            self._gen.rewards = rewards_per_func
         return rewards_per_func
 
     @contextlib.contextmanager
@@ -547,15 +556,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             yield slot
         finally:
             self._rc_routes = None
-
-    @contextlib.contextmanager
-    def _hold_rewards(self) -> Iterator[_Slot]:
-        """Within the block, ``_calculate_rewards`` puts TRL's gathered rewards into the yielded slot."""
-        self._rc_rewards = slot = _Slot()
-        try:
-            yield slot
-        finally:
-            self._rc_rewards = None
 
     # ------------------------------------------------------------------ log-prob forwards: pi_old and pi_theta
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
@@ -574,8 +574,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 result = super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
                 )
-        if self._rc_policy_logps is not None and self._rc_policy_logps.value is None:
-            self._rc_policy_logps.value = result[0].detach()  # the loss forward inside GRPOTrainer._compute_loss
+        if self._loss is not None and self._loss.policy_log_probs is None:
+            self._loss.policy_log_probs = result[0].detach()  # the first policy forward of the loss step
         return result
 
     @contextlib.contextmanager
@@ -602,19 +602,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             use_vllm=self.use_vllm,
             vllm_importance_sampling_correction=self.vllm_importance_sampling_correction,
         )
-
-    @contextlib.contextmanager
-    def _capture_policy_logps(self) -> Iterator[_Slot]:
-        """Within the block, the first log-prob forward's (B, T) log-probs (detached) go into the yielded slot.
-        Nested (the rollout-records hook around the loss), the inner block shares the outer slot."""
-        if self._rc_policy_logps is not None:
-            yield self._rc_policy_logps
-            return
-        self._rc_policy_logps = slot = _Slot()
-        try:
-            yield slot
-        finally:
-            self._rc_policy_logps = None
 
     def _support_forward(self, scope: _SupportScope, model, input_ids, attention_mask, logits_to_keep, *args,
                          **kwargs):
@@ -660,7 +647,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         no routing replay).
         """
         matching = self._rc_support_scorer is not None
-        wanted = matching or (measure and self._rc_support_measure and self._mode == "train")
+        wanted = matching or (measure and self._rc_support_measure and self.metrics_mode == "train")
         if only_trl_old:
             # not when TRL's pi_old forward is skipped (bypass; routing replay recomputes pi_old in _old_log_probs)
             wanted = wanted and not self._rc_skip_old_forward and not self.rollout_correction.bypass_mode \
@@ -693,7 +680,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         makes them invalid), else None."""
         if scope is None or scope.score is None:
             return None
-        self.rollout_corr_metrics.add_support(self._mode, support.SupportStats.from_score(scope.score,
+        self.rollout_corr_metrics.add_support(self.metrics_mode, support.SupportStats.from_score(scope.score,
                                                                                            trl_compat.loss_mask(batch)))
         self._rc_support_measure = False
         return scope.score.miss if scope.replace else None
@@ -722,11 +709,19 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         and pi_old, when TRL computed none, to ``rollout_old_log_probs``. With routing replay: ``routed_experts``
         (B, P + T, L, k).
         """
+        gen = self._gen = GenerationBatch(started=time.time())
+        try:
+            return self._score_generation(inputs, gen)
+        finally:
+            self._gen = None
+
+    def _score_generation(self, inputs, gen: GenerationBatch):
         self._rc_mu_captured, self._rc_mu_unusable = False, None
-        started = time.time()
         self._snapshot_version_weights()
+        features = self.rollout_corr_features
         with (
-            self._skip_trl_old_logps_forward(), self._hold_rewards() as rewards, self._hold_routes() as routes,
+            features.around("generation", self, gen),
+            self._skip_trl_old_logps_forward(), self._hold_routes() as routes,
             self._hold_kept_sets() as kept, self._hold_versions() as versions,
             self._support_scope(kept, measure=True, only_trl_old=True) as trl_old_support,
         ):
@@ -736,11 +731,12 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if versions is None:  # no generation ran through _generate (not a TRL 1.16 path): the policy itself
             versions = torch.full((output["completion_ids"].size(0),), self.state.global_step, dtype=torch.int64)
         versions = versions.to(output["completion_ids"].device)
+        features.before("on_batch", self, gen, output)
         if not self._rc_active:
             self._attach_routes(output, routes.value)
             self._record_diagnostics(output, versions)
             self._attach_lag_split(output)
-            self._tag_rows_for_records(output, rewards.value, started)
+            features.after("after_score", self, gen, output)
             return output
         rollout_log_probs = output.get("sampling_per_token_logps")
         if rollout_log_probs is None:
@@ -753,13 +749,13 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         output["rollout_generation_step"] = torch.tensor(self.state.global_step)
         output["rollout_policy_version"] = versions  # (B,): TRL's shuffle/split keep it with its rows
         self._attach_routes(output, routes.value)
-        self._tag_rows_for_records(output, rewards.value, started)
         if self.rollout_correction.bypass_mode:
             output.pop("old_per_token_logps", None)  # bypass: pi_old := mu, handled in the loss
-            self._drop_stale_from_baseline(output, rewards.value)
-            return output
-        self._apply_decoupled_correction(output, rewards.value)
-        self._attach_lag_split(output)
+            self._drop_stale_from_baseline(output, gen.rewards)
+        else:
+            self._apply_decoupled_correction(output, gen.rewards)
+            self._attach_lag_split(output)
+        features.after("after_score", self, gen, output)
         return output
 
     def _attach_routes(self, output: dict, rows: Optional[list]) -> None:
@@ -789,7 +785,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         routes = batch.get("routed_experts")
         if routes is None:
             raise ValueError("routing_replay='r3' but this batch carries no 'routed_experts'.")
-        on_counts = functools.partial(self.rollout_corr_metrics.add_fraction_counts, self._mode) if measure else None
+        on_counts = (functools.partial(self.rollout_corr_metrics.add_fraction_counts, self.metrics_mode)
+                     if measure else None)
         input_ids = trl_compat.prompt_completion_inputs(batch).input_ids
         with replayer.replay(routes, input_ids, measure=measure, on_counts=on_counts):
             yield
@@ -815,7 +812,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             support.invalidate_misses(old_log_probs, output.get("rollout_support_miss")), mu,
             trl_compat.loss_mask(output), all_reduce=self.rollout_corr_reducers.all_reduce,
         )
-        self.rollout_corr_metrics.add_stats(self._mode, correction.stats)
+        self.rollout_corr_metrics.add_stats(self.metrics_mode, correction.stats)
 
     def _apply_decoupled_correction(self, output: dict, rewards_per_func: Optional[torch.Tensor]) -> None:
         """IS weights and RS mask from pi_old vs mu, once per generation batch; RS-aware advantages (in place)."""
@@ -829,7 +826,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             support.invalidate_misses(old_log_probs, output.get("rollout_support_miss")), output["rollout_log_probs"],
             kept, all_reduce=self.rollout_corr_reducers.all_reduce,
         )
-        self.rollout_corr_metrics.add_stats(self._mode, correction.stats)
+        self.rollout_corr_metrics.add_stats(self.metrics_mode, correction.stats)
         new_mask = correction.response_mask
         output["rollout_rs_mask"] = new_mask
         if correction.weights is not None:
@@ -865,7 +862,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     def _snapshot_version_weights(self) -> None:
         """``policy_lag_split``, training: keep a copy of the policy's weights as version ``global_step`` (the
         weights any engine syncing now would receive; pruned in ``_attach_lag_split``)."""
-        if not self.args.policy_lag_split or self._mode != "train":
+        if not self.args.policy_lag_split or self.metrics_mode != "train":
             return
         step = self.state.global_step
         if step not in self._rc_version_weights:
@@ -925,9 +922,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """pi_old: one no-grad forward of the policy over the local generation batch (routes replayed, and their
         mismatch measured, with routing replay on). Returns (B, T) float32."""
         fwd = trl_compat.prompt_completion_inputs(output)
-        batch_size = (
-            self.args.per_device_train_batch_size if self._mode == "train" else self.args.per_device_eval_batch_size
-        )
+        train = self.metrics_mode == "train"
+        batch_size = self.args.per_device_train_batch_size if train else self.args.per_device_eval_batch_size
         self.rollout_corr_forward_counts["old_log_probs"] += 1
         with (
             torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
@@ -949,7 +945,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         (``trl_compat.advantages_after_rejection``); keeps TRL's completions table consistent and counts the rows
         left alone in their group (``rollout_corr/rs_lone_survivor_fraction``). ``rejected``, ``has_tokens``:
         (B_global,) bool, gathered."""
-        num_generations = self.num_generations if self._mode == "train" else self.num_generations_eval
+        num_generations = self.num_generations if self.metrics_mode == "train" else self.num_generations_eval
         keep_in_baseline = self.args.rs_keep_rejected_in_baseline
         result = trl_compat.advantages_after_rejection(
             advantages,
@@ -971,7 +967,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if count_lone_survivors and self.rollout_correction.rs_enabled and not keep_in_baseline:
             lone = trl_compat.lone_survivors(rejected, has_tokens, num_generations)
             self.rollout_corr_metrics.add_fraction(
-                self._mode, "rs_lone_survivor_fraction", int(lone.sum()), int(has_tokens.sum())
+                self.metrics_mode, "rs_lone_survivor_fraction", int(lone.sum()), int(has_tokens.sum())
             )
         return result.local
 
@@ -980,10 +976,15 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """Decoupled: TRL's loss with the RS mask as loss mask/normaliser and IS weights after the clip.
         Bypass: ``_bypass_loss``. No correction: TRL's loss on TRL's batch, with the ratio diagnostics.
         Routing replay: the pi_theta forward replays the routes (bypass: and measures their mismatch, as there is no
-        pi_old forward)."""
-        if self._rollout_records is not None and self._mode == "train":
-            return self._recorded_loss(model, inputs)  # rollout records (last section)
-        return self._corrected_loss(model, inputs)
+        pi_old forward). The features' ``before_loss`` / ``after_loss`` run around it (``LossStep``)."""
+        step = self._loss = LossStep(original=inputs, inputs=inputs)
+        try:
+            self.rollout_corr_features.before("before_loss", self, step)
+            loss = self._corrected_loss(model, step.inputs)
+        finally:
+            self._loss = None
+        self.rollout_corr_features.after("after_loss", self, step)
+        return loss
 
     def _corrected_loss(self, model, inputs):
         """The body of ``_compute_loss``."""
@@ -994,14 +995,14 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 return self._bypass_loss(model, inputs)
         loss_inputs = trl_compat.inject_rs_mask_and_is_weights(inputs) if self._rc_active else inputs
         with (
-            self._capture_policy_logps() as policy_logps, self._replay_routes(loss_inputs, measure=False),
+            self._replay_routes(loss_inputs, measure=False),
             self._support_scope(_Slot(inputs.get("rollout_support"))),
         ):
             loss = super()._compute_loss(model, loss_inputs)
-        mu = inputs.get("rollout_log_probs")
-        if policy_logps.value is not None and mu is not None:
+        mu, policy_log_probs = inputs.get("rollout_log_probs"), self._loss.policy_log_probs
+        if policy_log_probs is not None and mu is not None:
             old = inputs.get("old_per_token_logps", inputs.get("rollout_old_log_probs"))
-            d = ratio_decomposition(policy_logps.value, old, mu, trl_compat.loss_mask(loss_inputs))
+            d = ratio_decomposition(policy_log_probs, old, mu, trl_compat.loss_mask(loss_inputs))
             at_version = inputs.get("rollout_version_log_probs")
             if at_version is None:
                 ratios = {"engine": d.engine[d.valid], "update": d.update[d.valid], "direct": d.direct[d.valid]}
@@ -1009,7 +1010,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 valid = d.valid & torch.isfinite(at_version)
                 ratios = {"engine": (at_version - mu.float())[valid], "lag": (old.float() - at_version)[valid],
                           "update": d.update[valid], "direct": d.direct[valid]}
-            self.rollout_corr_metrics.add_log_ratios(self._mode, ratios)
+            self.rollout_corr_metrics.add_log_ratios(self.metrics_mode, ratios)
         return loss
 
     def _record_policy_lag(self, inputs: dict) -> dict:
@@ -1023,7 +1024,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         mask = trl_compat.loss_mask(inputs)
         bound = self.args.max_policy_lag
         keep = None if bound is None else lag_keep(lags, bound)
-        self.rollout_corr_metrics.add_policy_lag_rows(self._mode, lags, mask.sum(dim=1), keep)
+        self.rollout_corr_metrics.add_policy_lag_rows(self.metrics_mode, lags, mask.sum(dim=1), keep)
         if keep is None or bool(keep.all()):
             return inputs
         keep = keep[:, None].to(mask.device)
@@ -1054,9 +1055,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             all_reduce=self._batch_norm_all_reduce(model),
         )
         keep = out.mask
-        self.rollout_corr_metrics.add_stats(self._mode, out.correction.stats)
+        self.rollout_corr_metrics.add_stats(self.metrics_mode, out.correction.stats)
         direct = per_token_logps.detach().float() - inputs["rollout_log_probs"].float()
-        self.rollout_corr_metrics.add_log_ratios(self._mode, {"direct": direct[keep & torch.isfinite(direct)]})
+        self.rollout_corr_metrics.add_log_ratios(self.metrics_mode, {"direct": direct[keep & torch.isfinite(direct)]})
         per_token_loss, per_token_kl = out.per_token_loss, None
         if self.beta != 0.0:
             # bias-corrected KL as TRL: times the policy ratio, here pi_theta / mu (bypass: pi_old := mu)
@@ -1068,7 +1069,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         loss = trl_compat.aggregate_loss(per_token_loss, keep, self.loss_type, **self._aggregation_kwargs(inputs))
         if self.aux_loss_enabled:  # MoE router load-balancing loss, scaled for gradient accumulation as TRL does
             loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation_steps()
-            self._metrics[self._mode]["aux_loss"].append(
+            self._metrics[self.metrics_mode]["aux_loss"].append(
                 self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item()
             )
         self._log_bypass_loss_metrics(keep, entropies, per_token_kl, out)
@@ -1085,7 +1086,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         micro-batch of the step then divides by that global mean. Cost: that one forward per optimizer step.
         """
         reducers = self.rollout_corr_reducers
-        if not (self.rollout_correction.rollout_is_batch_normalize and self._mode == "train"
+        if not (self.rollout_correction.rollout_is_batch_normalize and self.metrics_mode == "train"
                 and self.current_gradient_accumulation_steps > 1):
             return reducers.all_reduce
         step = self.state.global_step
@@ -1140,7 +1141,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     def _accumulation_steps(self) -> float:
         """TRL's gradient-accumulation divisor: ``current_gradient_accumulation_steps`` in training, 1 in eval."""
-        return self.current_gradient_accumulation_steps if self._mode == "train" else 1.0
+        return self.current_gradient_accumulation_steps if self.metrics_mode == "train" else 1.0
 
     def _aggregation_kwargs(self, inputs: dict) -> dict:
         """The trainer state ``trl_compat.aggregate_loss`` needs, for this micro-batch and mode."""
@@ -1149,12 +1150,12 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             max_completion_length=self.max_completion_length,
             num_items_in_batch=inputs.get("num_items_in_batch"),
             num_processes=self.accelerator.num_processes,
-            steps_per_generation=self.args.steps_per_generation if self._mode == "train" else 1,
+            steps_per_generation=self.args.steps_per_generation if self.metrics_mode == "train" else 1,
         )
 
     def _log_bypass_loss_metrics(self, keep, entropies, per_token_kl, out) -> None:
         """TRL's loss metrics (``kl``, ``entropy``, ``clip_ratio/*``) for the bypass loss, over the kept tokens."""
-        metrics, reduce_sum = self._metrics[self._mode], self.rollout_corr_reducers.all_reduce
+        metrics, reduce_sum = self._metrics[self.metrics_mode], self.rollout_corr_reducers.all_reduce
         if per_token_kl is not None:
             metrics["kl"].append(trl_compat.global_masked_mean(per_token_kl, keep, reduce_sum))
         metrics["entropy"].append(trl_compat.global_masked_mean(entropies, keep, reduce_sum))
@@ -1170,11 +1171,11 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
         Runs on every rank (the Trainer calls ``log`` on all processes), so the cross-rank reduction is safe.
         """
-        logs.update(self.rollout_corr_metrics.flush(self._mode))  # in place, like TRL: evaluate() returns this dict
+        # in place, like TRL: evaluate() returns this dict
+        logs.update(self.rollout_corr_metrics.flush(self.metrics_mode))
         self._warn_support_bias_once(logs)
         super().log(logs, start_time)
-        if self._rollout_records is not None and self._mode == "train":  # rollout records (last section)
-            self._rollout_records.end_window(self.state.global_step, self.state.log_history[-1])
+        self.rollout_corr_features.after("after_log", self, self.state.log_history[-1])
 
     def _warn_support_bias_once(self, logs: dict) -> None:
         """Matching off, truncation on: one warning with the measured mean log kept mass (first logged step)."""
@@ -1205,117 +1206,3 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         if self.is_world_process_zero():
             model_card.complete_card(Path(self.args.output_dir) / "README.md", self)
-
-    # ------------------------------------------------------------------ rollout records (records.py, spec 10)
-    # Off unless rollout_dump_dir is set. Four call sites, each one line: __init__ opens the writer (and writes the
-    # run metadata once), _generate_and_score_completions tags each generated row (rewards, row index, times),
-    # _compute_loss hands each trained micro-batch to the writer, log closes the window of the logged step (after
-    # TRL's log has added its own values, reward, step_time, ...: the Trainer's copy in log_history, which callbacks
-    # that edit the dict they are shown cannot change).
-    def _recorded_loss(self, model, inputs):
-        """``_corrected_loss``, then the trained micro-batch and pi_theta of its loss forward go to the writer."""
-        with self._capture_policy_logps() as policy_logps:
-            loss = self._corrected_loss(model, inputs)
-        if "rollout_log_probs" in inputs:  # without a correction a batch can lack mu (warned: no diagnostics)
-            self._rollout_records.add(self._micro_batch_record(inputs, policy_logps.value))
-        return loss
-
-    def _open_rollout_records(self):
-        """The ``records.RolloutRecordWriter`` for ``rollout_dump_dir`` (``run.json`` written now), or None."""
-        if self.args.rollout_dump_dir is None:
-            return None
-        from . import records
-
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        writer = records.RolloutRecordWriter(
-            self.args.rollout_dump_dir, rank=self.accelerator.process_index,
-            world_size=self.accelerator.num_processes, is_main_process=self.accelerator.is_main_process,
-            every=self.args.rollout_dump_every, eos_token_ids=self.eos_token_ids,
-            pad_token_id=tokenizer.pad_token_id, max_completion_length=self.max_completion_length,
-        )
-        self._rc_record_batches = 0
-        writer.write_run_metadata(records.run_metadata(
-            model=self.accelerator.unwrap_model(self.model), tokenizer=self.processing_class,
-            engine=self._rollout_engine_record(), sampling=dict(
-                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                repetition_penalty=self.repetition_penalty, max_completion_length=self.max_completion_length,
-                generation_kwargs=self.args.generation_kwargs, use_vllm=self.use_vllm,
-                generation_config=_generation_config_dict(self.accelerator.unwrap_model(self.model)),
-            ),
-            correction=self.rollout_correction, correction_extra=dict(
-                mode="bypass" if self.rollout_correction.bypass_mode else "decoupled",
-                rollout_corr_preset=self.args.rollout_corr_preset, length_buckets=list(DEFAULT_LENGTH_BUCKETS),
-                rs_keep_rejected_in_baseline=self.args.rs_keep_rejected_in_baseline,
-            ),
-            trainer={name: getattr(self.args, name, None) for name in _RECORDED_TRAINER_FIELDS},
-            rewards=dict(names=list(self.reward_func_names), weights=self.reward_weights.tolist()),
-        ))
-        return writer
-
-    def _rollout_engine_record(self) -> dict:
-        """What produced mu: the ``rollout_func``'s own ``describe()`` when it has one, else TRL's path."""
-        describe = getattr(self.rollout_func, "describe", None)
-        if callable(describe):
-            return dict(describe())
-        if self.use_vllm:
-            return dict(rollout_engine=f"trl_vllm_{self.args.vllm_mode}", rollout_logprobs_mode="processed_logprobs",
-                        rollout_dtype="checkpoint dtype (TRL's vLLM)")
-        if self.rollout_func is not None:
-            return dict(rollout_engine=f"rollout_func {type(self.rollout_func).__name__}")
-        import transformers
-
-        dtype = self.args.rollout_generate_dtype or str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        return dict(rollout_engine="transformers.generate", rollout_engine_version=transformers.__version__,
-                    rollout_dtype=f"{dtype}{' (bf16 autocast)' if self.args.bf16 else ''}",
-                    rollout_logprobs_mode="processed (log_softmax of the final processed scores)")
-
-    def _tag_rows_for_records(self, output: dict, rewards_per_func: Optional[torch.Tensor], started: float) -> None:
-        """Per-row fields the records need that TRL does not carry to the loss: (B,) row index, 0-d batch index,
-        (B, F) local rewards, (B, 2) generation times. TRL's shuffle and split carry them with the rows."""
-        if self._rollout_records is None or self._mode != "train":
-            return
-        rows = output["completion_ids"].size(0)
-        device = output["completion_ids"].device
-        output["rollout_record_row"] = torch.arange(rows, device=device)
-        output["rollout_record_batch"] = torch.tensor(self._rc_record_batches)
-        self._rc_record_batches += 1
-        if rewards_per_func is not None:
-            start = self.accelerator.process_index * rows
-            output["rollout_record_rewards"] = rewards_per_func[start:start + rows].float()
-        output["rollout_record_times"] = torch.tensor([[started, time.time()]], dtype=torch.float64).expand(rows, 2)
-
-    def _micro_batch_record(self, inputs: dict, log_probs: Optional[torch.Tensor]):
-        """The ``records.MicroBatch`` of one trained micro-batch (TRL's keys mapped to record column names)."""
-        from .records import MicroBatch
-
-        return MicroBatch(
-            step=self.state.global_step, generation_step=int(inputs["rollout_generation_step"]),
-            generation_batch=int(inputs["rollout_record_batch"]),
-            prompt_ids=inputs["prompt_ids"], prompt_mask=inputs["prompt_mask"],
-            completion_ids=inputs["completion_ids"], completion_mask=inputs["completion_mask"],
-            rollout_log_probs=inputs["rollout_log_probs"], advantages=inputs["advantages"],
-            generation_row=inputs["rollout_record_row"], rewards=inputs.get("rollout_record_rewards"),
-            times=inputs.get("rollout_record_times"),
-            policy_version=inputs.get("rollout_policy_version"),
-            per_token=dict(
-                tool_mask=inputs.get("tool_mask"),
-                old_log_probs=inputs.get("old_per_token_logps", inputs.get("rollout_old_log_probs")),
-                log_probs=log_probs, ref_log_probs=inputs.get("ref_per_token_logps"),
-                rollout_is_weights=inputs.get("rollout_is_weights"), rollout_rs_mask=inputs.get("rollout_rs_mask"),
-            ),
-        )
-
-
-# GRPOConfig fields recorded in run.json: what shapes the batches, the windows and the loss.
-_RECORDED_TRAINER_FIELDS = (
-    "loss_type", "beta", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
-    "steps_per_generation", "num_iterations", "logging_steps", "max_steps", "learning_rate", "seed", "bf16",
-    "mask_truncated_completions", "scale_rewards", "epsilon", "epsilon_high", "importance_sampling_level",
-    "rollout_support_matching", "routing_replay", "max_policy_lag", "policy_lag_split",
-)
-
-
-def _generation_config_dict(model) -> Optional[dict]:
-    """The model's generation config, as the differences from transformers' defaults (what generate falls back to)."""
-    config = getattr(model, "generation_config", None)
-    return None if config is None else config.to_diff_dict()

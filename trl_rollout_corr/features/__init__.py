@@ -1,0 +1,32 @@
+"""The trainer-side features, one module each, in the one order the trainer calls them (``hooks.py``, rules 1-3).
+
+Adding a feature: one module with a ``hooks.Feature`` subclass, one line in ``FEATURES`` (``docs/architecture.md``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..hooks import Feature, Features
+from .rollout_records import RolloutRecords
+
+if TYPE_CHECKING:
+    from ..trainer import RolloutCorrGRPOTrainer
+
+FEATURES: tuple[type[Feature], ...] = (
+    RolloutRecords,     # rollout_dump_dir: last, so nothing is written before every other part accepted the setup
+)
+
+__all__ = ["FEATURES", "RolloutRecords", "build_features", "check_trainer_args"]
+
+
+def check_trainer_args(args, trainer_args) -> None:
+    """Every present feature's ``check_trainer_args``, in ``FEATURES`` order (before TRL loads anything)."""
+    for cls in FEATURES:
+        if cls.wanted(args):
+            cls.check_trainer_args(args, trainer_args)
+
+
+def build_features(trainer: "RolloutCorrGRPOTrainer") -> Features:
+    """The features present for ``trainer.args``, built in ``FEATURES`` order (each may refuse the setup)."""
+    return Features([cls(trainer) for cls in FEATURES if cls.wanted(trainer.args)])

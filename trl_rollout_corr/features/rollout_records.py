@@ -1,0 +1,152 @@
+"""Rollout records (``rollout_dump_dir``; ``records.py``, spec 10): the writer's lifecycle in the trainer.
+
+Four hooks, training only: ``__init__`` opens the writer and writes ``run.json`` once; ``on_batch`` tags each
+generated row (row index, batch index, local rewards, generation times), which TRL's shuffle and split carry to the
+loss; ``after_loss`` hands each trained micro-batch (as TRL passed it: ``LossStep.original``) and its pi_theta
+(``LossStep.policy_log_probs``) to the writer; ``after_log`` closes the window of the logged step, after TRL's
+``log`` added its own values (the Trainer's copy in ``log_history``, which callbacks cannot change).
+
+Last in ``features.FEATURES``: nothing is written before every other part accepted the setup.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+import torch
+
+from ..correction import DEFAULT_LENGTH_BUCKETS
+from ..hooks import Feature, GenerationBatch, LossStep
+
+if TYPE_CHECKING:
+    from ..records import MicroBatch, RolloutRecordWriter
+    from ..trainer import RolloutCorrGRPOTrainer
+
+# GRPOConfig fields recorded in run.json: what shapes the batches, the windows and the loss.
+RECORDED_TRAINER_FIELDS = (
+    "loss_type", "beta", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+    "steps_per_generation", "num_iterations", "logging_steps", "max_steps", "learning_rate", "seed", "bf16",
+    "mask_truncated_completions", "scale_rewards", "epsilon", "epsilon_high", "importance_sampling_level",
+    "rollout_support_matching", "routing_replay", "max_policy_lag", "policy_lag_split",
+)
+
+
+class RolloutRecords(Feature):
+    """The ``records.RolloutRecordWriter`` of ``rollout_dump_dir`` (module docstring).
+
+    Attributes:
+        writer: the writer (``run.json`` already written).
+
+    Raises:
+        records.RecordsError: a folder that already holds a dump (from the writer).
+    """
+
+    name = "rollout_records"
+
+    @classmethod
+    def wanted(cls, args) -> bool:
+        return args.rollout_dump_dir is not None
+
+    def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
+        from .. import records
+
+        args = trainer.args
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        self.writer: RolloutRecordWriter = records.RolloutRecordWriter(
+            args.rollout_dump_dir, rank=trainer.accelerator.process_index,
+            world_size=trainer.accelerator.num_processes, is_main_process=trainer.accelerator.is_main_process,
+            every=args.rollout_dump_every, eos_token_ids=trainer.eos_token_ids,
+            pad_token_id=tokenizer.pad_token_id, max_completion_length=trainer.max_completion_length,
+        )
+        self.batches = 0  # generation batches tagged on this rank
+        correction = trainer.rollout_correction
+        self.writer.write_run_metadata(records.run_metadata(
+            model=unwrapped, tokenizer=trainer.processing_class,
+            engine=rollout_engine_record(trainer), sampling=dict(
+                temperature=trainer.temperature, top_p=trainer.top_p, top_k=trainer.top_k, min_p=trainer.min_p,
+                repetition_penalty=trainer.repetition_penalty, max_completion_length=trainer.max_completion_length,
+                generation_kwargs=args.generation_kwargs, use_vllm=trainer.use_vllm,
+                generation_config=generation_config_dict(unwrapped),
+            ),
+            correction=correction, correction_extra=dict(
+                mode="bypass" if correction.bypass_mode else "decoupled",
+                rollout_corr_preset=args.rollout_corr_preset, length_buckets=list(DEFAULT_LENGTH_BUCKETS),
+                rs_keep_rejected_in_baseline=args.rs_keep_rejected_in_baseline,
+            ),
+            trainer={name: getattr(args, name, None) for name in RECORDED_TRAINER_FIELDS},
+            rewards=dict(names=list(trainer.reward_func_names), weights=trainer.reward_weights.tolist()),
+        ))
+
+    def on_batch(self, trainer, gen: GenerationBatch, batch: dict) -> None:
+        """Per-row fields the records need that TRL does not carry to the loss: (B,) row index, 0-d batch index,
+        (B, F) local rewards, (B, 2) float64 generation times (unix seconds: start, now)."""
+        if trainer.metrics_mode != "train":
+            return
+        rows = batch["completion_ids"].size(0)
+        device = batch["completion_ids"].device
+        batch["rollout_record_row"] = torch.arange(rows, device=device)
+        batch["rollout_record_batch"] = torch.tensor(self.batches)
+        self.batches += 1
+        if gen.rewards is not None:
+            start = trainer.accelerator.process_index * rows
+            batch["rollout_record_rewards"] = gen.rewards[start:start + rows].float()
+        batch["rollout_record_times"] = torch.tensor([[gen.started, time.time()]], dtype=torch.float64).expand(rows, 2)
+
+    def after_loss(self, trainer, step: LossStep) -> None:
+        """The trained micro-batch, as TRL passed it, and its pi_theta to the writer (training only; without a
+        correction a batch can lack mu: warned, no diagnostics, not recorded)."""
+        if trainer.metrics_mode == "train" and "rollout_log_probs" in step.original:
+            self.writer.add(micro_batch(trainer.state.global_step, step.original, step.policy_log_probs))
+
+    def after_log(self, trainer, record: Mapping[str, Any]) -> None:
+        """Close the logged step's window with TRL's logged values (training only)."""
+        if trainer.metrics_mode == "train":
+            self.writer.end_window(trainer.state.global_step, record)
+
+
+def micro_batch(step: int, inputs: dict, log_probs: Optional[torch.Tensor]) -> "MicroBatch":
+    """The ``records.MicroBatch`` of one trained micro-batch (TRL's keys mapped to record column names)."""
+    from ..records import MicroBatch
+
+    return MicroBatch(
+        step=step, generation_step=int(inputs["rollout_generation_step"]),
+        generation_batch=int(inputs["rollout_record_batch"]),
+        prompt_ids=inputs["prompt_ids"], prompt_mask=inputs["prompt_mask"],
+        completion_ids=inputs["completion_ids"], completion_mask=inputs["completion_mask"],
+        rollout_log_probs=inputs["rollout_log_probs"], advantages=inputs["advantages"],
+        generation_row=inputs["rollout_record_row"], rewards=inputs.get("rollout_record_rewards"),
+        times=inputs.get("rollout_record_times"),
+        policy_version=inputs.get("rollout_policy_version"),
+        per_token=dict(
+            tool_mask=inputs.get("tool_mask"),
+            old_log_probs=inputs.get("old_per_token_logps", inputs.get("rollout_old_log_probs")),
+            log_probs=log_probs, ref_log_probs=inputs.get("ref_per_token_logps"),
+            rollout_is_weights=inputs.get("rollout_is_weights"), rollout_rs_mask=inputs.get("rollout_rs_mask"),
+        ),
+    )
+
+
+def rollout_engine_record(trainer) -> dict:
+    """What produced mu: the ``rollout_func``'s own ``describe()`` when it has one, else TRL's path."""
+    describe = getattr(trainer.rollout_func, "describe", None)
+    if callable(describe):
+        return dict(describe())
+    if trainer.use_vllm:
+        return dict(rollout_engine=f"trl_vllm_{trainer.args.vllm_mode}", rollout_logprobs_mode="processed_logprobs",
+                    rollout_dtype="checkpoint dtype (TRL's vLLM)")
+    if trainer.rollout_func is not None:
+        return dict(rollout_engine=f"rollout_func {type(trainer.rollout_func).__name__}")
+    import transformers
+
+    dtype = trainer.args.rollout_generate_dtype or str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
+    return dict(rollout_engine="transformers.generate", rollout_engine_version=transformers.__version__,
+                rollout_dtype=f"{dtype}{' (bf16 autocast)' if trainer.args.bf16 else ''}",
+                rollout_logprobs_mode="processed (log_softmax of the final processed scores)")
+
+
+def generation_config_dict(model) -> Optional[dict]:
+    """The model's generation config, as the differences from transformers' defaults (what generate falls back to)."""
+    config = getattr(model, "generation_config", None)
+    return None if config is None else config.to_diff_dict()

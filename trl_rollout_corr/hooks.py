@@ -1,0 +1,274 @@
+"""The trainer's hook protocol: ``Feature``, ``CorrectionMode``, the ``Features`` container and the per-call objects.
+
+``RolloutCorrGRPOTrainer`` (``trainer.py``) overrides TRL 1.16's hooks and, in each, calls the features (``features/``)
+and the one correction mode (``modes/``) in TRL's call order. Features and the mode hand values to each other only
+through the per-call objects below and through the documented batch keys (``docs/architecture.md``, "Batch keys").
+
+The ordering rules (written once, here and in ``features.FEATURES``; tested in ``tests/test_features_order.py``):
+
+1. Around hooks (``generation``, ``plain_generate``, ``forward``) nest in list order: entered in ``FEATURES`` order,
+   exited in reverse, so an earlier feature encloses every later one.
+2. Before hooks (``on_batch``, ``before_loss``, ``on_log``) run in list order; after hooks (``after_plain_generate``,
+   ``after_generate``, ``after_score``, ``after_loss``, ``after_log``) run in reverse (first in, last out: a feature's
+   "after" sees the work of every feature it encloses).
+3. Construction and ``check_trainer_args`` run in list order (the one feature with side effects outside the process,
+   the rollout records, is last).
+4. The mode scores a generation batch between ``on_batch`` and ``after_score``, and it alone produces the loss.
+
+The prior art for the shape: torchtitan's model converters (a protocol plus a sequential container built from the
+config, undone in reverse) and Composer's algorithm passes (list order, reversed on "after" events).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Literal, Mapping, Optional, Sequence, TypeVar
+
+import torch
+
+if TYPE_CHECKING:  # the trainer's type only; no feature imports trainer.py
+    from .trainer import RolloutCorrGRPOTrainer
+
+__all__ = ["AROUND_HOOKS", "AFTER_HOOKS", "BEFORE_HOOKS", "CorrectionMode", "Feature", "Features", "ForwardCall",
+           "GenerationBatch", "LossStep", "PlainGenerate", "Role"]
+
+
+# ---------------------------------------------------------------------------------------------- per-call objects
+@dataclass
+class GenerationBatch:
+    """One call of ``_generate_and_score_completions``: what the hooks of one generation batch hand each other.
+
+    Attributes:
+        started: ``time.time()`` when the batch started (unix seconds).
+        rewards: (B_global, F) TRL's gathered rewards (``_calculate_rewards``), or None.
+        versions: (B,) int64 policy version per local row (``PolicyLag``; ``lag.row_versions``).
+        keep_rows: (B,) bool rows within ``max_policy_lag`` at generation; None: no bound (``PolicyLag``).
+        mu_captured: mu came from the generate capture, not from TRL (``BehaviourLogProbs``).
+        mu_unusable: no correction: why this batch has no diagnostics (``BehaviourLogProbs``), or None.
+        record_kept_sets: replay: the generate capture also records the kept-token sets (``SupportMatching``).
+        trl_old_skipped: TRL's own pi_old forward returned a NaN placeholder (the trainer; bypass and routing
+            replay replace that forward).
+    """
+
+    started: float
+    rewards: Optional[torch.Tensor] = None
+    versions: Optional[torch.Tensor] = None
+    keep_rows: Optional[torch.Tensor] = None
+    mu_captured: bool = False
+    mu_unusable: Optional[str] = None
+    record_kept_sets: bool = False
+    trl_old_seen: bool = False
+    trl_old_skipped: bool = False
+
+
+@dataclass
+class PlainGenerate:
+    """One ``transformers.generate`` call on TRL's plain path (``_generate_single_turn``).
+
+    Attributes:
+        model: the unwrapped policy. prompt_ids: the prompts' token ids (lists, one per row).
+        capture: the generate capture (``engines.transformers_generate.capture_generate_log_probs``) once
+            ``BehaviourLogProbs`` opened it; None: this generate yields no mu.
+        completion_ids: TRL's result, one list of ids per row. log_probs: what ``_generate_single_turn`` returns as
+            logprobs (mu per completion token, floats), set by ``BehaviourLogProbs``.
+    """
+
+    model: torch.nn.Module
+    prompt_ids: list
+    capture: Optional[Any] = None
+    completion_ids: Optional[list] = None
+    log_probs: Optional[list] = None
+
+
+Role = Literal["trl_old", "ref", "loss", "old", "bypass_loss", "batch_norm_window", "version", "other"]
+
+
+@dataclass
+class ForwardCall:
+    """One log-prob forward (``_get_per_token_logps_and_entropies``), as the features see it.
+
+    Attributes:
+        role: who started it and why (``docs/architecture.md``, "Forward roles"): TRL's ``trl_old`` / ``ref`` /
+            ``loss``, or ours: ``old`` (pi_old), ``bypass_loss``, ``batch_norm_window``, ``version``; ``other``.
+        model: the model forwarded.
+        batch: the rows scored, in TRL's layout (``prompt_ids``, ``completion_ids``, masks, our keys); None for TRL's
+            generation-time forwards (the batch dict does not exist yet).
+        measure: count this forward's diagnostics (routing mismatch, support statistics).
+        result: ``(log_probs (B, T), entropies, aux_loss)`` once the forward ran; a feature's exit may replace it.
+        miss: (B, T) bool tokens this forward could not score (sampled outside the trainer's support), or None.
+    """
+
+    role: Role
+    model: torch.nn.Module
+    batch: Optional[Mapping[str, Any]] = None
+    measure: bool = False
+    result: Optional[tuple] = None
+    miss: Optional[torch.Tensor] = None
+
+
+@dataclass
+class LossStep:
+    """One call of ``_compute_loss``.
+
+    Attributes:
+        original: the micro-batch as TRL passed it (what the records store).
+        inputs: what the mode trains on (``PolicyLag`` may return a copy whose stale rows are out of the loss mask).
+        policy_log_probs: (B, T) detached log-probs of the FIRST policy forward of this loss step (pi_theta for the
+            records and the ratio decomposition; for bypass + batch normalisation + accumulation, at a step's first
+            micro-batch, the batch-norm window's no-grad forward of the same rows).
+    """
+
+    original: dict
+    inputs: dict
+    policy_log_probs: Optional[torch.Tensor] = None
+
+
+# ---------------------------------------------------------------------------------------------- the protocols
+AROUND_HOOKS = ("generation", "plain_generate", "forward")
+BEFORE_HOOKS = ("on_batch", "before_loss", "on_log")
+AFTER_HOOKS = ("after_plain_generate", "after_generate", "after_score", "after_loss", "after_log")
+
+
+class Feature:
+    """A trainer-side feature: hooks the trainer calls in TRL's order (the module docstring gives the rules).
+
+    Every hook has a no-op default, so a feature overrides only the hooks it needs. A subclass is built from the
+    config (``wanted(args)``; ``__init__(trainer)`` after ``GRPOTrainer.__init__``) and listed once in
+    ``features.FEATURES``.
+
+    Attributes:
+        name: the feature's name (docs, errors).
+        replaces_trl_old_forward: with this feature, TRL's own pi_old forward returns a NaN placeholder instead of
+            running (``GenerationBatch.trl_old_skipped``).
+    """
+
+    name: ClassVar[str] = "feature"
+    replaces_trl_old_forward: bool = False
+
+    @classmethod
+    def wanted(cls, args) -> bool:
+        """Whether this feature is present for ``args`` (a ``RolloutCorrGRPOConfig``)."""
+        return True
+
+    @classmethod
+    def check_trainer_args(cls, args, trainer_args: Mapping[str, Any]) -> None:
+        """Refuse, before ``GRPOTrainer.__init__`` loads anything, what this feature cannot serve (``trainer_args``:
+        ``GRPOTrainer.__init__``'s bound arguments). Raises ValueError naming the fix."""
+
+    def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
+        pass
+
+    # one generation batch (TRL: _generate_and_score_completions and what it calls)
+    def generation(self, trainer, gen: GenerationBatch) -> contextlib.AbstractContextManager:
+        """Around TRL's whole ``_generate_and_score_completions`` call."""
+        return contextlib.nullcontext()
+
+    def plain_generate(self, trainer, gen: GenerationBatch, call: PlainGenerate) -> contextlib.AbstractContextManager:
+        """Around one plain ``transformers.generate`` call."""
+        return contextlib.nullcontext()
+
+    def after_plain_generate(self, trainer, gen: GenerationBatch, call: PlainGenerate) -> None:
+        """After that call (``call.completion_ids`` is TRL's result)."""
+
+    def after_generate(self, trainer, gen: GenerationBatch, result: tuple) -> None:
+        """After TRL's ``_generate``: its tuple (prompt ids, completion ids, tool mask, completions, logprobs, extra
+        fields, ...); the extra-fields dict may be changed in place."""
+
+    def on_batch(self, trainer, gen: GenerationBatch, batch: dict) -> None:
+        """TRL built the batch; the mode has not scored it yet."""
+
+    def after_score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
+        """The mode has scored the batch."""
+
+    # every log-prob forward (TRL: _get_per_token_logps_and_entropies)
+    def forward(self, trainer, call: ForwardCall) -> contextlib.AbstractContextManager:
+        """Around TRL's forward; may set ``call.result`` / ``call.miss`` on exit."""
+        return contextlib.nullcontext()
+
+    # one micro-batch (TRL: _compute_loss)
+    def before_loss(self, trainer, step: LossStep) -> None:
+        """Before the mode's loss; may replace ``step.inputs``."""
+
+    def after_loss(self, trainer, step: LossStep) -> None:
+        """After the mode's loss (``step.policy_log_probs`` is set when a policy forward ran)."""
+
+    # logging (TRL: log)
+    def on_log(self, trainer, logs: dict) -> None:
+        """Before TRL's ``log``, after the ``rollout_corr/*`` values were added; reads, never rewrites."""
+
+    def after_log(self, trainer, record: Mapping[str, Any]) -> None:
+        """After TRL's ``log``: ``record`` is ``state.log_history[-1]``."""
+
+
+class CorrectionMode:
+    """How the correction enters training: exactly one per trainer, chosen from the config (``modes.build_mode``).
+
+    Attributes:
+        name: ``"diagnostics"`` (no correction), ``"decoupled"`` or ``"bypass"``.
+        replaces_trl_old_forward: TRL's own pi_old forward returns a placeholder (bypass: pi_old := mu).
+        correction_fn: ``correction.make_correction_fn(config, compile=args.rollout_corr_compile)``.
+    """
+
+    name: ClassVar[str] = "mode"
+    replaces_trl_old_forward: ClassVar[bool] = False
+    correction_fn: Callable
+
+    def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
+        pass
+
+    def score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
+        """Score one generation batch, between the features' ``on_batch`` and ``after_score``."""
+
+    def loss(self, trainer, model: torch.nn.Module, step: LossStep,
+             trl_loss: Callable[[torch.nn.Module, dict], torch.Tensor]) -> torch.Tensor:
+        """The loss of one micro-batch (``trl_loss``: TRL's own ``_compute_loss``)."""
+        return trl_loss(model, step.inputs)
+
+
+F = TypeVar("F", bound=Feature)
+
+
+class Features:
+    """The trainer's features in ``FEATURES`` order, and the three ways to call one hook on all of them.
+
+    Args:
+        items: the built features, in ``FEATURES`` order.
+    """
+
+    def __init__(self, items: Sequence[Feature]) -> None:
+        self.items = tuple(items)
+
+    def __iter__(self) -> Iterator[Feature]:
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def _implementers(self, hook: str) -> list:
+        return [getattr(f, hook) for f in self.items if getattr(type(f), hook) is not getattr(Feature, hook)]
+
+    @contextlib.contextmanager
+    def around(self, hook: str, *args) -> Iterator[None]:
+        """Enter ``hook(*args)`` of every feature in order; exit in reverse (rule 1)."""
+        assert hook in AROUND_HOOKS, hook
+        with contextlib.ExitStack() as stack:
+            for method in self._implementers(hook):
+                stack.enter_context(method(*args))
+            yield
+
+    def before(self, hook: str, *args) -> None:
+        """Call ``hook(*args)`` of every feature in order (rule 2)."""
+        assert hook in BEFORE_HOOKS, hook
+        for method in self._implementers(hook):
+            method(*args)
+
+    def after(self, hook: str, *args) -> None:
+        """Call ``hook(*args)`` of every feature in reverse order (rule 2)."""
+        assert hook in AFTER_HOOKS, hook
+        for method in reversed(self._implementers(hook)):
+            method(*args)
+
+    def get(self, cls: type[F]) -> Optional[F]:
+        """The feature of type ``cls``, or None when it is absent for this config."""
+        return next((f for f in self.items if isinstance(f, cls)), None)
