@@ -61,7 +61,6 @@ The class reads top to bottom in the order TRL calls its hooks: ``__init__``, ``
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import inspect
 import logging
@@ -85,7 +84,7 @@ from .correction import make_correction_fn, ratio_decomposition
 from .engines.alignment import check_aligned
 from .engines.transformers_generate import capture_generate_log_probs, generate_in_dtype
 from .features import RolloutRecords, build_features, check_trainer_args
-from .hooks import GenerationBatch, LossStep
+from .hooks import ForwardCall, GenerationBatch, LossStep
 from .lag import lag_keep, policy_lag, row_versions
 from .losses import DEFAULT_DUAL_CLIP, PPOClip, bypass_policy_loss
 from .routing import RouteReplayer, check_row_routes, pad_routes, record_routes
@@ -238,9 +237,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._loss: Optional[LossStep] = None  # the micro-batch whose loss is being computed
         self._rc_routes: Optional[_Slot] = None
         self._rc_versions: Optional[_Slot] = None
-        # policy_lag_split: the policy's weights per version still in use, and a scratch copy to score them with
-        self._rc_version_weights: dict[int, dict[str, torch.Tensor]] = {}
-        self._rc_version_model: Optional[torch.nn.Module] = None
+        self._forward_call: Optional[ForwardCall] = None  # the role of the next forward (``policy_forward``)
         # Per generation batch: mu came from our generate capture (TRL itself has none on that path)
         self._rc_mu_captured = False
         self._rc_mu_unusable: Optional[str] = None  # no correction: why this batch has no diagnostics
@@ -561,12 +558,16 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         """TRL's log-prob forward, seen through the scoped interceptions below; on CPU it scores only the trained
         positions through the LM head (``rollout_corr_compact_scoring``, ``trl_compat.score_trained_tokens_only``)."""
+        call, self._forward_call = self._forward_call or self._trl_forward_call(model), None
         if self._rc_skip_old_forward and model is self.model and not torch.is_grad_enabled():
             self._rc_skip_old_forward = False  # one shot: TRL's pi_old forward is its first no-grad policy call
             placeholder = torch.full((input_ids.size(0), logits_to_keep), float("nan"), device=input_ids.device)
             return placeholder, None, None
         scope = self._rc_support
-        with trl_compat.score_trained_tokens_only(self.args.rollout_corr_compact_scoring):
+        with (
+            self.rollout_corr_features.around("forward", self, call),
+            trl_compat.score_trained_tokens_only(self.args.rollout_corr_compact_scoring),
+        ):
             if scope is not None and scope.accepts(model is self.model):
                 result = self._support_forward(scope, model, input_ids, attention_mask, logits_to_keep, *args,
                                                **kwargs)
@@ -574,9 +575,35 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 result = super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
                 )
+            call.result = result
+        result = call.result
         if self._loss is not None and self._loss.policy_log_probs is None:
             self._loss.policy_log_probs = result[0].detach()  # the first policy forward of the loss step
         return result
+
+    def _trl_forward_call(self, model) -> ForwardCall:
+        """The role of a forward TRL itself starts: in a loss step ``loss``; in a generation batch, the first no-grad
+        policy forward is ``trl_old`` when TRL 1.16's rule runs one (pinned in ``tests/test_trl_compat.py``) and
+        every other is ``ref`` (a PEFT reference forward runs on the policy with its adapter off); else ``other``."""
+        if self._loss is not None:
+            return ForwardCall("loss", model, batch=self._loss.inputs)
+        gen = self._gen
+        if gen is None:
+            return ForwardCall("other", model)
+        if not gen.trl_old_seen and model is self.model and not torch.is_grad_enabled():
+            gen.trl_old_seen = True
+            if self._trl_runs_old_forward():
+                return ForwardCall("trl_old", model, measure=True)
+        return ForwardCall("ref", model)
+
+    def policy_forward(self, call: ForwardCall, fwd: trl_compat.ForwardInputs, **kwargs):
+        """One of our own log-prob forwards, with its role (``call``): TRL's forward of ``call.model`` over ``fwd``
+        (``trl_compat.prompt_completion_inputs``) with exactly ``kwargs`` (``batch_size``, multimodal keys: the row
+        chunking changes float results), seen by the features' ``forward`` hooks. Returns TRL's
+        ``(log_probs (B, T), entropies, aux_loss)``."""
+        self._forward_call = call
+        return self._get_per_token_logps_and_entropies(call.model, fwd.input_ids, fwd.attention_mask,
+                                                       fwd.logits_to_keep, **kwargs)
 
     @contextlib.contextmanager
     def _skip_trl_old_logps_forward(self) -> Iterator[None]:
@@ -717,7 +744,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     def _score_generation(self, inputs, gen: GenerationBatch):
         self._rc_mu_captured, self._rc_mu_unusable = False, None
-        self._snapshot_version_weights()
         features = self.rollout_corr_features
         with (
             features.around("generation", self, gen),
@@ -735,7 +761,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if not self._rc_active:
             self._attach_routes(output, routes.value)
             self._record_diagnostics(output, versions)
-            self._attach_lag_split(output)
             features.after("after_score", self, gen, output)
             return output
         rollout_log_probs = output.get("sampling_per_token_logps")
@@ -754,7 +779,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             self._drop_stale_from_baseline(output, gen.rewards)
         else:
             self._apply_decoupled_correction(output, gen.rewards)
-            self._attach_lag_split(output)
         features.after("after_score", self, gen, output)
         return output
 
@@ -858,65 +882,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         output["advantages"] = self._advantages_after_rejection(
             output["advantages"], rejected, has_tokens, rewards_per_func, count_lone_survivors=False
         )
-
-    def _snapshot_version_weights(self) -> None:
-        """``policy_lag_split``, training: keep a copy of the policy's weights as version ``global_step`` (the
-        weights any engine syncing now would receive; pruned in ``_attach_lag_split``)."""
-        if not self.args.policy_lag_split or self.metrics_mode != "train":
-            return
-        step = self.state.global_step
-        if step not in self._rc_version_weights:
-            state = self.accelerator.unwrap_model(self.model).state_dict()
-            self._rc_version_weights[step] = {k: v.detach().clone() for k, v in state.items()}
-
-    def _attach_lag_split(self, output: dict) -> None:
-        """``policy_lag_split``: ``output["rollout_version_log_probs"]``, (B, T) float32 log pi_train@v of each row
-        at its own version v (the trainer's weights of step v, scored by a scratch copy of the policy, one no-grad
-        forward per stale version); rows of the current version reuse pi_old exactly (their lag ratio is 1).
-
-        Raises:
-            ValueError: a row's version is one whose weights this trainer never held (a version that is not a step
-                at which it generated) or no longer holds (versions going backwards).
-        """
-        if not self.args.policy_lag_split:
-            return
-        old = output.get("old_per_token_logps", output.get("rollout_old_log_probs"))
-        versions = output.get("rollout_policy_version")
-        if old is None or versions is None:
-            return
-        step = self.state.global_step
-        version_log_probs = old.detach().float().clone()
-        for version in sorted(set(versions.tolist()) - {step}):
-            weights = self._rc_version_weights.get(version)
-            if weights is None:
-                raise ValueError(
-                    f"policy_lag_split: rows of version {version} arrived, but the trainer holds no weights of that "
-                    f"version (held: {sorted(self._rc_version_weights)}); versions must be optimizer steps at which "
-                    "this trainer generated, never going backwards. Unset policy_lag_split."
-                )
-            rows = versions == version
-            version_log_probs[rows] = self._log_probs_at_version(weights, {
-                k: output[k][rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-            })
-        output["rollout_version_log_probs"] = version_log_probs
-        oldest = int(versions.min())
-        for version in [v for v in self._rc_version_weights if v < oldest]:
-            del self._rc_version_weights[version]
-
-    def _log_probs_at_version(self, weights: dict, rows: dict) -> torch.Tensor:
-        """(b, T) float32 log-probs of ``rows`` under the policy with ``weights`` loaded (a scratch copy)."""
-        if self._rc_version_model is None:
-            self._rc_version_model = copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval()
-        model = self._rc_version_model
-        model.load_state_dict(weights)
-        fwd = trl_compat.prompt_completion_inputs(rows)
-        self.rollout_corr_forward_counts["version_log_probs"] += 1
-        with torch.no_grad():
-            lp, _, _ = self._get_per_token_logps_and_entropies(
-                model, fwd.input_ids, fwd.attention_mask, fwd.logits_to_keep,
-                batch_size=self.args.per_device_train_batch_size,
-            )
-        return lp.float()
 
     def _old_log_probs(self, output: dict) -> torch.Tensor:
         """pi_old: one no-grad forward of the policy over the local generation batch (routes replayed, and their

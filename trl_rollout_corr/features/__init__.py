@@ -8,16 +8,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..hooks import Feature, Features
+from .lag_split import LagSplit
 from .rollout_records import RolloutRecords
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
 
 FEATURES: tuple[type[Feature], ...] = (
+    LagSplit,           # policy_lag_split
     RolloutRecords,     # rollout_dump_dir: last, so nothing is written before every other part accepted the setup
 )
 
-__all__ = ["FEATURES", "RolloutRecords", "build_features", "check_trainer_args"]
+__all__ = ["FEATURES", "LagSplit", "RolloutRecords", "build_features", "check_trainer_args"]
 
 
 def check_trainer_args(args, trainer_args) -> None:

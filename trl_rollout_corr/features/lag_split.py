@@ -1,0 +1,91 @@
+"""``policy_lag_split``: the direct ratio split in three (spec section 7), engine ``pi_train@v / mu``, lag
+``pi_old / pi_train@v`` and update ``pi_theta / pi_old``.
+
+The trainer keeps a copy of the policy's weights per version still in use (one per optimizer step of lag; taken when
+a generation batch starts) and, after the mode has scored a batch (pi_old exists then), scores each stale version's
+rows with a scratch copy of the policy: one no-grad forward (role ``version``) per stale version and generation batch.
+The result rides in the batch as ``rollout_version_log_probs``; the mode's ratio decomposition reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import TYPE_CHECKING, Iterator, Optional
+
+import torch
+
+from .. import trl_compat
+from ..hooks import Feature, ForwardCall, GenerationBatch
+
+if TYPE_CHECKING:
+    from ..trainer import RolloutCorrGRPOTrainer
+
+
+class LagSplit(Feature):
+    """The weights of every version in use, and the per-version log-probs (module docstring).
+
+    Raises:
+        ValueError: (``after_score``) a row's version is one whose weights this trainer never held (a version that is
+            not a step at which it generated) or no longer holds (versions going backwards).
+    """
+
+    name = "lag_split"
+
+    @classmethod
+    def wanted(cls, args) -> bool:
+        return bool(args.policy_lag_split)
+
+    def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}  # version (optimizer step) -> state dict
+        self.model: Optional[torch.nn.Module] = None  # the scratch copy that scores old versions
+
+    @contextlib.contextmanager
+    def generation(self, trainer, gen: GenerationBatch) -> Iterator[None]:
+        """Training: keep a copy of the policy's weights as version ``global_step`` (the weights any engine syncing
+        now would receive; pruned in ``after_score``)."""
+        step = trainer.state.global_step
+        if trainer.metrics_mode == "train" and step not in self.weights:
+            state = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+            self.weights[step] = {k: v.detach().clone() for k, v in state.items()}
+        yield
+
+    def after_score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
+        """``batch["rollout_version_log_probs"]``: (B, T) float32 log pi_train@v of each row at its own version v;
+        rows of the current version reuse pi_old exactly (their lag ratio is 1)."""
+        old = batch.get("old_per_token_logps", batch.get("rollout_old_log_probs"))
+        versions = batch.get("rollout_policy_version")
+        if old is None or versions is None:
+            return
+        step = trainer.state.global_step
+        version_log_probs = old.detach().float().clone()
+        for version in sorted(set(versions.tolist()) - {step}):
+            weights = self.weights.get(version)
+            if weights is None:
+                raise ValueError(
+                    f"policy_lag_split: rows of version {version} arrived, but the trainer holds no weights of that "
+                    f"version (held: {sorted(self.weights)}); versions must be optimizer steps at which "
+                    "this trainer generated, never going backwards. Unset policy_lag_split."
+                )
+            rows = versions == version
+            version_log_probs[rows] = self._log_probs_at_version(trainer, weights, {
+                k: batch[k][rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+            })
+        batch["rollout_version_log_probs"] = version_log_probs
+        oldest = int(versions.min())
+        for version in [v for v in self.weights if v < oldest]:
+            del self.weights[version]
+
+    def _log_probs_at_version(self, trainer, weights: dict, rows: dict) -> torch.Tensor:
+        """(b, T) float32 log-probs of ``rows`` under the policy with ``weights`` loaded (the scratch copy)."""
+        if self.model is None:
+            self.model = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model)).eval()
+        self.model.load_state_dict(weights)
+        fwd = trl_compat.prompt_completion_inputs(rows)
+        trainer.rollout_corr_forward_counts["version_log_probs"] += 1
+        with torch.no_grad():
+            lp, _, _ = trainer.policy_forward(
+                ForwardCall("version", self.model, batch=rows), fwd,
+                batch_size=trainer.args.per_device_train_batch_size,
+            )
+        return lp.float()
