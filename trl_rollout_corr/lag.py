@@ -36,7 +36,7 @@ def row_versions(
     completion_lengths: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
     """The (B,) int64 policy version of each row, checked (the one parser of a ``rollout_func``'s
-    ``policy_version``; ``RolloutCorrGRPOTrainer._collect_versions`` calls it for every generation batch).
+    ``policy_version``; ``features.policy_lag.PolicyLag.after_generate`` calls it for every generation batch).
 
     Args:
         raw: per row, an integer (the version of the weights that generated it: a Python int, a NumPy integer or a

@@ -85,7 +85,6 @@ from .engines.alignment import check_aligned
 from .engines.transformers_generate import capture_generate_log_probs, generate_in_dtype
 from .features import RolloutRecords, build_features, check_trainer_args
 from .hooks import ForwardCall, GenerationBatch, LossStep
-from .lag import lag_keep, policy_lag, row_versions
 from .losses import DEFAULT_DUAL_CLIP, PPOClip, bypass_policy_loss
 from .routing import RouteReplayer, check_row_routes, pad_routes, record_routes
 from .trainer_config import RolloutCorrGRPOConfig
@@ -236,7 +235,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._gen: Optional[GenerationBatch] = None  # the generation batch in progress
         self._loss: Optional[LossStep] = None  # the micro-batch whose loss is being computed
         self._rc_routes: Optional[_Slot] = None
-        self._rc_versions: Optional[_Slot] = None
         self._forward_call: Optional[ForwardCall] = None  # the role of the next forward (``policy_forward``)
         # Per generation batch: mu came from our generate capture (TRL itself has none on that path)
         self._rc_mu_captured = False
@@ -481,7 +479,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         result = super()._generate(prompts)
         completion_ids, logprobs = result[1], result[4]
         self._collect_routes(result)
-        self._collect_versions(result)
+        if self._gen is not None:
+            self.rollout_corr_features.after("after_generate", self, self._gen, result)
         if logprobs is None:
             if self._rc_active:
                 raise ValueError(
@@ -516,27 +515,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             )
         slot.value = check_row_routes(rows, [len(p) for p in prompt_ids], [len(c) for c in completion_ids],
                                       replayer.routers)
-
-    def _collect_versions(self, result: tuple) -> None:
-        """The rows' policy versions into the ``_hold_versions`` slot (``lag.row_versions``, checked): a
-        ``rollout_func``'s ``policy_version`` (one int per row, or one per token), else the current optimizer step
-        (TRL's vLLM colocate/server paths sync before every generation; ``transformers.generate`` samples from the
-        policy itself). Raises ValueError for versions from the future, or none while ``max_policy_lag`` is set."""
-        if self._rc_versions is None:
-            return
-        raw = result[5].get("policy_version") if self.rollout_func is not None else None
-        required = self.rollout_func is not None and self.args.max_policy_lag is not None
-        self._rc_versions.value = row_versions(raw, len(result[1]), self.state.global_step, required=required,
-                                               completion_lengths=[len(ids) for ids in result[1]])
-
-    @contextlib.contextmanager
-    def _hold_versions(self) -> Iterator[_Slot]:
-        """Within the block, the generation's (B,) policy versions go into the yielded slot."""
-        self._rc_versions = slot = _Slot()
-        try:
-            yield slot
-        finally:
-            self._rc_versions = None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's rewards; the gathered ``(B_global, F)`` tensor also goes to ``GenerationBatch.rewards``."""
@@ -748,19 +726,15 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         with (
             features.around("generation", self, gen),
             self._skip_trl_old_logps_forward(), self._hold_routes() as routes,
-            self._hold_kept_sets() as kept, self._hold_versions() as versions,
+            self._hold_kept_sets() as kept,
             self._support_scope(kept, measure=True, only_trl_old=True) as trl_old_support,
         ):
             output = super()._generate_and_score_completions(inputs)
         self._attach_support(output, kept, trl_old_support)
-        versions = versions.value
-        if versions is None:  # no generation ran through _generate (not a TRL 1.16 path): the policy itself
-            versions = torch.full((output["completion_ids"].size(0),), self.state.global_step, dtype=torch.int64)
-        versions = versions.to(output["completion_ids"].device)
         features.before("on_batch", self, gen, output)
         if not self._rc_active:
             self._attach_routes(output, routes.value)
-            self._record_diagnostics(output, versions)
+            self._record_diagnostics(output, gen.versions)
             features.after("after_score", self, gen, output)
             return output
         rollout_log_probs = output.get("sampling_per_token_logps")
@@ -772,13 +746,12 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         output["rollout_log_probs"] = rollout_log_probs
         # 0-d tensor: TRL's shuffle/split pass it to every micro-batch unchanged
         output["rollout_generation_step"] = torch.tensor(self.state.global_step)
-        output["rollout_policy_version"] = versions  # (B,): TRL's shuffle/split keep it with its rows
+        output["rollout_policy_version"] = gen.versions  # (B,): TRL's shuffle/split keep it with its rows
         self._attach_routes(output, routes.value)
         if self.rollout_correction.bypass_mode:
             output.pop("old_per_token_logps", None)  # bypass: pi_old := mu, handled in the loss
-            self._drop_stale_from_baseline(output, gen.rewards)
         else:
-            self._apply_decoupled_correction(output, gen.rewards)
+            self._apply_decoupled_correction(output, gen)
         features.after("after_score", self, gen, output)
         return output
 
@@ -838,13 +811,13 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         )
         self.rollout_corr_metrics.add_stats(self.metrics_mode, correction.stats)
 
-    def _apply_decoupled_correction(self, output: dict, rewards_per_func: Optional[torch.Tensor]) -> None:
+    def _apply_decoupled_correction(self, output: dict, gen: GenerationBatch) -> None:
         """IS weights and RS mask from pi_old vs mu, once per generation batch; RS-aware advantages (in place)."""
         mask = trl_compat.loss_mask(output)
         old_log_probs = output.get("old_per_token_logps")
         if old_log_probs is None:
             old_log_probs = output["old_per_token_logps"] = self._old_log_probs(output)
-        keep_rows = self._lag_keep_at_generation(output)  # max_policy_lag: rows already too stale leave like RS
+        keep_rows = gen.keep_rows  # max_policy_lag: rows already too stale leave like RS
         kept = mask if keep_rows is None else mask * keep_rows[:, None].to(mask.dtype)
         correction = self._rc_correction_fn(
             support.invalidate_misses(old_log_probs, output.get("rollout_support_miss")), output["rollout_log_probs"],
@@ -859,29 +832,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         # rows left without a loss token (RS, or every token invalid): advantage 0, out of the baseline by default
         has_tokens = self.accelerator.gather(mask.sum(dim=1) > 0)
         rejected = self.accelerator.gather((mask.sum(dim=1) > 0) & (new_mask.sum(dim=1) == 0))
-        output["advantages"] = self._advantages_after_rejection(
-            output["advantages"], rejected, has_tokens, rewards_per_func
-        )
-
-    def _lag_keep_at_generation(self, output: dict) -> Optional[torch.Tensor]:
-        """(B,) bool rows within ``max_policy_lag`` at generation (None when unset). Rows over it are dropped from
-        the correction, the loss and their group's baseline; rows that cross it only later (``num_iterations`` /
-        ``steps_per_generation`` reuse) are dropped from the loss when used (``_record_policy_lag``)."""
-        if self.args.max_policy_lag is None:
-            return None
-        return lag_keep(policy_lag(output["rollout_policy_version"], self.state.global_step), self.args.max_policy_lag)
-
-    def _drop_stale_from_baseline(self, output: dict, rewards_per_func: Optional[torch.Tensor]) -> None:
-        """Bypass mode with ``max_policy_lag``: rows over the bound at generation get advantage 0 and leave their
-        group's baseline (``rs_keep_rejected_in_baseline=True`` keeps them in), as decoupled mode treats them."""
-        keep_rows = self._lag_keep_at_generation(output)
-        if keep_rows is None:
-            return
-        has = trl_compat.loss_mask(output).sum(dim=1) > 0
-        has_tokens, rejected = self.accelerator.gather(has), self.accelerator.gather(has & ~keep_rows)
-        output["advantages"] = self._advantages_after_rejection(
-            output["advantages"], rejected, has_tokens, rewards_per_func, count_lone_survivors=False
-        )
+        output["advantages"] = self.rows_out_of_baseline(output["advantages"], rejected, has_tokens, gen.rewards)
 
     def _old_log_probs(self, output: dict) -> torch.Tensor:
         """pi_old: one no-grad forward of the policy over the local generation batch (routes replayed, and their
@@ -902,7 +853,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._attach_support(output, None, scope)
         return old.float()
 
-    def _advantages_after_rejection(
+    def rows_out_of_baseline(
         self, advantages: torch.Tensor, rejected: torch.Tensor, has_tokens: torch.Tensor,
         rewards_per_func: Optional[torch.Tensor], *, count_lone_survivors: bool = True,
     ) -> torch.Tensor:
@@ -953,7 +904,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     def _corrected_loss(self, model, inputs):
         """The body of ``_compute_loss``."""
-        inputs = self._record_policy_lag(inputs)
         if self.rollout_correction.bypass_mode:
             self._batch_norm_all_reduce(model)  # the step's window forward (if any) first: replay blocks do not nest
             with self._replay_routes(inputs, measure=True):
@@ -977,28 +927,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                           "update": d.update[valid], "direct": d.direct[valid]}
             self.rollout_corr_metrics.add_log_ratios(self.metrics_mode, ratios)
         return loss
-
-    def _record_policy_lag(self, inputs: dict) -> dict:
-        """The micro-batch's per-row policy lag into ``rollout_corr/policy_lag_*`` (``lag.py``); with
-        ``max_policy_lag``, returns a copy of ``inputs`` whose stale rows are out of the loss mask (decoupled: the
-        RS mask; bypass: ``tool_mask``), counted as ``policy_lag_dropped_fraction``. Otherwise ``inputs``."""
-        versions = inputs.get("rollout_policy_version")
-        if versions is None:
-            return inputs
-        lags = policy_lag(versions, self.state.global_step)
-        mask = trl_compat.loss_mask(inputs)
-        bound = self.args.max_policy_lag
-        keep = None if bound is None else lag_keep(lags, bound)
-        self.rollout_corr_metrics.add_policy_lag_rows(self.metrics_mode, lags, mask.sum(dim=1), keep)
-        if keep is None or bool(keep.all()):
-            return inputs
-        keep = keep[:, None].to(mask.device)
-        out = dict(inputs)
-        if "rollout_rs_mask" in out:
-            out["rollout_rs_mask"] = out["rollout_rs_mask"] * keep.to(out["rollout_rs_mask"].dtype)
-        else:
-            out["tool_mask"] = mask * keep.to(mask.dtype)
-        return out
 
     def _bypass_loss(self, model, inputs):
         """Bypass loss for one micro-batch: correction from pi_theta (no grad) vs mu, then PPO-clip on

@@ -9,17 +9,19 @@ from typing import TYPE_CHECKING
 
 from ..hooks import Feature, Features
 from .lag_split import LagSplit
+from .policy_lag import PolicyLag
 from .rollout_records import RolloutRecords
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
 
 FEATURES: tuple[type[Feature], ...] = (
+    PolicyLag,          # always: versions and keep_rows ready before the mode scores the batch
     LagSplit,           # policy_lag_split
     RolloutRecords,     # rollout_dump_dir: last, so nothing is written before every other part accepted the setup
 )
 
-__all__ = ["FEATURES", "LagSplit", "RolloutRecords", "build_features", "check_trainer_args"]
+__all__ = ["FEATURES", "LagSplit", "PolicyLag", "RolloutRecords", "build_features", "check_trainer_args"]
 
 
 def check_trainer_args(args, trainer_args) -> None:

@@ -1,0 +1,86 @@
+"""Policy lag (``lag.py``): per-row policy versions, the ``rollout_corr/policy_lag_*`` metrics and ``max_policy_lag``.
+
+Every generated row carries the version (optimizer step) of the weights that generated it, in
+``GenerationBatch.versions`` and then the batch key ``rollout_policy_version``: a ``rollout_func``'s
+``policy_version`` (one int per row, or one per token), else the current optimizer step (TRL's vLLM colocate/server
+paths sync before every generation; ``transformers.generate`` samples from the policy itself). Each trained
+micro-batch logs its per-row lag. ``max_policy_lag`` drops rows over the bound: rows already over it at generation
+leave their group's baseline like a fully RS-rejected row (``GenerationBatch.keep_rows``; decoupled mode merges them
+with the RS rejection in one exclusion, bypass mode excludes them here), rows that cross it only later
+(``num_iterations`` / ``steps_per_generation`` reuse) leave the loss when used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import trl_compat
+from ..hooks import Feature, GenerationBatch, LossStep
+from ..lag import lag_keep, policy_lag, row_versions
+
+if TYPE_CHECKING:
+    from ..trainer import RolloutCorrGRPOTrainer
+
+
+class PolicyLag(Feature):
+    """Versions, lag metrics and the ``max_policy_lag`` filter (module docstring); present in every trainer.
+
+    Raises:
+        ValueError: (``after_generate``) versions from the future, or none from a ``rollout_func`` while
+            ``max_policy_lag`` is set (``lag.row_versions``).
+    """
+
+    name = "policy_lag"
+
+    def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
+        self.bound = trainer.args.max_policy_lag
+
+    def after_generate(self, trainer, gen: GenerationBatch, result: tuple) -> None:
+        """The rows' (B,) versions from TRL's ``_generate`` result, checked (``lag.row_versions``)."""
+        raw = result[5].get("policy_version") if trainer.rollout_func is not None else None
+        required = trainer.rollout_func is not None and self.bound is not None
+        gen.versions = row_versions(raw, len(result[1]), trainer.state.global_step, required=required,
+                                    completion_lengths=[len(ids) for ids in result[1]])
+
+    def on_batch(self, trainer, gen: GenerationBatch, batch: dict) -> None:
+        """``gen.versions`` on the batch's device (the current step when no generation ran through ``_generate``: not
+        a TRL 1.16 path), ``gen.keep_rows``; bypass mode: rows over the bound leave their group's baseline."""
+        completion_ids = batch["completion_ids"]
+        versions = gen.versions
+        if versions is None:
+            versions = torch.full((completion_ids.size(0),), trainer.state.global_step, dtype=torch.int64)
+        gen.versions = versions.to(completion_ids.device)
+        if self.bound is None:
+            return
+        gen.keep_rows = lag_keep(policy_lag(gen.versions, trainer.state.global_step), self.bound)
+        if trainer.rollout_correction.bypass_mode:
+            has = trl_compat.loss_mask(batch).sum(dim=1) > 0
+            gather = trainer.accelerator.gather
+            has_tokens, rejected = gather(has), gather(has & ~gen.keep_rows)
+            batch["advantages"] = trainer.rows_out_of_baseline(
+                batch["advantages"], rejected, has_tokens, gen.rewards, count_lone_survivors=False
+            )
+
+    def before_loss(self, trainer, step: LossStep) -> None:
+        """The micro-batch's per-row lag into ``rollout_corr/policy_lag_*``; with ``max_policy_lag``, ``step.inputs``
+        becomes a copy whose stale rows are out of the loss mask (decoupled: the RS mask; bypass: ``tool_mask``),
+        counted as ``policy_lag_dropped_fraction``."""
+        inputs = step.inputs
+        versions = inputs.get("rollout_policy_version")
+        if versions is None:
+            return
+        lags = policy_lag(versions, trainer.state.global_step)
+        mask = trl_compat.loss_mask(inputs)
+        keep = None if self.bound is None else lag_keep(lags, self.bound)
+        trainer.rollout_corr_metrics.add_policy_lag_rows(trainer.metrics_mode, lags, mask.sum(dim=1), keep)
+        if keep is None or bool(keep.all()):
+            return
+        keep = keep[:, None].to(mask.device)
+        out = dict(inputs)
+        if "rollout_rs_mask" in out:
+            out["rollout_rs_mask"] = out["rollout_rs_mask"] * keep.to(out["rollout_rs_mask"].dtype)
+        else:
+            out["tool_mask"] = mask * keep.to(mask.dtype)
+        step.inputs = out
