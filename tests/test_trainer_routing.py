@@ -82,10 +82,11 @@ def test_routes_stay_with_their_rows_through_shuffle_and_split(olmoe_dir, tmp_pa
     recorded, checked = {}, []
 
     class Recording(RolloutCorrGRPOTrainer):
-        def _attach_routes(self, output, rows):
-            super()._attach_routes(output, rows)
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
             for ids, mask, routes in zip(*self._row_views(output)):
                 recorded.setdefault(ids, []).append(routes)  # identical completions of one prompt: both kept
+            return output
 
         def _compute_loss(self, model, inputs):
             for ids, mask, routes in zip(*self._row_views(inputs)):

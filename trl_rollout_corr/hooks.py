@@ -44,9 +44,11 @@ class GenerationBatch:
         rewards: (B_global, F) TRL's gathered rewards (``_calculate_rewards``), or None.
         versions: (B,) int64 policy version per local row (``PolicyLag``; ``lag.row_versions``).
         keep_rows: (B,) bool rows within ``max_policy_lag`` at generation; None: no bound (``PolicyLag``).
+        routes: per-row expert choices (``RoutingReplay``: recorded by generate or a ``rollout_func``'s, checked).
         mu_captured: mu came from the generate capture, not from TRL (``BehaviourLogProbs``).
         mu_unusable: no correction: why this batch has no diagnostics (``BehaviourLogProbs``), or None.
         record_kept_sets: replay: the generate capture also records the kept-token sets (``SupportMatching``).
+        trl_old_seen: TRL's first no-grad policy forward of this batch has run (the trainer: forward roles).
         trl_old_skipped: TRL's own pi_old forward returned a NaN placeholder (the trainer; bypass and routing
             replay replace that forward).
     """
@@ -55,6 +57,7 @@ class GenerationBatch:
     rewards: Optional[torch.Tensor] = None
     versions: Optional[torch.Tensor] = None
     keep_rows: Optional[torch.Tensor] = None
+    routes: Optional[list] = None
     mu_captured: bool = False
     mu_unusable: Optional[str] = None
     record_kept_sets: bool = False

@@ -61,7 +61,6 @@ The class reads top to bottom in the order TRL calls its hooks: ``__init__``, ``
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import logging
 import math
@@ -83,10 +82,10 @@ from .config import CORRECTION_FIELDS, RolloutCorrectionConfig
 from .correction import make_correction_fn, ratio_decomposition
 from .engines.alignment import check_aligned
 from .engines.transformers_generate import capture_generate_log_probs, generate_in_dtype
-from .features import RolloutRecords, build_features, check_trainer_args
-from .hooks import ForwardCall, GenerationBatch, LossStep
+from .features import RolloutRecords, RoutingReplay, build_features, check_trainer_args
+from .hooks import ForwardCall, GenerationBatch, LossStep, PlainGenerate
 from .losses import DEFAULT_DUAL_CLIP, PPOClip, bypass_policy_loss
-from .routing import RouteReplayer, check_row_routes, pad_routes, record_routes
+from .routing import RouteReplayer
 from .trainer_config import RolloutCorrGRPOConfig
 
 logger = logging.getLogger(__name__)
@@ -127,27 +126,6 @@ class _SupportScope:
         if self.score is not None:
             return False
         return not self.only_trl_old or (model_is_policy and not torch.is_grad_enabled())
-
-
-def _check_routing_sources(args: RolloutCorrGRPOConfig, trainer_args: dict) -> None:
-    """``routing_replay="r3"`` needs routes from the generation path: refuse, before anything loads, TRL's own vLLM
-    path (it returns none: use a ``rollout_func`` returning ``routed_experts``, e.g. built with
-    ``routing.routes_from_vllm_outputs``) and tools / environments (multi-turn rollouts: the tool turns' routes are
-    not stitched). ``trainer_args``: ``GRPOTrainer.__init__``'s bound arguments."""
-    if args.routing_replay != "r3":
-        return
-    if args.use_vllm and trainer_args.get("rollout_func") is None:
-        raise ValueError(
-            "routing_replay='r3' needs the rollout's routed experts, which TRL's own vLLM path does not return; "
-            "generate with a rollout_func that returns 'routed_experts' (trl_rollout_corr.routing."
-            "routes_from_vllm_outputs, vLLM on GPU with enable_return_routed_experts=True) or with "
-            "transformers.generate (use_vllm=False)."
-        )
-    if trainer_args.get("tools") or trainer_args.get("environment_factory"):
-        raise ValueError(
-            "routing_replay='r3' does not support tools or environments yet (the routes of multi-turn rollouts are "
-            "not stitched across tool calls); set routing_replay='off'."
-        )
 
 
 def _accelerate_reducers(accelerator) -> Reducers:
@@ -221,7 +199,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 f"rollout-correction fields) or args=None, got {type(train_args).__name__}."
             )
         # before TRL loads the model or starts an engine
-        _check_routing_sources(bound.arguments["args"], bound.arguments)
         check_trainer_args(bound.arguments["args"], bound.arguments)
         super().__init__(*bound.args[1:], **bound.kwargs)
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction()
@@ -231,10 +208,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self.model_card_sections: dict[str, dict[str, Any]] = {}
         self._rc_correction_fn = make_correction_fn(self.rollout_correction, compile=self.args.rollout_corr_compile)
         # Scoped hand-offs between TRL's hooks: set only inside the context managers below, None/False outside.
-        self._rc_skip_old_forward = False
         self._gen: Optional[GenerationBatch] = None  # the generation batch in progress
         self._loss: Optional[LossStep] = None  # the micro-batch whose loss is being computed
-        self._rc_routes: Optional[_Slot] = None
         self._forward_call: Optional[ForwardCall] = None  # the role of the next forward (``policy_forward``)
         # Per generation batch: mu came from our generate capture (TRL itself has none on that path)
         self._rc_mu_captured = False
@@ -244,9 +219,17 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         # step's rows, computed at its first micro-batch
         self._rc_batch_norm_window: Optional[tuple] = None
         self._check_rollout_source()
-        self.rollout_corr_router_replay = self._setup_routing_replay()
         self._init_support_matching()
         self.rollout_corr_features = build_features(self)
+        # bypass (pi_old := mu) or routing replay (pi_old recomputed, replayed): TRL's pi_old forward is a placeholder
+        self._skip_trl_old = self.rollout_correction.bypass_mode or any(
+            f.replaces_trl_old_forward for f in self.rollout_corr_features)
+
+    @property
+    def rollout_corr_router_replay(self) -> Optional[RouteReplayer]:
+        """The policy's ``routing.RouteReplayer`` with ``routing_replay="r3"``, else None."""
+        routing = self.rollout_corr_features.get(RoutingReplay)
+        return None if routing is None else routing.replayer
 
     @property
     def rollout_records(self):
@@ -277,14 +260,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if message not in self._rc_warned:
             self._rc_warned.add(message)
             logger.warning("RolloutCorrGRPOTrainer: %s.", message)
-
-    def _setup_routing_replay(self) -> Optional[RouteReplayer]:
-        """``routing_replay="r3"``: the policy's ``RouteReplayer`` (its hooks do nothing outside ``_replay_routes``).
-
-        Raises:
-            ValueError: from ``routing.find_moe_routers`` (a dense model, an unsupported MoE family).
-        """
-        return RouteReplayer(self.model) if self.args.routing_replay == "r3" else None
 
     # ------------------------------------------------------------------ the sampler contract (support matching)
     def _init_support_matching(self) -> None:
@@ -411,15 +386,19 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 return super()._generate_single_turn(
                     prompt_ids, images, multimodal_fields, num_generations, has_tool_images
                 )
+        gen = self._gen or GenerationBatch(started=time.time())  # outside a generation batch: nothing handed on
+        call = PlainGenerate(unwrapped, prompt_ids)
         with (
             generate_in_dtype(unwrapped, self.args.rollout_generate_dtype),
             capture_generate_log_probs(unwrapped, record_support=self._rc_kept is not None) as capture,
-            self._record_generate_routes() as routes,
         ):
-            completion_ids, _ = super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
-        self._keep_generated_routes(routes, prompt_ids, completion_ids)
+            call.capture = capture
+            with self.rollout_corr_features.around("plain_generate", self, gen, call):
+                call.completion_ids, _ = super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+                )
+        self.rollout_corr_features.after("after_plain_generate", self, gen, call)
+        completion_ids = call.completion_ids
         logprobs = capture.completion_log_probs(completion_ids)
         self._check_engine_processors(capture.processors[0])
         if self._rc_kept is not None:
@@ -442,17 +421,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if not self._rc_processors_warned:
             self._rc_processors_warned = True
             logger.warning("Sampler contract: %s.", message)
-
-    def _record_generate_routes(self):
-        """With routing replay on, a ``routing.record_routes`` block over the policy's routers; else a no-op."""
-        replayer = self.rollout_corr_router_replay
-        return contextlib.nullcontext() if replayer is None else record_routes(replayer.routers)
-
-    def _keep_generated_routes(self, recording, prompt_ids, completion_ids) -> None:
-        """Cut each row's routes out of the ``generate`` recording, for ``_collect_routes`` (via ``_hold_routes``)."""
-        if recording is not None and self._rc_routes is not None:
-            self._rc_routes.value = recording.generate_rows([len(p) for p in prompt_ids],
-                                                            [len(c) for c in completion_ids])
 
     def _plain_generate_has_no_mu(self, model) -> Optional[str]:
         """Why ``model.generate`` cannot yield behaviour log-probs here, or None when it can.
@@ -478,7 +446,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """TRL's ``_generate``; checks that every row has one behaviour log-prob per completion token."""
         result = super()._generate(prompts)
         completion_ids, logprobs = result[1], result[4]
-        self._collect_routes(result)
         if self._gen is not None:
             self.rollout_corr_features.after("after_generate", self, self._gen, result)
         if logprobs is None:
@@ -498,24 +465,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             self._rc_mu_unusable = str(err)
         return result
 
-    def _collect_routes(self, result: tuple) -> None:
-        """With routing replay on: the rows' routes (a ``rollout_func``'s ``routed_experts``, or what
-        ``_generate_single_turn`` recorded), checked against the rows (``routing.check_row_routes``), into the
-        ``_hold_routes`` slot. Raises ValueError for missing routes or routes of the wrong shape (naming the row)."""
-        replayer, slot = self.rollout_corr_router_replay, self._rc_routes
-        if replayer is None or slot is None:
-            return
-        prompt_ids, completion_ids, extra_fields = result[0], result[1], result[5]
-        rows = extra_fields.pop("routed_experts", None) if self.rollout_func is not None else slot.value
-        if rows is None:
-            raise ValueError(
-                "routing_replay='r3' but the generation returned no routes: a rollout_func must return "
-                "'routed_experts' (one (prompt + completion tokens, MoE layers, top-k) array per row; see "
-                "trl_rollout_corr.routing)."
-            )
-        slot.value = check_row_routes(rows, [len(p) for p in prompt_ids], [len(c) for c in completion_ids],
-                                      replayer.routers)
-
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's rewards; the gathered ``(B_global, F)`` tensor also goes to ``GenerationBatch.rewards``."""
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -523,22 +472,13 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             self._gen.rewards = rewards_per_func
         return rewards_per_func
 
-    @contextlib.contextmanager
-    def _hold_routes(self) -> Iterator[_Slot]:
-        """Within the block, the generation's per-row routes go into the yielded slot (routing replay on)."""
-        self._rc_routes = slot = _Slot()
-        try:
-            yield slot
-        finally:
-            self._rc_routes = None
-
     # ------------------------------------------------------------------ log-prob forwards: pi_old and pi_theta
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         """TRL's log-prob forward, seen through the scoped interceptions below; on CPU it scores only the trained
         positions through the LM head (``rollout_corr_compact_scoring``, ``trl_compat.score_trained_tokens_only``)."""
         call, self._forward_call = self._forward_call or self._trl_forward_call(model), None
-        if self._rc_skip_old_forward and model is self.model and not torch.is_grad_enabled():
-            self._rc_skip_old_forward = False  # one shot: TRL's pi_old forward is its first no-grad policy call
+        if call.role == "trl_old" and self._skip_trl_old:
+            self._gen.trl_old_skipped = True  # pi_old comes later (or is mu): drop TRL's NaN placeholder then
             placeholder = torch.full((input_ids.size(0), logits_to_keep), float("nan"), device=input_ids.device)
             return placeholder, None, None
         scope = self._rc_support
@@ -582,20 +522,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._forward_call = call
         return self._get_per_token_logps_and_entropies(call.model, fwd.input_ids, fwd.attention_mask,
                                                        fwd.logits_to_keep, **kwargs)
-
-    @contextlib.contextmanager
-    def _skip_trl_old_logps_forward(self) -> Iterator[None]:
-        """Bypass mode: within the block, TRL's own pi_old forward (when its rule runs one) returns a NaN
-        placeholder instead of running; bypass uses mu as pi_old. Routing replay: likewise, and pi_old is computed
-        afterwards with the routes replayed (``_attach_routes`` drops the placeholder). Pinned: TRL's pi_old
-        forward is the first no-grad call on the policy in ``_generate_and_score_completions`` (before the reference
-        forward)."""
-        skip = self.rollout_correction.bypass_mode or self.rollout_corr_router_replay is not None
-        self._rc_skip_old_forward = skip and self._trl_runs_old_forward()
-        try:
-            yield
-        finally:
-            self._rc_skip_old_forward = False
 
     def _trl_runs_old_forward(self) -> bool:
         """Whether TRL's ``_generate_and_score_completions`` runs its own pi_old forward (its 1.16 rule)."""
@@ -655,8 +581,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         wanted = matching or (measure and self._rc_support_measure and self.metrics_mode == "train")
         if only_trl_old:
             # not when TRL's pi_old forward is skipped (bypass; routing replay recomputes pi_old in _old_log_probs)
-            wanted = wanted and not self._rc_skip_old_forward and not self.rollout_correction.bypass_mode \
-                and self._trl_runs_old_forward()
+            wanted = wanted and not self._skip_trl_old and self._trl_runs_old_forward()
         if not wanted:
             yield None
             return
@@ -724,16 +649,17 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._rc_mu_captured, self._rc_mu_unusable = False, None
         features = self.rollout_corr_features
         with (
-            features.around("generation", self, gen),
-            self._skip_trl_old_logps_forward(), self._hold_routes() as routes,
-            self._hold_kept_sets() as kept,
+            features.around("generation", self, gen), self._hold_kept_sets() as kept,
             self._support_scope(kept, measure=True, only_trl_old=True) as trl_old_support,
         ):
             output = super()._generate_and_score_completions(inputs)
         self._attach_support(output, kept, trl_old_support)
+        if gen.trl_old_skipped:
+            output.pop("old_per_token_logps")  # TRL's placeholder: pi_old comes later (or is mu)
         features.before("on_batch", self, gen, output)
         if not self._rc_active:
-            self._attach_routes(output, routes.value)
+            if gen.trl_old_skipped:  # TRL's loss needs its pi_old: recompute it, replayed
+                output["old_per_token_logps"] = self._old_log_probs(output)
             self._record_diagnostics(output, gen.versions)
             features.after("after_score", self, gen, output)
             return output
@@ -747,46 +673,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         # 0-d tensor: TRL's shuffle/split pass it to every micro-batch unchanged
         output["rollout_generation_step"] = torch.tensor(self.state.global_step)
         output["rollout_policy_version"] = gen.versions  # (B,): TRL's shuffle/split keep it with its rows
-        self._attach_routes(output, routes.value)
-        if self.rollout_correction.bypass_mode:
-            output.pop("old_per_token_logps", None)  # bypass: pi_old := mu, handled in the loss
-        else:
+        if not self.rollout_correction.bypass_mode:  # bypass: pi_old := mu, in the loss
             self._apply_decoupled_correction(output, gen)
         features.after("after_score", self, gen, output)
         return output
-
-    def _attach_routes(self, output: dict, rows: Optional[list]) -> None:
-        """Routing replay: ``output["routed_experts"]``, (B, P + T, L, k) int16 aligned with ``prompt_ids`` +
-        ``completion_ids`` (-1 at padding; a (B, ...) tensor, so TRL's shuffle and split keep it with its rows).
-        Decoupled mode also drops TRL's pi_old placeholder: ``_old_log_probs`` recomputes it with replay (without a
-        correction, here; with one, in ``_apply_decoupled_correction``)."""
-        if self.rollout_corr_router_replay is None:
-            return
-        if rows is None:
-            raise ValueError("routing_replay='r3' but no routes reached the batch (see _collect_routes).")
-        output["routed_experts"] = pad_routes(rows, output["prompt_mask"], output["completion_ids"].size(1))
-        if not self.rollout_correction.bypass_mode:
-            placeholder = output.pop("old_per_token_logps", None)
-            if placeholder is not None and not self._rc_active:  # TRL's loss needs its pi_old: recompute it, replayed
-                output["old_per_token_logps"] = self._old_log_probs(output)
-
-    @contextlib.contextmanager
-    def _replay_routes(self, batch: dict, *, measure: bool) -> Iterator[None]:
-        """With routing replay on: within the block, the policy's forwards over ``batch`` (TRL's prompt +
-        completion layout) use its ``routed_experts``; ``measure`` adds the routing mismatch counts to
-        ``rollout_corr/routing_*`` (``RolloutCorrAccumulator.add_fraction_counts``). Off: a no-op."""
-        replayer = self.rollout_corr_router_replay
-        if replayer is None:
-            yield
-            return
-        routes = batch.get("routed_experts")
-        if routes is None:
-            raise ValueError("routing_replay='r3' but this batch carries no 'routed_experts'.")
-        on_counts = (functools.partial(self.rollout_corr_metrics.add_fraction_counts, self.metrics_mode)
-                     if measure else None)
-        input_ids = trl_compat.prompt_completion_inputs(batch).input_ids
-        with replayer.replay(routes, input_ids, measure=measure, on_counts=on_counts):
-            yield
 
     def _record_diagnostics(self, output: dict, versions: torch.Tensor) -> None:
         """No correction configured: the ``rollout_corr/*`` statistics of pi_old vs mu, leaving TRL's batch as TRL
@@ -843,13 +733,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self.rollout_corr_forward_counts["old_log_probs"] += 1
         with (
             torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-            self._replay_routes(output, measure=True),
             self._support_scope(_Slot(output.get("rollout_support")), measure=True) as scope,
         ):
-            old, _, _ = self._get_per_token_logps_and_entropies(
-                self.model, fwd.input_ids, fwd.attention_mask, fwd.logits_to_keep, batch_size=batch_size,
-                **fwd.multimodal,
-            )
+            old, _, _ = self.policy_forward(ForwardCall("old", self.model, batch=output, measure=True), fwd,
+                                            batch_size=batch_size, **fwd.multimodal)
         self._attach_support(output, None, scope)
         return old.float()
 
@@ -906,13 +793,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """The body of ``_compute_loss``."""
         if self.rollout_correction.bypass_mode:
             self._batch_norm_all_reduce(model)  # the step's window forward (if any) first: replay blocks do not nest
-            with self._replay_routes(inputs, measure=True):
-                return self._bypass_loss(model, inputs)
+            return self._bypass_loss(model, inputs)
         loss_inputs = trl_compat.inject_rs_mask_and_is_weights(inputs) if self._rc_active else inputs
-        with (
-            self._replay_routes(loss_inputs, measure=False),
-            self._support_scope(_Slot(inputs.get("rollout_support"))),
-        ):
+        with self._support_scope(_Slot(inputs.get("rollout_support"))):
             loss = super()._compute_loss(model, loss_inputs)
         mu, policy_log_probs = inputs.get("rollout_log_probs"), self._loss.policy_log_probs
         if policy_log_probs is not None and mu is not None:
@@ -935,8 +818,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         them. Batch normalisation divides by the mean over the optimizer step's rows (``_batch_norm_all_reduce``)."""
         fwd = trl_compat.prompt_completion_inputs(inputs)
         with self._support_scope(_Slot(inputs.get("rollout_support")), measure=True) as scope:
-            per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-                model, fwd.input_ids, fwd.attention_mask, fwd.logits_to_keep, compute_entropy=True,
+            per_token_logps, entropies, aux_loss = self.policy_forward(
+                ForwardCall("bypass_loss", model, batch=inputs, measure=True), fwd, compute_entropy=True,
                 compute_aux_loss=self.aux_loss_enabled, **fwd.multimodal,
             )
         rollout_log_probs = support.invalidate_misses(inputs["rollout_log_probs"], self._record_support(inputs, scope))
@@ -1011,13 +894,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             for chunk in chunks:
                 fwd = trl_compat.prompt_completion_inputs(chunk)
-                with (
-                    self._replay_routes(chunk, measure=False),
-                    self._support_scope(_Slot(chunk.get("rollout_support"))) as scope,  # matching on only
-                ):
-                    lp, _, _ = self._get_per_token_logps_and_entropies(
-                        model, fwd.input_ids, fwd.attention_mask, fwd.logits_to_keep, **fwd.multimodal
-                    )
+                with self._support_scope(_Slot(chunk.get("rollout_support"))) as scope:  # matching on only
+                    lp, _, _ = self.policy_forward(ForwardCall("batch_norm_window", model, batch=chunk), fwd,
+                                                   **fwd.multimodal)
                 log_probs.append(lp.float())
                 miss = scope.score.miss if scope is not None and scope.score is not None else None
                 rollout.append(support.invalidate_misses(chunk["rollout_log_probs"], miss))

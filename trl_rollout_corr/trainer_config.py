@@ -21,12 +21,11 @@ from trl import GRPOConfig
 from . import support, trl_compat
 from .config import RolloutCorrectionArguments, RolloutCorrectionConfig
 from .engines.transformers_generate import GENERATE_DTYPES
+from .features.routing_replay import ROUTING_REPLAY_MODES
 
 logger = logging.getLogger(__name__)
 
-ROUTING_REPLAY_MODES = ("off", "r3")
-
-__all__ = ["ROUTING_REPLAY_MODES", "RolloutCorrGRPOConfig"]
+__all__ = ["RolloutCorrGRPOConfig"]
 
 
 class _OptionalBoolFlag(argparse.Action):

@@ -11,17 +11,20 @@ from ..hooks import Feature, Features
 from .lag_split import LagSplit
 from .policy_lag import PolicyLag
 from .rollout_records import RolloutRecords
+from .routing_replay import RoutingReplay
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
 
 FEATURES: tuple[type[Feature], ...] = (
     PolicyLag,          # always: versions and keep_rows ready before the mode scores the batch
+    RoutingReplay,      # routing_replay="r3": its replay encloses support scoring in every forward
     LagSplit,           # policy_lag_split
     RolloutRecords,     # rollout_dump_dir: last, so nothing is written before every other part accepted the setup
 )
 
-__all__ = ["FEATURES", "LagSplit", "PolicyLag", "RolloutRecords", "build_features", "check_trainer_args"]
+__all__ = ["FEATURES", "LagSplit", "PolicyLag", "RolloutRecords", "RoutingReplay", "build_features",
+           "check_trainer_args"]
 
 
 def check_trainer_args(args, trainer_args) -> None:
