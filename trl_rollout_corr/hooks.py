@@ -98,6 +98,7 @@ class ForwardCall:
         batch: the rows scored, in TRL's layout (``prompt_ids``, ``completion_ids``, masks, our keys); None for TRL's
             generation-time forwards (the batch dict does not exist yet).
         measure: count this forward's diagnostics (routing mismatch, support statistics).
+        logits_to_keep: the completion length T scored (set by the trainer from TRL's call).
         result: ``(log_probs (B, T), entropies, aux_loss)`` once the forward ran; a feature's exit may replace it.
         miss: (B, T) bool tokens this forward could not score (sampled outside the trainer's support), or None.
     """
@@ -106,6 +107,7 @@ class ForwardCall:
     model: torch.nn.Module
     batch: Optional[Mapping[str, Any]] = None
     measure: bool = False
+    logits_to_keep: Optional[int] = None
     result: Optional[tuple] = None
     miss: Optional[torch.Tensor] = None
 

@@ -60,15 +60,12 @@ The class reads top to bottom in the order TRL calls its hooks: ``__init__``, ``
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
-import math
 import time
 import types
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from transformers.generation.utils import GenerationMixin
@@ -82,7 +79,7 @@ from .config import CORRECTION_FIELDS, RolloutCorrectionConfig
 from .correction import make_correction_fn, ratio_decomposition
 from .engines.alignment import check_aligned
 from .engines.transformers_generate import capture_generate_log_probs, generate_in_dtype
-from .features import RolloutRecords, RoutingReplay, build_features, check_trainer_args
+from .features import RolloutRecords, RoutingReplay, SupportMatching, build_features, check_trainer_args
 from .hooks import ForwardCall, GenerationBatch, LossStep, PlainGenerate
 from .losses import DEFAULT_DUAL_CLIP, PPOClip, bypass_policy_loss
 from .routing import RouteReplayer
@@ -94,38 +91,6 @@ __all__ = ["CORRECTION_FIELDS", "RolloutCorrGRPOConfig", "RolloutCorrGRPOTrainer
 
 # transformers' own generate, as imported (a replaced one is detected by identity: ``_plain_generate_has_no_mu``)
 _TRANSFORMERS_GENERATE = GenerationMixin.generate
-
-
-@dataclass
-class _Slot:
-    """A value handed from a TRL hook to the code that opened the scope (see the scoped helpers below)."""
-
-    value: Any = None
-
-
-@dataclass
-class _SupportScope:
-    """One policy log-prob forward that also scores the completion tokens over the sampling support.
-
-    Attributes:
-        replace: the forward returns the support-matched log-probs (matching on); False: it only measures them
-            (matching off, first training batch, for the one-time warning).
-        kept: replay: the rows' kept-token sets (``support.KeptTokens``), in the forward's row order; filled during
-            generation for TRL's own pi_old forward.
-        only_trl_old: accept only TRL's pi_old forward in ``_generate_and_score_completions`` (its first no-grad
-            call on the policy; pinned in ``tests/test_trl_compat.py``).
-        score: the ``support.SupportScore`` of the forward, once it ran (one forward per scope).
-    """
-
-    replace: bool
-    kept: _Slot = field(default_factory=_Slot)
-    only_trl_old: bool = False
-    score: Optional[support.SupportScore] = None
-
-    def accepts(self, model_is_policy: bool) -> bool:
-        if self.score is not None:
-            return False
-        return not self.only_trl_old or (model_is_policy and not torch.is_grad_enabled())
 
 
 def _accelerate_reducers(accelerator) -> Reducers:
@@ -219,11 +184,21 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         # step's rows, computed at its first micro-batch
         self._rc_batch_norm_window: Optional[tuple] = None
         self._check_rollout_source()
-        self._init_support_matching()
         self.rollout_corr_features = build_features(self)
+        self._support = self.rollout_corr_features.get(SupportMatching)
         # bypass (pi_old := mu) or routing replay (pi_old recomputed, replayed): TRL's pi_old forward is a placeholder
         self._skip_trl_old = self.rollout_correction.bypass_mode or any(
             f.replaces_trl_old_forward for f in self.rollout_corr_features)
+
+    @property
+    def rollout_sampler(self):
+        """The ``support.SamplerSpec`` the rollout engine samples with (``features.support_matching``), or None."""
+        return self._support.sampler
+
+    @property
+    def rollout_sampler_report(self) -> list:
+        """The start-up report: one line per sampler parameter that shapes mu but not the trainer's log-probs."""
+        return self._support.report
 
     @property
     def rollout_corr_router_replay(self) -> Optional[RouteReplayer]:
@@ -260,95 +235,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if message not in self._rc_warned:
             self._rc_warned.add(message)
             logger.warning("RolloutCorrGRPOTrainer: %s.", message)
-
-    # ------------------------------------------------------------------ the sampler contract (support matching)
-    def _init_support_matching(self) -> None:
-        """The sampler contract (``rollout_sampler``), its start-up report and the ``rollout_support_matching``
-        checks.
-
-        Raises:
-            ValueError: matching requested where it cannot be delivered (each message names the fix): a
-                ``rollout_func`` that declares no sampler, replay on a path that cannot return kept-token sets,
-                a processor the trainer cannot reproduce, a model whose LM head rescales its logits, ZeRO-3/FSDP.
-        """
-        matching = self.args.rollout_support_matching
-        try:
-            spec = self.rollout_sampler = self._sampler_contract()
-        except ValueError:  # greedy or beam generation: no sampling distribution (TRL's, only without a correction)
-            if matching != "off":
-                raise
-            self.rollout_sampler, self.rollout_sampler_report = None, []
-            self._rc_support_scorer = self._rc_support = self._rc_kept = None
-            self._rc_support_measure = self._rc_support_warn = self._rc_processors_warned = False
-            return
-        self.rollout_sampler_report = [] if spec is None else spec.report(matching)
-        self._rc_support_scorer: Optional[support.SupportScorer] = None
-        self._rc_support: Optional[_SupportScope] = None  # the open scope (see _support_scope)
-        self._rc_kept: Optional[_Slot] = None  # replay: kept sets of the generation in progress
-        # matching off with a reproducible truncation: measure log S once (first training batch), warn at the next log
-        self._rc_support_measure = matching == "off" and spec is not None and bool(spec.set_steps)
-        self._rc_support_warn = self._rc_support_measure
-        self._rc_processors_warned = False
-        if spec is None:
-            logger.warning("Sampler contract unknown: the rollout_func declares no sampler_contract(trainer), so the "
-                           "sampling parameters that shape mu cannot be checked against the trainer's log-probs.")
-        else:
-            logger.info("Sampler contract: %s (rollout_support_matching=%r).", spec.describe(), matching)
-        if self.rollout_sampler_report:
-            logger.warning("Sampler contract (rollout_support_matching=%r):\n  - %s%s", matching,
-                           "\n  - ".join(self.rollout_sampler_report),
-                           "\nSet rollout_support_matching='recompute' to score with the engine's processors."
-                           if matching == "off" else "")
-        if matching == "off":
-            return
-        self._check_support_matching(spec, matching)
-        self._rc_support_scorer = support.SupportScorer(spec, matching)
-
-    def _check_support_matching(self, spec: Optional[support.SamplerSpec], matching: str) -> None:
-        def fail(msg: str) -> None:
-            raise ValueError(f"rollout_support_matching={matching!r}: {msg}")
-
-        if spec is None:
-            fail("the rollout_func declares no sampler, so the trainer cannot know the engine's processors; give it "
-                 "a sampler_contract(trainer) method returning a support.SamplerSpec (as "
-                 "engines.vllm_cpu_rollout.VLLMCPURollout does), or set rollout_support_matching='off'.")
-        if matching == "replay" and (self.use_vllm or self.rollout_func is not None):
-            fail("this generation path cannot return the engine's kept-token sets (vLLM 0.32 returns them only with "
-                 "return_sampling_mask=True on Model Runner V2, which TRL's vLLM paths and the CPU build do not "
-                 "offer); use rollout_support_matching='recompute', or the transformers.generate path for replay.")
-        if matching == "replay" and self.tools:
-            fail("tool calling generates each completion in several generate() calls, whose kept sets this trainer "
-                 "does not stitch; use rollout_support_matching='recompute'.")
-        spec.check(matching)
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        transforms = trl_compat.unsupported_logit_transforms(unwrapped)
-        if transforms:
-            fail(f"the model's LM head rescales its logits ({', '.join(transforms)}), which support matching does "
-                 "not reproduce; set rollout_support_matching='off'.")
-        ds = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        if self.is_fsdp_enabled or (ds is not None and getattr(ds, "zero_stage", 0) == 3):
-            fail("the support computation reads the full LM head outside the model's forward, which ZeRO-3 / FSDP "
-                 "shard; use DDP or ZeRO-1/2, or rollout_support_matching='off'.")
-
-    def _sampler_contract(self) -> Optional[support.SamplerSpec]:
-        """What the rollout engine samples with: a ``rollout_func``'s own ``sampler_contract(trainer)``, TRL's vLLM
-        ``SamplingParams``, or the generation config ``transformers.generate`` resolves (TRL's config, then
-        ``generation_kwargs``, then the model's ``generation_config.json``). None: a ``rollout_func`` without one."""
-        if self.rollout_func is not None:
-            contract = getattr(self.rollout_func, "sampler_contract", None)
-            return None if contract is None else contract(self)
-        generation_kwargs = self.args.generation_kwargs
-        sources = trl_compat.sampler_sources(self.args, generation_kwargs)
-        if self.use_vllm:
-            params = trl_compat.vllm_sampling_kwargs(
-                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                repetition_penalty=self.repetition_penalty, max_tokens=self.max_completion_length,
-                generation_kwargs=generation_kwargs,
-            )
-            return support.sampler_from_vllm_params(params, sources=sources, trainer_temperature=self.temperature)
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        config = trl_compat.resolved_generation_config(unwrapped, self.generation_config).to_dict()
-        return support.sampler_from_generation_config(config, sources=sources, trainer_temperature=self.temperature)
 
     @property
     def metrics_mode(self) -> str:
@@ -390,7 +276,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         call = PlainGenerate(unwrapped, prompt_ids)
         with (
             generate_in_dtype(unwrapped, self.args.rollout_generate_dtype),
-            capture_generate_log_probs(unwrapped, record_support=self._rc_kept is not None) as capture,
+            capture_generate_log_probs(unwrapped, record_support=gen.record_kept_sets) as capture,
         ):
             call.capture = capture
             with self.rollout_corr_features.around("plain_generate", self, gen, call):
@@ -400,27 +286,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self.rollout_corr_features.after("after_plain_generate", self, gen, call)
         completion_ids = call.completion_ids
         logprobs = capture.completion_log_probs(completion_ids)
-        self._check_engine_processors(capture.processors[0])
-        if self._rc_kept is not None:
-            self._rc_kept.value = capture.completion_kept_tokens(completion_ids)
         self._rc_mu_captured = True
         return completion_ids, logprobs
-
-    def _check_engine_processors(self, processors: list) -> None:
-        """The processors ``generate`` applied must be the sampler contract's (matching on: an error; off: a
-        warning, once)."""
-        if self.rollout_sampler is None:  # greedy / beam generation without a correction: nothing to compare
-            return
-        problems = support.check_transformers_processors(self.rollout_sampler, processors)
-        if not problems:
-            return
-        message = "; ".join(problems)
-        if self._rc_support_scorer is not None:
-            raise RuntimeError(f"Support matching: {message}. The trainer would score with other processors than "
-                               "the engine's; report this with the generation config.")
-        if not self._rc_processors_warned:
-            self._rc_processors_warned = True
-            logger.warning("Sampler contract: %s.", message)
 
     def _plain_generate_has_no_mu(self, model) -> Optional[str]:
         """Why ``model.generate`` cannot yield behaviour log-probs here, or None when it can.
@@ -481,19 +348,12 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             self._gen.trl_old_skipped = True  # pi_old comes later (or is mu): drop TRL's NaN placeholder then
             placeholder = torch.full((input_ids.size(0), logits_to_keep), float("nan"), device=input_ids.device)
             return placeholder, None, None
-        scope = self._rc_support
-        with (
-            self.rollout_corr_features.around("forward", self, call),
-            trl_compat.score_trained_tokens_only(self.args.rollout_corr_compact_scoring),
-        ):
-            if scope is not None and scope.accepts(model is self.model):
-                result = self._support_forward(scope, model, input_ids, attention_mask, logits_to_keep, *args,
-                                               **kwargs)
-            else:
-                result = super()._get_per_token_logps_and_entropies(
+        call.logits_to_keep = logits_to_keep
+        with self.rollout_corr_features.around("forward", self, call):
+            with trl_compat.score_trained_tokens_only(self.args.rollout_corr_compact_scoring):
+                call.result = super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
                 )
-            call.result = result
         result = call.result
         if self._loss is not None and self._loss.policy_log_probs is None:
             self._loss.policy_log_probs = result[0].detach()  # the first policy forward of the loss step
@@ -534,97 +394,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             vllm_importance_sampling_correction=self.vllm_importance_sampling_correction,
         )
 
-    def _support_forward(self, scope: _SupportScope, model, input_ids, attention_mask, logits_to_keep, *args,
-                         **kwargs):
-        """TRL's log-prob forward, with the completion tokens also scored over the sampling support.
-
-        A forward hook on the policy's backbone (``trl_compat.lm_head_input``: the module whose last hidden state
-        TRL's fused LM head scores) runs ``support.SupportScorer`` on each row chunk TRL forwards, over the
-        completion positions only (TRL's own head, on devices without Triton, scores every position). With
-        ``scope.replace`` the support-matched log-probs replace TRL's (TRL's are then unused: its head's backward
-        does not run); the entropies are TRL's (full vocabulary at ``GRPOConfig.temperature``).
-        """
-        backbone, head = trl_compat.lm_head_input(self.accelerator.unwrap_model(model))
-        scorer = self._rc_support_scorer or support.SupportScorer(self.rollout_sampler, "recompute")
-        kept, done = scope.kept.value, [0]
-
-        def score(_args, chunk_kwargs, output):
-            ids, mask = chunk_kwargs["input_ids"], chunk_kwargs["attention_mask"]
-            rows = None if kept is None else kept[done[0]:done[0] + ids.size(0)]
-            done[0] += ids.size(0)
-            grad = contextlib.nullcontext() if scope.replace else torch.no_grad()
-            with grad, torch.autocast(ids.device.type, enabled=False):
-                return scorer.score(output.last_hidden_state, head.weight, head.bias, ids, mask, logits_to_keep, rows)
-
-        with support.capture_module_outputs(backbone, score) as scores:
-            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-            )
-        if done[0] != input_ids.size(0):
-            raise RuntimeError(f"Support matching scored {done[0]} rows of a {input_ids.size(0)}-row forward: the "
-                               "policy's backbone was not called once per row chunk (unsupported model wrapper?).")
-        scope.score = support.SupportScore.cat(scores)
-        return (scope.score.log_probs if scope.replace else logps), entropies, aux_loss
-
-    @contextlib.contextmanager
-    def _support_scope(self, kept: Optional[_Slot], *, measure: bool = False,
-                       only_trl_old: bool = False) -> Iterator[Optional[_SupportScope]]:
-        """Within the block, one policy log-prob forward scores over the sampling support (``_support_forward``).
-
-        Opened when matching is on, or with ``measure`` when matching is off and the one-time measurement of the
-        kept mass is still due (training only); otherwise the block runs as TRL and yields None. ``kept`` holds the
-        rows' replayed kept sets (None: not replaying). ``only_trl_old``: the scope of TRL's own pi_old forward
-        in ``_generate_and_score_completions``, opened only when TRL runs one and it is not skipped (decoupled mode,
-        no routing replay).
-        """
-        matching = self._rc_support_scorer is not None
-        wanted = matching or (measure and self._rc_support_measure and self.metrics_mode == "train")
-        if only_trl_old:
-            # not when TRL's pi_old forward is skipped (bypass; routing replay recomputes pi_old in _old_log_probs)
-            wanted = wanted and not self._skip_trl_old and self._trl_runs_old_forward()
-        if not wanted:
-            yield None
-            return
-        self._rc_support = scope = _SupportScope(replace=matching, kept=kept or _Slot(), only_trl_old=only_trl_old)
-        try:
-            yield scope
-        finally:
-            self._rc_support = None
-
-    @contextlib.contextmanager
-    def _hold_kept_sets(self) -> Iterator[Optional[_Slot]]:
-        """Replay: within the block, ``_generate_single_turn`` puts the completions' kept-token sets (one
-        ``support.KeptTokens`` per row) into the yielded slot; None when not replaying."""
-        if self.args.rollout_support_matching != "replay":
-            yield None
-            return
-        self._rc_kept = slot = _Slot()
-        try:
-            yield slot
-        finally:
-            self._rc_kept = None
-
-    def _record_support(self, batch: dict, scope: Optional[_SupportScope]) -> Optional[torch.Tensor]:
-        """After a support forward: its ``rollout_corr/support_*`` statistics over the batch's loss mask, and the
-        (B, T) bool mask of missed tokens (sampled outside the trainer's support) when matching is on (the caller
-        makes them invalid), else None."""
-        if scope is None or scope.score is None:
-            return None
-        self.rollout_corr_metrics.add_support(self.metrics_mode, support.SupportStats.from_score(scope.score,
-                                                                                           trl_compat.loss_mask(batch)))
-        self._rc_support_measure = False
-        return scope.score.miss if scope.replace else None
-
-    def _attach_support(self, output: dict, kept: Optional[_Slot], scope: Optional[_SupportScope]) -> None:
-        """Generation batch: the replayed kept sets (``rollout_support``, a list of B ``support.KeptTokens``) and,
-        after the pi_old support forward, its statistics and missed tokens (``rollout_support_miss``, (B, T) bool,
-        made invalid in the decoupled correction)."""
-        if kept is not None:
-            output["rollout_support"] = kept.value
-        miss = self._record_support(output, scope)
-        if miss is not None:
-            output["rollout_support_miss"] = miss
-
     # ------------------------------------------------------------------ scoring: the decoupled correction
     def _generate_and_score_completions(self, inputs):
         """TRL's generation and scoring, then the rollout correction (decoupled) or its inputs (bypass).
@@ -649,11 +418,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._rc_mu_captured, self._rc_mu_unusable = False, None
         features = self.rollout_corr_features
         with (
-            features.around("generation", self, gen), self._hold_kept_sets() as kept,
-            self._support_scope(kept, measure=True, only_trl_old=True) as trl_old_support,
+            features.around("generation", self, gen),
         ):
             output = super()._generate_and_score_completions(inputs)
-        self._attach_support(output, kept, trl_old_support)
         if gen.trl_old_skipped:
             output.pop("old_per_token_logps")  # TRL's placeholder: pi_old comes later (or is mu)
         features.before("on_batch", self, gen, output)
@@ -731,13 +498,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         train = self.metrics_mode == "train"
         batch_size = self.args.per_device_train_batch_size if train else self.args.per_device_eval_batch_size
         self.rollout_corr_forward_counts["old_log_probs"] += 1
-        with (
-            torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-            self._support_scope(_Slot(output.get("rollout_support")), measure=True) as scope,
-        ):
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             old, _, _ = self.policy_forward(ForwardCall("old", self.model, batch=output, measure=True), fwd,
                                             batch_size=batch_size, **fwd.multimodal)
-        self._attach_support(output, None, scope)
         return old.float()
 
     def rows_out_of_baseline(
@@ -795,8 +558,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             self._batch_norm_all_reduce(model)  # the step's window forward (if any) first: replay blocks do not nest
             return self._bypass_loss(model, inputs)
         loss_inputs = trl_compat.inject_rs_mask_and_is_weights(inputs) if self._rc_active else inputs
-        with self._support_scope(_Slot(inputs.get("rollout_support"))):
-            loss = super()._compute_loss(model, loss_inputs)
+        loss = super()._compute_loss(model, loss_inputs)
         mu, policy_log_probs = inputs.get("rollout_log_probs"), self._loss.policy_log_probs
         if policy_log_probs is not None and mu is not None:
             old = inputs.get("old_per_token_logps", inputs.get("rollout_old_log_probs"))
@@ -817,12 +579,11 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         TRL's ``loss_type``, plus ``beta`` * KL to pi_ref and the MoE aux loss, as TRL's ``_compute_loss`` adds
         them. Batch normalisation divides by the mean over the optimizer step's rows (``_batch_norm_all_reduce``)."""
         fwd = trl_compat.prompt_completion_inputs(inputs)
-        with self._support_scope(_Slot(inputs.get("rollout_support")), measure=True) as scope:
-            per_token_logps, entropies, aux_loss = self.policy_forward(
-                ForwardCall("bypass_loss", model, batch=inputs, measure=True), fwd, compute_entropy=True,
-                compute_aux_loss=self.aux_loss_enabled, **fwd.multimodal,
-            )
-        rollout_log_probs = support.invalidate_misses(inputs["rollout_log_probs"], self._record_support(inputs, scope))
+        call = ForwardCall("bypass_loss", model, batch=inputs, measure=True)
+        per_token_logps, entropies, aux_loss = self.policy_forward(
+            call, fwd, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled, **fwd.multimodal,
+        )
+        rollout_log_probs = support.invalidate_misses(inputs["rollout_log_probs"], call.miss)
         dual_clip = self.args.delta if self.args.delta is not None else DEFAULT_DUAL_CLIP
         out = bypass_policy_loss(
             per_token_logps, rollout_log_probs, inputs["advantages"], trl_compat.loss_mask(inputs),
@@ -894,22 +655,20 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             for chunk in chunks:
                 fwd = trl_compat.prompt_completion_inputs(chunk)
-                with self._support_scope(_Slot(chunk.get("rollout_support"))) as scope:  # matching on only
-                    lp, _, _ = self.policy_forward(ForwardCall("batch_norm_window", model, batch=chunk), fwd,
-                                                   **fwd.multimodal)
+                call = ForwardCall("batch_norm_window", model, batch=chunk)
+                lp, _, _ = self.policy_forward(call, fwd, **fwd.multimodal)
                 log_probs.append(lp.float())
-                miss = scope.score.miss if scope is not None and scope.score is not None else None
-                rollout.append(support.invalidate_misses(chunk["rollout_log_probs"], miss))
+                rollout.append(support.invalidate_misses(chunk["rollout_log_probs"], call.miss))
                 masks.append(trl_compat.loss_mask(chunk))
-        captured = _Slot()
+        captured = []
         cross_rank = self.rollout_corr_reducers.all_reduce
 
         def capture(local_total: torch.Tensor) -> torch.Tensor:
-            captured.value = local_total if cross_rank is None else cross_rank(local_total)
-            return captured.value
+            captured.append(local_total if cross_rank is None else cross_rank(local_total))
+            return captured[-1]
 
         self._rc_correction_fn(torch.cat(log_probs), torch.cat(rollout), torch.cat(masks), all_reduce=capture)
-        return captured.value
+        return captured[-1]
 
     def _accumulation_steps(self) -> float:
         """TRL's gradient-accumulation divisor: ``current_gradient_accumulation_steps`` in training, 1 in eval."""
@@ -945,23 +704,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """
         # in place, like TRL: evaluate() returns this dict
         logs.update(self.rollout_corr_metrics.flush(self.metrics_mode))
-        self._warn_support_bias_once(logs)
+        self.rollout_corr_features.before("on_log", self, logs)
         super().log(logs, start_time)
         self.rollout_corr_features.after("after_log", self, self.state.log_history[-1])
-
-    def _warn_support_bias_once(self, logs: dict) -> None:
-        """Matching off, truncation on: one warning with the measured mean log kept mass (first logged step)."""
-        log_mass = logs.get(f"{support.PREFIX}support_log_mass_mean")
-        if not self._rc_support_warn or log_mass is None:
-            return
-        self._rc_support_warn = False
-        names = ", ".join(str(p) for p in self.rollout_sampler.set_steps)
-        logger.warning(
-            "Sampling support: the engine truncates (%s) but the trainer scores the full vocabulary "
-            "(rollout_support_matching='off'). Measured mean log kept mass %.4f nats per token: every engine ratio "
-            "pi_train / mu sits near %.3f from the support alone, a bias that IS/RS read as mismatch. Set "
-            "rollout_support_matching='recompute' to score with the engine's support.", names, log_mass,
-            math.exp(log_mass))
 
     # ------------------------------------------------------------------ model card
     def create_model_card(self, model_name: Optional[str] = None, dataset_name: Optional[str] = None, tags=None):

@@ -12,6 +12,7 @@ from .lag_split import LagSplit
 from .policy_lag import PolicyLag
 from .rollout_records import RolloutRecords
 from .routing_replay import RoutingReplay
+from .support_matching import SupportMatching
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
@@ -19,12 +20,13 @@ if TYPE_CHECKING:
 FEATURES: tuple[type[Feature], ...] = (
     PolicyLag,          # always: versions and keep_rows ready before the mode scores the batch
     RoutingReplay,      # routing_replay="r3": its replay encloses support scoring in every forward
+    SupportMatching,    # always (sampler contract); matching when rollout_support_matching != "off"
     LagSplit,           # policy_lag_split
     RolloutRecords,     # rollout_dump_dir: last, so nothing is written before every other part accepted the setup
 )
 
-__all__ = ["FEATURES", "LagSplit", "PolicyLag", "RolloutRecords", "RoutingReplay", "build_features",
-           "check_trainer_args"]
+__all__ = ["FEATURES", "LagSplit", "PolicyLag", "RolloutRecords", "RoutingReplay", "SupportMatching",
+           "build_features", "check_trainer_args"]
 
 
 def check_trainer_args(args, trainer_args) -> None:
