@@ -63,7 +63,6 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-import types
 from pathlib import Path
 from typing import Any, Optional
 
@@ -77,8 +76,6 @@ from . import model_card, support, trl_compat
 from .accumulator import Reducers, RolloutCorrAccumulator
 from .config import CORRECTION_FIELDS, RolloutCorrectionConfig
 from .correction import make_correction_fn, ratio_decomposition
-from .engines.alignment import check_aligned
-from .engines.transformers_generate import capture_generate_log_probs, generate_in_dtype
 from .features import RolloutRecords, RoutingReplay, SupportMatching, build_features, check_trainer_args
 from .hooks import ForwardCall, GenerationBatch, LossStep, PlainGenerate
 from .losses import DEFAULT_DUAL_CLIP, PPOClip, bypass_policy_loss
@@ -176,14 +173,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._gen: Optional[GenerationBatch] = None  # the generation batch in progress
         self._loss: Optional[LossStep] = None  # the micro-batch whose loss is being computed
         self._forward_call: Optional[ForwardCall] = None  # the role of the next forward (``policy_forward``)
-        # Per generation batch: mu came from our generate capture (TRL itself has none on that path)
-        self._rc_mu_captured = False
-        self._rc_mu_unusable: Optional[str] = None  # no correction: why this batch has no diagnostics
         self._rc_warned: set = set()
         # bypass + batch normalisation with gradient accumulation: (optimizer step, global (sum, count)) of the
         # step's rows, computed at its first micro-batch
         self._rc_batch_norm_window: Optional[tuple] = None
-        self._check_rollout_source()
         self.rollout_corr_features = build_features(self)
         self._support = self.rollout_corr_features.get(SupportMatching)
         # bypass (pi_old := mu) or routing replay (pi_old recomputed, replayed): TRL's pi_old forward is a placeholder
@@ -218,20 +211,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         with diagnostics only."""
         return self.rollout_correction.enabled
 
-    def _check_rollout_source(self) -> None:
-        """Vendor-specific checks of where mu comes from (the vLLM server's log-prob mode; a ``rollout_func``)."""
-        if self._rc_active and self.use_vllm and self.args.vllm_mode == "server" and self.accelerator.is_main_process:
-            trl_compat.check_vllm_server_logprobs(self.vllm_generation.vllm_client)
-        if self.args.rollout_generate_dtype is not None and self.rollout_func is not None:
-            raise ValueError(
-                "rollout_generate_dtype applies to the transformers.generate path, but a rollout_func generates "
-                "here; cast inside the rollout_func (engines.transformers_generate.generate_in_dtype) and unset it."
-            )
-        if not self._rc_active and self.use_transformers_continuous_batching:
-            self._warn_once("no rollout_corr/* diagnostics: use_transformers_continuous_batching returns no "
-                            "behaviour log-probs")
-
-    def _warn_once(self, message: str) -> None:
+    def warn_once(self, message: str) -> None:
+        """Log ``message`` as a warning once per trainer."""
         if message not in self._rc_warned:
             self._rc_warned.add(message)
             logger.warning("RolloutCorrGRPOTrainer: %s.", message)
@@ -243,93 +224,26 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ generation: behaviour log-probs (mu)
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        """TRL's generation, plus behaviour log-probs on the ``transformers.generate`` path.
-
-        vLLM (colocate/server) and ``rollout_func`` already return the sampled tokens' processed log-probs.
-        On the plain ``generate`` path TRL returns none: ``generate`` is shadowed for this call so that it also
-        records the processed scores (``engines.transformers_generate``), from a ``rollout_generate_dtype`` copy of
-        the weights when set. Returns ``(completion_ids, logprobs)`` with ``logprobs[i]`` a list of floats as long
-        as ``completion_ids[i]``. Where no behaviour log-probs exist (greedy/beam ``generation_kwargs``, or
-        ``model.generate`` replaced by something that skips transformers' sampling): an error with a correction
-        configured; without one, TRL's result unchanged and no diagnostics for the batch. With ``routing_replay="r3"``
-        the routers' choices are recorded too (``_keep_generated_routes``).
-        """
+        """TRL's generation; on the plain ``transformers.generate`` path the features' ``plain_generate`` hooks run
+        around it (``BehaviourLogProbs`` captures mu there). Returns ``(completion_ids, logprobs)``."""
         if self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        unusable = self._plain_generate_has_no_mu(unwrapped)
-        if unusable is not None:
-            if self._rc_active:
-                raise ValueError(
-                    f"Rollout correction is on but {unusable}, so no behaviour log-probs (mu) exist for its tokens. "
-                    "Use the model's own generate with sampling, a rollout_func that returns 'logprobs', or vLLM "
-                    "(use_vllm=True); or turn the correction off (no rollout_is / rollout_rs / bypass_mode)."
-                )
-            self._rc_mu_unusable = unusable
-            with generate_in_dtype(unwrapped, self.args.rollout_generate_dtype):
-                return super()._generate_single_turn(
-                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-                )
         gen = self._gen or GenerationBatch(started=time.time())  # outside a generation batch: nothing handed on
-        call = PlainGenerate(unwrapped, prompt_ids)
-        with (
-            generate_in_dtype(unwrapped, self.args.rollout_generate_dtype),
-            capture_generate_log_probs(unwrapped, record_support=gen.record_kept_sets) as capture,
-        ):
-            call.capture = capture
-            with self.rollout_corr_features.around("plain_generate", self, gen, call):
-                call.completion_ids, _ = super()._generate_single_turn(
-                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-                )
+        call = PlainGenerate(self.accelerator.unwrap_model(self.model), prompt_ids)
+        with self.rollout_corr_features.around("plain_generate", self, gen, call):
+            call.completion_ids, call.log_probs = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
         self.rollout_corr_features.after("after_plain_generate", self, gen, call)
-        completion_ids = call.completion_ids
-        logprobs = capture.completion_log_probs(completion_ids)
-        self._rc_mu_captured = True
-        return completion_ids, logprobs
-
-    def _plain_generate_has_no_mu(self, model) -> Optional[str]:
-        """Why ``model.generate`` cannot yield behaviour log-probs here, or None when it can.
-
-        Two cases: the generation config does not sample (``do_sample=False`` or ``num_beams > 1``, e.g. from
-        ``generation_kwargs``), or ``generate`` is not transformers' own: an instance attribute on the model (as
-        ``unittest.mock.patch.object(model, "generate", ...)`` sets, TRL's own tool/environment tests do this) or a
-        patched ``GenerationMixin.generate``. A replacement never runs transformers' logits processing, so the
-        capture would see no processed scores.
-        """
-        config = self.generation_config
-        if not config.do_sample or (config.num_beams or 1) > 1:
-            return "generation does not sample (do_sample=False or num_beams > 1 in generation_kwargs)"
-        own = vars(model).get("generate")
-        if own is not None and not (isinstance(own, types.MethodType) and own.__func__ is _TRANSFORMERS_GENERATE):
-            return f"model.generate has been replaced by {own!r}, which does not run transformers' sampling"
-        if GenerationMixin.generate is not _TRANSFORMERS_GENERATE:
-            return (f"GenerationMixin.generate has been replaced by {GenerationMixin.generate!r}, which does not run "
-                    "transformers' sampling")
-        return None
+        return call.completion_ids, call.log_probs
 
     def _generate(self, prompts: list):
-        """TRL's ``_generate``; checks that every row has one behaviour log-prob per completion token."""
+        """TRL's ``_generate``, then the features' ``after_generate`` (versions, routes, mu alignment)."""
         result = super()._generate(prompts)
-        completion_ids, logprobs = result[1], result[4]
         if self._gen is not None:
             self.rollout_corr_features.after("after_generate", self, self._gen, result)
-        if logprobs is None:
-            if self._rc_active:
-                raise ValueError(
-                    "Rollout correction is on but the generation path returned no behaviour log-probs (mu). Use "
-                    "vLLM (use_vllm=True, which requests processed log-probs), the plain transformers.generate "
-                    "path, or a rollout_func that returns 'logprobs'."
-                )
-            self._rc_mu_unusable = self._rc_mu_unusable or "the generation path returned no behaviour log-probs"
-            return result
-        try:
-            check_aligned([len(ids) for ids in completion_ids], logprobs)
-        except ValueError as err:
-            if self._rc_active:
-                raise
-            self._rc_mu_unusable = str(err)
         return result
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -415,7 +329,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             self._gen = None
 
     def _score_generation(self, inputs, gen: GenerationBatch):
-        self._rc_mu_captured, self._rc_mu_unusable = False, None
         features = self.rollout_corr_features
         with (
             features.around("generation", self, gen),
@@ -427,7 +340,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if not self._rc_active:
             if gen.trl_old_skipped:  # TRL's loss needs its pi_old: recompute it, replayed
                 output["old_per_token_logps"] = self._old_log_probs(output)
-            self._record_diagnostics(output, gen.versions)
+            self._record_diagnostics(output, gen)
             features.after("after_score", self, gen, output)
             return output
         rollout_log_probs = output.get("sampling_per_token_logps")
@@ -445,16 +358,16 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         features.after("after_score", self, gen, output)
         return output
 
-    def _record_diagnostics(self, output: dict, versions: torch.Tensor) -> None:
+    def _record_diagnostics(self, output: dict, gen: GenerationBatch) -> None:
         """No correction configured: the ``rollout_corr/*`` statistics of pi_old vs mu, leaving TRL's batch as TRL
         built it (our own keys only are added)."""
-        mu = output.pop("sampling_per_token_logps") if self._rc_mu_captured else output.get("sampling_per_token_logps")
-        if mu is None or self._rc_mu_unusable is not None:
-            self._warn_once(f"no rollout_corr/* diagnostics for a generation batch: {self._rc_mu_unusable or 'no mu'}")
+        mu = output.pop("sampling_per_token_logps") if gen.mu_captured else output.get("sampling_per_token_logps")
+        if mu is None or gen.mu_unusable is not None:
+            self.warn_once(f"no rollout_corr/* diagnostics for a generation batch: {gen.mu_unusable or 'no mu'}")
             return
         output["rollout_log_probs"] = mu
         output["rollout_generation_step"] = torch.tensor(self.state.global_step)
-        output["rollout_policy_version"] = versions
+        output["rollout_policy_version"] = gen.versions
         old_log_probs = output.get("old_per_token_logps")
         if old_log_probs is None:  # TRL uses pi_theta.detach() as pi_old here; the diagnostics need it explicitly
             # a forward TRL does not run: its dropout must not consume the random numbers TRL's next forwards and

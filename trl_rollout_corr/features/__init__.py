@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..hooks import Feature, Features
+from .behaviour import BehaviourLogProbs
 from .lag_split import LagSplit
 from .policy_lag import PolicyLag
 from .rollout_records import RolloutRecords
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
 
 FEATURES: tuple[type[Feature], ...] = (
+    BehaviourLogProbs,  # always: mu exists before anything reads it
     PolicyLag,          # always: versions and keep_rows ready before the mode scores the batch
     RoutingReplay,      # routing_replay="r3": its replay encloses support scoring in every forward
     SupportMatching,    # always (sampler contract); matching when rollout_support_matching != "off"
@@ -25,8 +27,8 @@ FEATURES: tuple[type[Feature], ...] = (
     RolloutRecords,     # rollout_dump_dir: last, so nothing is written before every other part accepted the setup
 )
 
-__all__ = ["FEATURES", "LagSplit", "PolicyLag", "RolloutRecords", "RoutingReplay", "SupportMatching",
-           "build_features", "check_trainer_args"]
+__all__ = ["FEATURES", "BehaviourLogProbs", "LagSplit", "PolicyLag", "RolloutRecords", "RoutingReplay",
+           "SupportMatching", "build_features", "check_trainer_args"]
 
 
 def check_trainer_args(args, trainer_args) -> None:

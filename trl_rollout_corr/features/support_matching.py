@@ -93,6 +93,8 @@ class SupportMatching(Feature):
     def after_plain_generate(self, trainer, gen: GenerationBatch, call: PlainGenerate) -> None:
         """The processors ``generate`` applied must be the contract's (matching on: an error; off: a warning, once);
         replay: keep the rows' kept sets (one ``support.KeptTokens`` per row)."""
+        if call.capture is None:  # this generate yields no mu (BehaviourLogProbs): nothing was captured
+            return
         self._check_engine_processors(call.capture.processors[0])
         if gen.record_kept_sets:
             self._kept = call.capture.completion_kept_tokens(call.completion_ids)
