@@ -28,7 +28,7 @@ def test_bypass_sequence_is_with_batch_norm_trains_the_same_for_any_micro_batchi
                                rollout_is_batch_normalize=True, per_device_train_batch_size=mb,
                                gradient_accumulation_steps=ga, top_p=0.8, loss_type="grpo", max_steps=2)
         calls = applied[(mb, ga)] = []
-        correction_fn = trainer._rc_correction_fn
+        correction_fn = trainer.rollout_corr_mode.correction_fn
 
         def spy(log_probs, rollout_log_probs, mask, all_reduce=None, _fn=correction_fn, _calls=calls, _mb=mb):
             out = _fn(log_probs, rollout_log_probs, mask, all_reduce=all_reduce)
@@ -36,7 +36,7 @@ def test_bypass_sequence_is_with_batch_norm_trains_the_same_for_any_micro_batchi
                 _calls.append(out.weights[:, 0].tolist())  # sequence IS: one weight per row, at every valid token
             return out
 
-        trainer._rc_correction_fn = spy
+        trainer.rollout_corr_mode.correction_fn = spy
         trainer.train()
         runs[(mb, ga)] = step_logs(trainer)
         windows[(mb, ga)] = trainer.rollout_corr_forward_counts.get("batch_norm_window")
@@ -174,7 +174,7 @@ def test_rejected_rows_their_group_mates_and_a_rejected_last_token(keep_in_basel
     trainer.model.train()
     output, rewards, before = _scored_batch(trainer)
     assert before.tolist() == pytest.approx([TRL_ADVANTAGE_OF_A_PAIR, -TRL_ADVANTAGE_OF_A_PAIR] * 2)
-    trainer._apply_decoupled_correction(output, rewards)
+    trainer.rollout_corr_mode.apply_correction(trainer, output, rewards)
     assert output["rollout_rs_mask"].tolist() == [[0, 0, 0], [1, 1, 1], [1, 1, 0], [1, 1, 1]]
     lone = -TRL_ADVANTAGE_OF_A_PAIR if keep_in_baseline else 0.0
     assert output["advantages"].tolist() == pytest.approx([0.0, lone, TRL_ADVANTAGE_OF_A_PAIR,

@@ -1,0 +1,156 @@
+"""Bypass mode: no pi_old forward (pi_old := mu); the correction runs inside the loss of every micro-batch.
+
+The correction is computed from the current pi_theta (detached) against mu and the loss is PPO-clip on pi_theta / mu
+(with a dual clip: TRL's ``delta``, else ``losses.DEFAULT_DUAL_CLIP``) or REINFORCE ``-A w log pi_theta``
+(``losses.bypass_policy_loss``), aggregated as TRL's ``loss_type`` does (``trl_compat.aggregate_loss``), plus
+``beta`` * KL to pi_ref and the MoE aux loss as TRL's ``_compute_loss`` adds them. The RS mask is the loss mask and
+normaliser (dapo: the pre-RS token count, as verl's engine workers); the advantages were computed at generation time,
+before pi_theta exists, so rows rejected here stay in their group's baseline. Batch normalisation divides by the mean
+over the optimizer step's rows: with gradient accumulation they are scored once, with no grad, at the step's first
+micro-batch (the ``batch_norm_window`` forwards).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+from trl.trainer.grpo_trainer import disable_gradient_checkpointing
+
+from .. import support, trl_compat
+from ..correction import make_correction_fn
+from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep
+from ..losses import DEFAULT_DUAL_CLIP, PPOClip, bypass_policy_loss
+from .common import attach_mu, require_mu
+
+if TYPE_CHECKING:
+    from ..trainer import RolloutCorrGRPOTrainer
+
+
+class BypassMode(CorrectionMode):
+    """The bypass loss (module docstring)."""
+
+    name = "bypass"
+    replaces_trl_old_forward = True  # pi_old := mu: TRL's own pi_old forward is not run
+
+    def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
+        self.correction_fn = make_correction_fn(trainer.rollout_correction, compile=trainer.args.rollout_corr_compile)
+        # with gradient accumulation: (optimizer step, global (sum, count)) of the step's rows, from its first
+        # micro-batch
+        self._window: Optional[tuple] = None
+
+    def score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
+        """mu into the batch; the correction waits for pi_theta, in the loss."""
+        attach_mu(trainer, gen, batch, require_mu(batch))
+
+    def loss(self, trainer, model, step: LossStep, trl_loss) -> torch.Tensor:
+        """One micro-batch: the correction from pi_theta (no grad) vs mu, then the bypass policy loss."""
+        self._batch_norm_sum(trainer, model)  # the step's window forwards (if any) first, each its own replay
+        inputs = step.inputs
+        fwd = trl_compat.prompt_completion_inputs(inputs)
+        call = ForwardCall("bypass_loss", model, batch=inputs, measure=True)
+        per_token_logps, entropies, aux_loss = trainer.policy_forward(
+            call, fwd, compute_entropy=True, compute_aux_loss=trainer.aux_loss_enabled, **fwd.multimodal,
+        )
+        mode, args = trainer.metrics_mode, trainer.args
+        dual_clip = args.delta if args.delta is not None else DEFAULT_DUAL_CLIP
+        out = bypass_policy_loss(
+            per_token_logps, support.invalidate_misses(inputs["rollout_log_probs"], call.miss), inputs["advantages"],
+            trl_compat.loss_mask(inputs), trainer.rollout_correction, correction_fn=self.correction_fn,
+            clip=PPOClip(trainer.epsilon_low, trainer.epsilon_high, clip_ratio_c=dual_clip),
+            all_reduce=self._batch_norm_sum(trainer, model),
+        )
+        keep = out.mask
+        trainer.rollout_corr_metrics.add_stats(mode, out.correction.stats)
+        direct = per_token_logps.detach().float() - inputs["rollout_log_probs"].float()
+        trainer.rollout_corr_metrics.add_log_ratios(mode, {"direct": direct[keep & torch.isfinite(direct)]})
+        per_token_loss, per_token_kl = out.per_token_loss, None
+        if trainer.beta != 0.0:
+            # bias-corrected KL as TRL: times the policy ratio, here pi_theta / mu (bypass: pi_old := mu)
+            anchor = inputs["rollout_log_probs"] if args.use_bias_correction_kl else None
+            per_token_kl = trl_compat.per_token_kl(
+                per_token_logps, inputs["ref_per_token_logps"], keep, bias_correction_old_log_probs=anchor
+            )
+            per_token_loss = per_token_loss + trainer.beta * torch.where(keep, per_token_kl, 0.0)
+        loss = trl_compat.aggregate_loss(per_token_loss, keep, trainer.loss_type,
+                                         **self._aggregation_kwargs(trainer, inputs))
+        if trainer.aux_loss_enabled:  # MoE router load-balancing loss, scaled for gradient accumulation as TRL does
+            loss = loss + trainer.router_aux_loss_coef * aux_loss / self._accumulation_steps(trainer)
+            trainer.trl_metric("aux_loss", trainer.accelerator.gather_for_metrics(aux_loss.detach()).mean().item())
+        self._log_loss_metrics(trainer, keep, entropies, per_token_kl, out)
+        return loss
+
+    def _batch_norm_sum(self, trainer, model) -> Optional[Callable]:
+        """The batch-normalisation sum for this micro-batch (``compute_rollout_correction(all_reduce=...)``).
+
+        Without batch normalisation, in evaluation, or without gradient accumulation the micro-batch is the step's
+        local batch: the cross-rank sum. With gradient accumulation the step's rows are spread over several
+        micro-batches whose pi_theta only exists inside their own loss forward; but the weights do not change within
+        the step, so at its first micro-batch one no-grad forward scores all of the step's rows (the micro-batches
+        TRL will serve next, already generated: ``RolloutCorrGRPOConfig`` checks that they are) and every
+        micro-batch of the step then divides by that global mean. Cost: that one forward per optimizer step.
+        """
+        reducers = trainer.rollout_corr_reducers
+        if not (trainer.rollout_correction.rollout_is_batch_normalize and trainer.metrics_mode == "train"
+                and trainer.current_gradient_accumulation_steps > 1):
+            return reducers.all_reduce
+        step = trainer.state.global_step
+        if self._window is None or self._window[0] != step:
+            self._window = (step, self._window_total(trainer, model))
+        total = self._window[1]
+        return lambda _local_total: total
+
+    def _window_total(self, trainer, model) -> torch.Tensor:
+        """The global (sum of weights, count) over every row of the optimizer step now starting: the step's
+        micro-batches (``trainer.step_micro_batches()``) scored with no grad, the correction run on all of them at
+        once (its statistics are discarded; only the batch-normalisation total is kept)."""
+        chunks = trainer.step_micro_batches()
+        log_probs, rollout, masks = [], [], []
+        trainer.rollout_corr_forward_counts["batch_norm_window"] += 1
+        no_checkpointing = disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs)
+        with torch.no_grad(), no_checkpointing:
+            for chunk in chunks:
+                fwd = trl_compat.prompt_completion_inputs(chunk)
+                call = ForwardCall("batch_norm_window", model, batch=chunk)
+                lp, _, _ = trainer.policy_forward(call, fwd, **fwd.multimodal)
+                log_probs.append(lp.float())
+                rollout.append(support.invalidate_misses(chunk["rollout_log_probs"], call.miss))
+                masks.append(trl_compat.loss_mask(chunk))
+        captured = []
+        cross_rank = trainer.rollout_corr_reducers.all_reduce
+
+        def capture(local_total: torch.Tensor) -> torch.Tensor:
+            captured.append(local_total if cross_rank is None else cross_rank(local_total))
+            return captured[-1]
+
+        self.correction_fn(torch.cat(log_probs), torch.cat(rollout), torch.cat(masks), all_reduce=capture)
+        return captured[-1]
+
+    @staticmethod
+    def _accumulation_steps(trainer) -> float:
+        """TRL's gradient-accumulation divisor: ``current_gradient_accumulation_steps`` in training, 1 in eval."""
+        return trainer.current_gradient_accumulation_steps if trainer.metrics_mode == "train" else 1.0
+
+    def _aggregation_kwargs(self, trainer, inputs: dict) -> dict:
+        """The trainer state ``trl_compat.aggregate_loss`` needs, for this micro-batch and mode."""
+        train = trainer.metrics_mode == "train"
+        return dict(
+            accumulation_steps=self._accumulation_steps(trainer),
+            max_completion_length=trainer.max_completion_length,
+            num_items_in_batch=inputs.get("num_items_in_batch"),
+            num_processes=trainer.accelerator.num_processes,
+            steps_per_generation=trainer.args.steps_per_generation if train else 1,
+        )
+
+    @staticmethod
+    def _log_loss_metrics(trainer, keep, entropies, per_token_kl, out) -> None:
+        """TRL's loss metrics (``kl``, ``entropy``, ``clip_ratio/*``) for the bypass loss, over the kept tokens."""
+        reduce_sum = trainer.rollout_corr_reducers.all_reduce
+        if per_token_kl is not None:
+            trainer.trl_metric("kl", trl_compat.global_masked_mean(per_token_kl, keep, reduce_sum))
+        trainer.trl_metric("entropy", trl_compat.global_masked_mean(entropies, keep, reduce_sum))
+        if out.clipped_high is not None:
+            clipped = {"clip_ratio/high_mean": out.clipped_high, "clip_ratio/low_mean": out.clipped_low,
+                       "clip_ratio/region_mean": out.clipped_high | out.clipped_low}
+            for key, flags in clipped.items():
+                trainer.trl_metric(key, trl_compat.global_masked_mean(flags.float(), keep, reduce_sum))
