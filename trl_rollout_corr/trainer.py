@@ -102,12 +102,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     Raises:
         TypeError: if ``args`` is neither None nor a ``RolloutCorrGRPOConfig``.
-        ValueError: with a correction configured, when no behaviour log-probs can be obtained (at the first
-            generation, naming the fix: e.g. ``model.generate`` replaced by a function that skips transformers'
-            sampling), when a row's behaviour log-probs do not match its completion length (naming the row), or
-            when a TRL vLLM server does not report processed log-probs. With ``routing_replay="r3"``: at
-            construction for a dense model, an unsupported MoE family, TRL's own vLLM path (no routes) or tools; at
-            the first generation for missing routes or routes of the wrong shape (naming the row).
+        ValueError: what a feature or the mode refuses, naming the fix: at construction (before TRL loads anything
+            where it can) or at the first generation (no behaviour log-probs, misaligned ones, missing or misshapen
+            routes); each feature's class docstring (``features/``) lists its errors.
     """
 
     _tag_names = [*GRPOTrainer._tag_names, *model_card.TAGS]  # on the model (add_model_tags) and in every card
@@ -143,12 +140,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     @property
     def rollout_sampler(self):
-        """The ``support.SamplerSpec`` the rollout engine samples with (``features.support_matching``), or None."""
         return self.rollout_corr_features.get(SupportMatching).sampler
 
     @property
     def rollout_sampler_report(self) -> list:
-        """The start-up report: one line per sampler parameter that shapes mu but not the trainer's log-probs."""
         return self.rollout_corr_features.get(SupportMatching).report
 
     @property
