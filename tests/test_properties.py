@@ -167,7 +167,7 @@ def test_raising_a_k2_k3_threshold_never_rejects_more(batch, option, low, factor
 @given(batches(), configs(), st.integers(1, 3), st.integers(1, 5))
 def test_padding_rows_and_columns_change_no_metric(batch, cfg, extra_rows, extra_cols):
     old, roll, mask = batch
-    # Beyond the documented float32 range of the row sums (README "Known limits": log ratios of ~1e37 and more),
+    # Beyond the documented float32 range of the row sums (docs/known-limits.md: log ratios of ~1e37 and more),
     # sums such as -3e38 + (-1e30) + 3e38 cancel catastrophically, and their value depends on the summation order,
     # which padding changes: such batches are out of this property's domain (other properties keep them finite).
     x = (old.double() - roll.double())[(mask > 0) & torch.isfinite(old) & torch.isfinite(roll)]

@@ -1,7 +1,7 @@
 """Rollout-correction configuration: the field table, the core dataclass and its presets, the flat arguments.
 
 * ``CORRECTION_FIELD_TABLE``: the single source of the 8 correction fields (name, types, default, allowed values,
-  help). ``RolloutCorrectionConfig``, ``RolloutCorrectionArguments`` and the README table
+  help). ``RolloutCorrectionConfig``, ``RolloutCorrectionArguments`` and the table of ``docs/configuration.md``
   (``python -m trl_rollout_corr.docgen --config-table``) are all generated from it.
 * ``RolloutCorrectionConfig``: the validated, frozen core config the math takes; presets (verl's names) are
   classmethods registered with ``@_preset`` where they are defined (``PRESETS`` lists them).
@@ -289,8 +289,8 @@ class CorrectionField:
         flag_type: ``str`` or ``bool``: the type of the flat, Optional field of ``RolloutCorrectionArguments``
             (``TrlParser``/``HfArgumentParser`` flags and YAML keys).
         default: the default in ``RolloutCorrectionConfig``.
-        values: the allowed values, in Markdown (the README table's "values" column).
-        help: what it means, in Markdown (the ``--help`` text, the README table's "meaning" column).
+        values: the allowed values, in Markdown (the "values" column of ``docs/configuration.md``).
+        help: what it means, in Markdown (the ``--help`` text, the "meaning" column of ``docs/configuration.md``).
     """
 
     name: str
@@ -901,7 +901,7 @@ class RolloutCorrectionArguments:
 
 # ---------------------------------------------------------------------------------------------- documentation
 def markdown_table(table: tuple[CorrectionField, ...] = CORRECTION_FIELD_TABLE) -> str:
-    """The README's configuration table (field, default, values, meaning), rendered from the field table."""
+    """The configuration table of ``docs/configuration.md`` (field, default, values, meaning), from the field table."""
     lines = ["| field | default | values | meaning |", "|---|---|---|---|"]
     for f in table:
         default = "`None`" if f.default is None else f"`{f.default!r}`".replace("'", '"')

@@ -6,7 +6,7 @@ A drop-in ``GRPOTrainer`` subclass: change the import and the config class, add 
     args = RolloutCorrGRPOConfig(..., rollout_corr_preset="decoupled_k3_rs_token_tis")
     trainer = RolloutCorrGRPOTrainer(model=..., reward_funcs=..., args=args, train_dataset=...)
 
-Four policies are kept apart (``docs/trainer.md``, "Vocabulary"): mu (``rollout_log_probs``, from the rollout
+Four policies are kept apart (README, "Vocabulary"): mu (``rollout_log_probs``, from the rollout
 engine), pi_old (``old_log_probs``, one trainer forward per generation batch, decoupled mode only), pi_theta (the loss
 forward) and pi_ref (TRL's ``beta`` KL anchor, never used for the correction).
 
