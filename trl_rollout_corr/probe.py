@@ -484,54 +484,71 @@ def run(args: argparse.Namespace, say=print) -> tuple[dict[str, Any], list[Sampl
     samples = [s for s in samples if s.completion_ids]
     if not samples:
         raise ProbeError("The engine produced no completion token; raise --max-tokens.")
-    truncating = args.top_p < 1.0 or args.top_k > 0 or args.min_p > 0
-
     t0 = time.perf_counter()
     say(f"[probe] scoring {len(samples)} completions with the training forward ({args.train_dtype}), batch "
         f"{args.train_batch_size} and batch 1")
     model = _load_trainer_model(args.model, args.train_dtype, args.temperature, fp32_head=False)
+    truncation = _score_train(model, samples, args, pad)
+    timings["score_s"] = time.perf_counter() - t0
+    fp32_head, fp32_samples = {}, None
+    if not args.no_fp32_lm_head:
+        fp32_head, fp32_samples = _fp32_lm_head(args, samples, prompt_ids, pad, say, timings)
+    del model
+    gc.collect()
+    return _report(args, bands, samples, fp32_samples, tokenizer, truncation, fp32_head, timings)
+
+
+def _score_train(model, samples: list[Sample], args: argparse.Namespace, pad: int) -> Optional[dict[str, Any]]:
+    """The training forward's scores of every sample (batch ``--train-batch-size`` and batch 1), and with a
+    truncating sampler the support-matched scores; returns the truncation summary (None without truncation)."""
     for s, lp in zip(samples, score(model, samples, args.train_batch_size, pad)):
         s.scores["train"] = lp
     for s, lp in zip(samples, score(model, samples, 1, pad)):
         s.scores["train_batch1"] = lp
-    truncation = None
-    if truncating:
-        order = "vllm" if args.engine == "vllm" else "transformers"
-        log_mass, inside = truncation_terms(model, samples, args, pad, order)
-        for s, lm in zip(samples, log_mass):
-            s.scores["train_support_matched"] = [a - m for a, m in zip(s.scores["train"], lm)]
-        masses = torch.tensor([m for row in log_mass for m in row], dtype=torch.float64)
-        misses = sum(not x for row in inside for x in row)
-        truncation = {"processor_order": order, "log_kept_mass_mean": float(masses.mean()),
-                      "log_kept_mass_min": float(masses.min()), "kept_mass_mean": float(masses.exp().mean()),
-                      "support_miss_tokens": misses}
-    timings["score_s"] = time.perf_counter() - t0
+    if not (args.top_p < 1.0 or args.top_k > 0 or args.min_p > 0):
+        return None
+    order = "vllm" if args.engine == "vllm" else "transformers"
+    log_mass, inside = truncation_terms(model, samples, args, pad, order)
+    for s, lm in zip(samples, log_mass):
+        s.scores["train_support_matched"] = [a - m for a, m in zip(s.scores["train"], lm)]
+    masses = torch.tensor([m for row in log_mass for m in row], dtype=torch.float64)
+    misses = sum(not x for row in inside for x in row)
+    return {"processor_order": order, "log_kept_mass_mean": float(masses.mean()),
+            "log_kept_mass_min": float(masses.min()), "kept_mass_mean": float(masses.exp().mean()),
+            "support_miss_tokens": misses}
 
+
+def _fp32_lm_head(args: argparse.Namespace, samples: list[Sample], prompt_ids, pad: int, say,
+                  timings: dict[str, float]) -> tuple[dict[str, Any], Optional[list[Sample]]]:
+    """The float32-LM-head variants: the trainer's (TRL's ``cast_lm_head_to_fp32``) and, with vLLM, the engine's
+    (resampled). Returns (what was measured, the resampled samples or None)."""
     fp32_head: dict[str, Any] = {}
-    if not args.no_fp32_lm_head:
-        if args.train_dtype == "float32":
-            fp32_head["train"] = "n/a: the training forward is float32 already"
-        else:
-            model = _load_trainer_model(args.model, args.train_dtype, args.temperature, fp32_head=True)
-            for s, lp in zip(samples, score(model, samples, args.train_batch_size, pad)):
-                s.scores["train_fp32_head"] = lp
-            fp32_head["train"] = "measured (variant train_fp32_head: TRL's cast_lm_head_to_fp32)"
-        if args.rollout_dtype == "float32":
-            fp32_head["rollout"] = "n/a: the engine is float32 already"
-        elif args.engine != "vllm":
-            fp32_head["rollout"] = "n/a: transformers.generate runs the LM head in the model dtype"
-        else:
-            say("[probe] sampling again with vLLM's LM head in float32 (hf_overrides head_dtype=float32)")
-            t0 = time.perf_counter()
-            fp32_samples = [s for s in sample_vllm(args, prompt_ids, fp32_head=True) if s.completion_ids]
-            model = _load_trainer_model(args.model, args.train_dtype, args.temperature, fp32_head=False)
-            for s, lp in zip(fp32_samples, score(model, fp32_samples, args.train_batch_size, pad)):
-                s.scores["train"] = lp
-            timings["rollout_fp32_head_s"] = time.perf_counter() - t0
-            fp32_head["rollout"] = "measured (variant rollout_fp32_head: vLLM head_dtype=float32, resampled)"
-    del model
-    gc.collect()
+    fp32_samples = None
+    if args.train_dtype == "float32":
+        fp32_head["train"] = "n/a: the training forward is float32 already"
+    else:
+        model = _load_trainer_model(args.model, args.train_dtype, args.temperature, fp32_head=True)
+        for s, lp in zip(samples, score(model, samples, args.train_batch_size, pad)):
+            s.scores["train_fp32_head"] = lp
+        fp32_head["train"] = "measured (variant train_fp32_head: TRL's cast_lm_head_to_fp32)"
+    if args.rollout_dtype == "float32":
+        fp32_head["rollout"] = "n/a: the engine is float32 already"
+    elif args.engine != "vllm":
+        fp32_head["rollout"] = "n/a: transformers.generate runs the LM head in the model dtype"
+    else:
+        say("[probe] sampling again with vLLM's LM head in float32 (hf_overrides head_dtype=float32)")
+        t0 = time.perf_counter()
+        fp32_samples = [s for s in sample_vllm(args, prompt_ids, fp32_head=True) if s.completion_ids]
+        model = _load_trainer_model(args.model, args.train_dtype, args.temperature, fp32_head=False)
+        for s, lp in zip(fp32_samples, score(model, fp32_samples, args.train_batch_size, pad)):
+            s.scores["train"] = lp
+        timings["rollout_fp32_head_s"] = time.perf_counter() - t0
+        fp32_head["rollout"] = "measured (variant rollout_fp32_head: vLLM head_dtype=float32, resampled)"
+    return fp32_head, fp32_samples
 
+
+def _report(args, bands, samples, fp32_samples, tokenizer, truncation, fp32_head, timings):
+    """The report, the samples and the histogram series of ``run``."""
     band = bands[0]
     main = flat(samples, "train")
     variants = {"engine_vs_train": log_ratio_stats(main["l"], bands)}
