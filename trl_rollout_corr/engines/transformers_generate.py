@@ -248,6 +248,19 @@ def _record_last_processor(model: torch.nn.Module, recorders: list, record_suppo
             del module._get_logits_processor
 
 
+def _check_sampling(model: torch.nn.Module, kwargs: dict) -> None:
+    """Refuse a ``generate`` call that does not sample (generate falls back to the model's own
+    ``generation_config`` for anything the call does not set). Raises ValueError."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    do_sample = kwargs.get("do_sample", getattr(config, "do_sample", None))
+    num_beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
+    if not do_sample or num_beams > 1:
+        raise ValueError(
+            "Behaviour log-probs need sampled generation (do_sample=True, num_beams=1); greedy or beam search "
+            "has no sampling distribution to correct for."
+        )
+
+
 @contextlib.contextmanager
 def capture_generate_log_probs(model: torch.nn.Module, *, record_support: bool = False) -> Iterator[GenerateCapture]:
     """Within the block, ``model.generate`` also records the behaviour log-probs of what it samples.
@@ -277,15 +290,7 @@ def capture_generate_log_probs(model: torch.nn.Module, *, record_support: bool =
     original = model.generate
 
     def generate_with_log_probs(*args, **kwargs):
-        # generate() falls back to the model's own generation_config for anything the call does not set.
-        config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-        do_sample = kwargs.get("do_sample", getattr(config, "do_sample", None))
-        num_beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
-        if not do_sample or num_beams > 1:
-            raise ValueError(
-                "Behaviour log-probs need sampled generation (do_sample=True, num_beams=1); greedy or beam search "
-                "has no sampling distribution to correct for."
-            )
+        _check_sampling(model, kwargs)
         recorders: list[SampledTokenLogProbs] = []
         with _record_last_processor(model, recorders, record_support):
             out = original(*args, **kwargs)
