@@ -117,31 +117,9 @@ def group_advantages(
     weights = reward_weights.to(device).unsqueeze(0)
     unscorable = torch.isnan(rewards_per_func).all(dim=1)
     if multi_objective_aggregation == "sum_then_normalize":
-        rewards = (rewards_per_func * weights).nansum(dim=1)
-        rewards[unscorable] = float("nan")
-        grouped = rewards.view(-1, num_generations)
-        mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
-        advantages = rewards - mean
-        if scale_rewards == "group":
-            if num_generations > 1:
-                std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
-            else:
-                std = torch.zeros_like(rewards)
-            advantages = advantages / (std + ADVANTAGE_STD_EPS)
-        elif scale_rewards == "batch":
-            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-            advantages = advantages / (std + ADVANTAGE_STD_EPS)
-        elif scale_rewards != "none":
-            raise ValueError(f"Unsupported scale_rewards={scale_rewards!r}; use 'group', 'batch' or 'none'.")
+        advantages = _sum_then_normalize(rewards_per_func, weights, unscorable, num_generations, scale_rewards)
     elif multi_objective_aggregation == "normalize_then_sum":
-        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
-        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
-        std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
-        reward_k = ((grouped - mean_k) / (std_k + ADVANTAGE_STD_EPS)).view(-1, rewards_per_func.size(1))
-        rewards = (reward_k * weights).nansum(dim=1)
-        rewards[unscorable] = float("nan")
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-        advantages = (rewards - torch.nanmean(rewards)) / (std + ADVANTAGE_STD_EPS)
+        advantages = _normalize_then_sum(rewards_per_func, weights, unscorable, num_generations)
     else:
         raise ValueError(
             f"Unsupported multi_objective_aggregation={multi_objective_aggregation!r}; use 'sum_then_normalize' "
@@ -150,6 +128,41 @@ def group_advantages(
     advantages = torch.nan_to_num(advantages, nan=0.0)
     advantages[excluded.to(device)] = 0.0
     return advantages
+
+
+def _sum_then_normalize(rewards_per_func, weights, unscorable, num_generations: int, scale_rewards: str):
+    """TRL's default aggregation: weighted sum of the functions, then (B_global,) reward minus its group mean,
+    divided by the group's or the batch's std (``scale_rewards``)."""
+    rewards = (rewards_per_func * weights).nansum(dim=1)
+    rewards[unscorable] = float("nan")
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+    advantages = rewards - mean
+    if scale_rewards == "group":
+        if num_generations > 1:
+            std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
+        else:
+            std = torch.zeros_like(rewards)
+        advantages = advantages / (std + ADVANTAGE_STD_EPS)
+    elif scale_rewards == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        advantages = advantages / (std + ADVANTAGE_STD_EPS)
+    elif scale_rewards != "none":
+        raise ValueError(f"Unsupported scale_rewards={scale_rewards!r}; use 'group', 'batch' or 'none'.")
+    return advantages
+
+
+def _normalize_then_sum(rewards_per_func, weights, unscorable, num_generations: int):
+    """TRL's ``normalize_then_sum``: each function normalised within its group, weighted sum, then normalised over
+    the batch."""
+    grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+    reward_k = ((grouped - mean_k) / (std_k + ADVANTAGE_STD_EPS)).view(-1, rewards_per_func.size(1))
+    rewards = (reward_k * weights).nansum(dim=1)
+    rewards[unscorable] = float("nan")
+    std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    return (rewards - torch.nanmean(rewards)) / (std + ADVANTAGE_STD_EPS)
 
 
 class RejectionAdvantages(NamedTuple):
