@@ -6,8 +6,8 @@ Each case trains 2 optimizer steps on a tiny local model (float32, CPU, one thre
 * every ``state.log_history`` entry, all keys except the wall-clock ones (``WALL_CLOCK_KEYS``);
 * the sha256 of the final ``state_dict`` (every parameter and buffer, in order, as raw bytes);
 * for records runs, every Parquet column except the wall-clock ``generation_{start,end}_time`` (the
-  ``rollout_record_times`` batch key), and ``run.json`` without its timestamp, its random ``run_id``, library versions and the
-  local model / tokenizer fingerprints (paths).
+  ``rollout_record_times`` batch key), and ``run.json`` without its timestamp, its random ``run_id``, library
+  versions and the local model / tokenizer fingerprints (paths).
 
 The data are produced by the code as it is (``GOLDEN_REGENERATE=1 pytest tests/test_trainer_golden.py`` rewrites
 them). Regenerate only in a commit that changes results on purpose, naming why (design:
