@@ -173,12 +173,17 @@ def main() -> None:
             gathered_rewards.append(rewards)
             return rewards
 
-        def _generate_and_score_completions(self, inputs):
-            out = super()._generate_and_score_completions(inputs)
-            rejected = (out["completion_mask"].sum(1) > 0) & (out["rollout_rs_mask"].sum(1) == 0)
-            seen.append({"rewards": gathered_rewards[-1][:, 0].tolist(), "rejected": rejected.tolist(),
-                         "advantages": out["advantages"].tolist()})
-            return out
+        def _compute_loss(self, model, inputs):  # after the loss: pi_old read from it, the correction runs there
+            loss = super()._compute_loss(model, inputs)
+            rejected = (inputs["completion_mask"].sum(1) > 0) & (inputs["rollout_rs_mask"].sum(1) == 0)
+            advantages = inputs["advantages"]
+            rows = inputs["rollout_generation_row"]  # TRL shuffled the rows: back to generation order
+            in_order = [None] * rows.numel()
+            for i, row in enumerate(rows.tolist()):
+                in_order[row] = (bool(rejected[i]), float(advantages[i]))
+            seen.append({"rewards": gathered_rewards[-1][:, 0].tolist(), "rejected": [r for r, _ in in_order],
+                         "advantages": [a for _, a in in_order]})
+            return loss
 
     spy = Spy(model=model_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8),
               args=make_args(os.path.join(work, "rs"), rollout_corr_preset="decoupled_k3_rs",

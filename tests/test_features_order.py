@@ -123,7 +123,8 @@ def test_routing_replay_encloses_support_scoring(qwen3_moe_dir, tmp_path, make_t
     log: list = []
     _trace_forward_hooks(monkeypatch, (RoutingReplay, SupportMatching), log)
     trainer = make_trainer(qwen3_moe_dir, tmp_path, rollout_corr_preset="decoupled_token_is", top_p=0.8,
-                           rollout_support_matching="recompute", routing_replay="r3", max_steps=1)
+                           rollout_support_matching="recompute", routing_replay="r3", max_steps=1,
+                           rollout_corr_old_forward="always")  # pi_old's own forward, then the loss forward
     trainer.train()
     old = [entry for entry in log if entry[1] == "old"]
     assert old == [("RoutingReplay", "old", "enter"), ("SupportMatching", "old", "enter"),

@@ -166,10 +166,11 @@ def test_max_policy_lag_drops_stale_rows_from_loss_and_baseline(llama_dir, tmp_p
     seen = []
 
     class Spy(_LossSpy):
-        def _compute_loss(self, model, inputs):
+        def _compute_loss(self, model, inputs):  # after the loss: pi_old elided, the correction runs in it
+            loss = super()._compute_loss(model, inputs)
             seen.append((self.state.global_step, inputs["rollout_policy_version"].clone(),
                          inputs["advantages"].clone(), inputs["rollout_rs_mask"].clone()))
-            return super()._compute_loss(model, inputs)
+            return loss
 
     rollout = StaleRollout(sync_interval=3)
     trainer = _train(llama_dir, tmp_path, rollout, trainer_cls=Spy, max_steps=4, max_policy_lag=1)

@@ -23,7 +23,8 @@ def test_compact_scoring_trains_as_full_scoring_and_projects_only_trained_tokens
     for compact in (False, True):
         rows.clear()
         trainer = make_trainer(llama_dir, tmp_path / str(compact), max_steps=2, rollout_corr_compact_scoring=compact,
-                               rollout_corr_preset="decoupled_k3_rs_token_tis", beta=0.04)
+                               rollout_corr_preset="decoupled_k3_rs_token_tis", beta=0.04,
+                               rollout_corr_old_forward="always")  # keep pi_old's own forward: three forwards
         with mock.patch.object(trl_utils._ChunkedLogProbFunction, "apply", spy):
             trainer.train()
         runs[compact] = ([{k: v for k, v in h.items() if k != "step_time"} for h in step_logs(trainer)], list(rows))

@@ -175,7 +175,7 @@ def test_generation_batch_starts_with_trls_prompt_ids(llama_dir, tmp_path):
 
     keys: list = []
     args = _make_args(tmp_path, max_steps=1, rollout_corr_preset="decoupled_k3_rs_token_tis", max_policy_lag=2,
-                      rollout_dump_dir=str(tmp_path / "dump"))
+                      rollout_dump_dir=str(tmp_path / "dump"), rollout_corr_old_forward="always")  # RS at scoring
     Spy(model=llama_dir, reward_funcs=reward_len, args=args, train_dataset=prompt_dataset(8)).train()
     assert keys and all(k[0] == "prompt_ids" for k in keys)
     assert {"rollout_log_probs", "rollout_record_row", "rollout_rs_mask"} <= set(keys[0])

@@ -228,16 +228,20 @@ def count_training_forwards(trainer):
 def test_bypass_runs_one_forward_fewer_per_generation_batch(num_iterations, llama_dir, tmp_path, make_trainer):
     max_steps = 4
     counts = {}
-    for preset in ("decoupled_token_is", "bypass_ppo_clip"):
-        trainer = make_trainer(llama_dir, tmp_path / preset, rollout_corr_preset=preset, max_steps=max_steps,
-                               num_iterations=num_iterations)
+    for preset, old_forward in (("decoupled_token_is", "always"), ("decoupled_token_is", "auto"),
+                                ("bypass_ppo_clip", "auto")):
+        trainer = make_trainer(llama_dir, tmp_path / f"{preset}_{old_forward}", rollout_corr_preset=preset,
+                               max_steps=max_steps, num_iterations=num_iterations,
+                               rollout_corr_old_forward=old_forward)
         counter = count_training_forwards(trainer)
         trainer.train()
-        counts[preset] = counter["n"]
+        counts[preset, old_forward] = counter["n"]
     generation_batches = max_steps // num_iterations
     # one loss forward per micro-batch (GA=1: one per step), plus pi_old once per generation batch in decoupled mode
-    assert counts["bypass_ppo_clip"] == max_steps
-    assert counts["decoupled_token_is"] == max_steps + generation_batches
+    # with its own forward; read from the first loss forward (the default here), decoupled runs as many as bypass
+    assert counts["bypass_ppo_clip", "auto"] == max_steps
+    assert counts["decoupled_token_is", "always"] == max_steps + generation_batches
+    assert counts["decoupled_token_is", "auto"] == max_steps
 
 
 def _engine_rollout_func(shift: int = 0):
@@ -296,10 +300,10 @@ def test_rejected_rows_end_to_end(llama_dir, tmp_path, make_trainer):
     seen = []
 
     class Spy(RolloutCorrGRPOTrainer):
-        def _generate_and_score_completions(self, inputs):
-            out = super()._generate_and_score_completions(inputs)
-            seen.append(out)
-            return out
+        def _compute_loss(self, model, inputs):  # the batch once the correction ran (at the loss with pi_old elided)
+            loss = super()._compute_loss(model, inputs)
+            seen.append(inputs)
+            return loss
 
     trainer = make_trainer(llama_dir, tmp_path, trainer_cls=Spy, rollout_corr_preset="decoupled_k3_rs",
                            rollout_rs_threshold="0.01", top_p=0.8, max_steps=3)

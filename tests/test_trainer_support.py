@@ -115,18 +115,6 @@ def test_processors_generate_applies_are_checked_against_the_contract(llama_dir,
         _generation_batch(trainer)
 
 
-def test_renormalize_logits_with_recompute_trains_like_without(llama_dir, tmp_path, make_trainer):
-    """Issue 22: ``generation_kwargs={"renormalize_logits": True}`` passed start-up and then raised RuntimeError at
-    the first generation ("generate applied LogitNormalization"); it is a log-softmax after every processor, so mu
-    and the matched pi_old agree as without it (float32 both sides: engine ratio 1 to 1e-5)."""
-    trainer = make_trainer(llama_dir, tmp_path, rollout_support_matching="recompute", top_p=0.8,
-                           generation_kwargs={"renormalize_logits": True})
-    assert trainer.generation_config.renormalize_logits is True
-    out, _, _ = _generation_batch(trainer)
-    valid = out["completion_mask"].bool()
-    assert (out["old_per_token_logps"] - out["rollout_log_probs"])[valid].abs().max() < 1e-5
-
-
 class _RolloutFunc:
     """A rollout_func stand-in (never called): what the trainer asks of one at start-up."""
 
@@ -265,7 +253,9 @@ def test_support_matching_with_routing_replay(matching, tmp_path, make_trainer, 
                            top_p=0.8, rollout_corr_preset="decoupled_token_is", max_steps=2)
     trainer.train()
     logs = step_logs(trainer)
-    assert trainer.rollout_corr_forward_counts["old_log_probs"] == 2  # ours (TRL's skipped), once per batch
+    # TRL's skipped; pi_old is read from the first loss forward (replayed, support-scored), once per batch
+    assert trainer.rollout_corr_forward_counts["old_from_loss"] == 2
+    assert trainer.rollout_corr_forward_counts["old_log_probs"] == 0
     for log in logs:
         assert log["rollout_corr/routing_mismatch_fraction"] == 0.0
         assert log["rollout_corr/engine_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
@@ -298,3 +288,26 @@ def test_analyze_refuses_a_support_matched_run(llama_dir, tmp_path, make_trainer
     trainer.train()
     with pytest.raises(ConfigError, match="rollout_support_matching='recompute'.*cannot be recomputed"):
         analyse_dump(open_dump(tmp_path / "dump"), [])
+
+
+def test_matched_forwards_skip_trls_lm_head_pass(llama_dir, tmp_path, make_trainer, step_logs):
+    """Matching on: every policy forward is scored by the support scorer alone (TRL's fused head, whose log-probs
+    would be replaced, never runs); the logged entropy is the scorer's full-vocabulary entropy."""
+    from unittest import mock
+
+    import trl.trainer.utils as trl_utils
+
+    calls = []
+    original = trl_utils._ChunkedLogProbFunction.apply
+
+    def spy(hidden, *args):
+        calls.append(hidden.size(0))
+        return original(hidden, *args)
+
+    trainer = make_trainer(llama_dir, tmp_path, rollout_support_matching="recompute", top_p=0.8,
+                           rollout_corr_preset="decoupled_token_is", max_steps=2)
+    with mock.patch.object(trl_utils._ChunkedLogProbFunction, "apply", spy):
+        trainer.train()
+    assert calls == []
+    for log in step_logs(trainer):
+        assert 0.0 < log["entropy"] < math.log(len(trainer.processing_class))

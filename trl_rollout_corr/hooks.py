@@ -99,6 +99,7 @@ class ForwardCall:
             generation-time forwards (the batch dict does not exist yet).
         measure: count this forward's diagnostics (routing mismatch, support statistics).
         logits_to_keep: the completion length T scored (set by the trainer from TRL's call).
+        compute_entropy: the caller wants the entropies (TRL's ``compute_entropy``; set by the trainer).
         result: ``(log_probs (B, T), entropies, aux_loss)`` once the forward ran; a feature's exit may replace it.
         miss: (B, T) bool tokens this forward could not score (sampled outside the trainer's support), or None.
     """
@@ -108,6 +109,7 @@ class ForwardCall:
     batch: Optional[Mapping[str, Any]] = None
     measure: bool = False
     logits_to_keep: Optional[int] = None
+    compute_entropy: bool = False
     result: Optional[tuple] = None
     miss: Optional[torch.Tensor] = None
 
@@ -122,11 +124,18 @@ class LossStep:
         policy_log_probs: (B, T) detached log-probs of the FIRST policy forward of this loss step (pi_theta for the
             records and the ratio decomposition; for bypass + batch normalisation + accumulation, at a step's first
             micro-batch, the batch-norm window's no-grad forward of the same rows).
+        old_from_loss: this loss step's first policy forward is also its batch's pi_old (``old_forward``: set by the
+            mode's ``prepare_loss``); the trainer gives it the role ``old`` (routes replayed and measured, support
+            scored and measured, missed tokens into the batch) instead of ``loss``.
+        reuse: ``(input_ids, attention_mask, logits_to_keep, result)`` of a policy forward the mode ran itself in
+            ``prepare_loss``; TRL's own loss forward over the same rows returns ``result`` instead of running again.
     """
 
     original: dict
     inputs: dict
     policy_log_probs: Optional[torch.Tensor] = None
+    old_from_loss: bool = False
+    reuse: Optional[tuple] = None
 
 
 # ---------------------------------------------------------------------------------------------- the protocols
@@ -211,12 +220,13 @@ class CorrectionMode:
 
     Attributes:
         name: ``"diagnostics"`` (no correction), ``"decoupled"`` or ``"bypass"``.
-        replaces_trl_old_forward: TRL's own pi_old forward returns a placeholder (bypass: pi_old := mu).
+        replaces_trl_old_forward: TRL's own pi_old forward returns a placeholder (bypass: pi_old := mu; decoupled
+            with pi_old read from the loss forward where TRL's rule runs one, ``num_iterations > 1``).
         correction_fn: ``correction.make_correction_fn(config, compile=args.rollout_corr_compile)``.
     """
 
     name: ClassVar[str] = "mode"
-    replaces_trl_old_forward: ClassVar[bool] = False
+    replaces_trl_old_forward: bool = False
     correction_fn: Callable
 
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
@@ -224,6 +234,10 @@ class CorrectionMode:
 
     def score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
         """Score one generation batch, between the features' ``on_batch`` and ``after_score``."""
+
+    def prepare_loss(self, trainer, model: torch.nn.Module, step: LossStep) -> None:
+        """Before the features' ``before_loss``: finish what the batch's scoring left to its first loss forward
+        (pi_old read from it, ``old_forward``)."""
 
     def loss(self, trainer, model: torch.nn.Module, step: LossStep,
              trl_loss: Callable[[torch.nn.Module, dict], torch.Tensor]) -> torch.Tensor:

@@ -35,12 +35,17 @@ pi_old (and every ``rollout_corr/*`` metric built from it) may differ from the e
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 OLD_FORWARD_SETTINGS = ("auto", "always")
+# batch key: (B,) int64 the generation row of each row, for a batch whose correction runs in TRL's shuffled order
+GENERATION_ROW = "rollout_generation_row"
 # config fields of a model whose positive value means dropout in a training forward
 _DROPOUT_FIELDS = ("dropout", "pdrop", "drop_rate", "drop_prob")
 
@@ -174,3 +179,17 @@ def plan_for_trainer(trainer: Any, mode: str) -> OldForwardPlan:
         use_liger_kernel=bool(getattr(args, "use_liger_kernel", False)),
         model=trainer.accelerator.unwrap_model(trainer.model),
     )
+
+
+def log_plan(plan: OldForwardPlan) -> None:
+    """The plan's one start-up line: info when pi_old is read from the loss or ``"always"`` was asked for, a warning
+    when a setting keeps the extra forward."""
+    quiet = plan.from_loss or plan.reasons == ("rollout_corr_old_forward='always'",)
+    (logger.info if quiet else logger.warning)("RolloutCorrGRPOTrainer: %s", plan.describe())
+
+
+def to_generation_order(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """(B, ...) ``t`` in TRL's shuffled row order -> generation order (``rows[i]``: the generation row of row i)."""
+    out = torch.empty_like(t)
+    out[rows] = t
+    return out

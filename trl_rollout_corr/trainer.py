@@ -88,10 +88,13 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         rollout_corr_metrics: the ``RolloutCorrAccumulator`` that buffers the ``rollout_corr/*`` metrics until
             ``log``.
         rollout_corr_reducers: the cross-rank ``Reducers`` (``.all_reduce`` is the batch-normalisation sum).
-        rollout_corr_forward_counts: ``{"old_log_probs": n, "batch_norm_window": m, "version_log_probs": k}``, the
-            no-grad policy forwards this trainer ran itself: pi_old per generation batch (decoupled, and
-            diagnostics when TRL has none), the optimizer step's rows (bypass + batch normalisation with gradient
-            accumulation) and pi_train@v per stale version (``policy_lag_split``); for tests and benchmarks.
+        rollout_corr_forward_counts: ``{"old_log_probs": n, "batch_norm_window": m, "version_log_probs": k,
+            "old_from_loss": e}``: the no-grad policy forwards this trainer ran itself (pi_old per generation batch,
+            in decoupled mode and the diagnostics when TRL has none; the optimizer step's rows for bypass + batch
+            normalisation with gradient accumulation; pi_train@v per stale version, ``policy_lag_split``), and the
+            generation batches whose pi_old was read from their first loss forward instead
+            (``rollout_corr_old_forward``); for tests and benchmarks.
+        rollout_corr_old_forward_plan: the ``old_forward.OldForwardPlan`` of the mode (None in bypass mode).
         model_card_sections: ``{title: {key: value}}`` tables added to every model card this trainer writes, after
             the correction and rollout-engine tables (``create_model_card``); empty by default.
         rollout_corr_mode: the ``hooks.CorrectionMode`` in use (``modes/``); ``.correction_fn`` is the correction.
@@ -126,7 +129,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction()
         self.rollout_corr_reducers = _accelerate_reducers(self.accelerator)
         self.rollout_corr_metrics = RolloutCorrAccumulator(self.rollout_corr_reducers)
-        self.rollout_corr_forward_counts = {"old_log_probs": 0, "batch_norm_window": 0, "version_log_probs": 0}
+        self.rollout_corr_forward_counts = {"old_log_probs": 0, "batch_norm_window": 0, "version_log_probs": 0,
+                                            "old_from_loss": 0}
         self.model_card_sections: dict[str, dict[str, Any]] = {}
         # the per-call objects: set only while TRL is inside the hook that opened them
         self._gen: Optional[GenerationBatch] = None  # the generation batch in progress
@@ -151,6 +155,11 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """The policy's ``routing.RouteReplayer`` with ``routing_replay="r3"``, else None."""
         routing = self.rollout_corr_features.get(RoutingReplay)
         return None if routing is None else routing.replayer
+
+    @property
+    def rollout_corr_old_forward_plan(self):
+        """Where pi_old comes from (``old_forward.OldForwardPlan``; None in bypass mode: pi_old := mu)."""
+        return getattr(self.rollout_corr_mode, "old_forward_plan", None)
 
     @property
     def rollout_records(self):
@@ -199,7 +208,12 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         if call.role == "trl_old" and self._skip_trl_old:
             self._gen.trl_old_skipped = True
             return torch.full((input_ids.size(0), logits_to_keep), float("nan"), device=input_ids.device), None, None
+        step = self._loss
+        if call.role == "loss" and step is not None and step.reuse is not None:  # the mode ran this forward already
+            reuse, step.reuse = step.reuse, None
+            return _reused_forward(reuse, input_ids, attention_mask, logits_to_keep)
         call.logits_to_keep = logits_to_keep
+        call.compute_entropy = bool(kwargs.get("compute_entropy", False))
         with self.rollout_corr_features.around("forward", self, call):
             with trl_compat.score_trained_tokens_only(self.args.rollout_corr_compact_scoring):
                 call.result = super()._get_per_token_logps_and_entropies(
@@ -213,8 +227,11 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """The role of a forward TRL itself starts: in a loss step ``loss``; in a generation batch, the first no-grad
         policy forward is ``trl_old`` when TRL 1.16's rule runs one (pinned in ``tests/test_trl_compat.py``) and
         every other is ``ref`` (a PEFT reference forward runs on the policy with its adapter off); else ``other``."""
-        if self._loss is not None:
-            return ForwardCall("loss", model, batch=self._loss.inputs)
+        step = self._loss
+        if step is not None:
+            if step.old_from_loss and step.policy_log_probs is None:  # also pi_old's forward (old_forward)
+                return ForwardCall("old", model, batch=step.original, measure=True)
+            return ForwardCall("loss", model, batch=step.inputs)
         gen = self._gen
         if gen is None:
             return ForwardCall("other", model)
@@ -253,6 +270,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """The mode's loss (``modes/``) between the features' ``before_loss`` and ``after_loss`` (``LossStep``)."""
         step = self._loss = LossStep(original=inputs, inputs=inputs)
         try:
+            self.rollout_corr_mode.prepare_loss(self, model, step)
             self.rollout_corr_features.before("before_loss", self, step)
             loss = self.rollout_corr_mode.loss(self, model, step, super()._compute_loss)
         finally:
@@ -373,3 +391,17 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 self.metrics_mode, "rs_lone_survivor_fraction", int(lone.sum()), int(has_tokens.sum())
             )
         return result.local
+
+
+def _reused_forward(reuse: tuple, input_ids, attention_mask, logits_to_keep) -> tuple:
+    """The result of a policy forward a mode ran itself (``LossStep.reuse``), for TRL's own call over the same rows.
+
+    Raises:
+        RuntimeError: TRL's call is over other rows (a TRL change the pins missed): the reuse would be wrong.
+    """
+    ids, mask, keep, result = reuse
+    if not (torch.is_grad_enabled() and logits_to_keep == keep and torch.equal(input_ids, ids)
+            and torch.equal(attention_mask, mask)):
+        raise RuntimeError("TRL's loss forward is not over the rows whose forward gave pi_old "
+                           "(rollout_corr_old_forward='auto'); set rollout_corr_old_forward='always' and report this.")
+    return result

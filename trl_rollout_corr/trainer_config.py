@@ -22,6 +22,7 @@ from . import support, trl_compat
 from .config import RolloutCorrectionArguments, RolloutCorrectionConfig
 from .engines.transformers_generate import GENERATE_DTYPES
 from .features.routing_replay import ROUTING_REPLAY_MODES
+from .old_forward import OLD_FORWARD_SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,12 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             forward (pi_old, pi_theta, pi_ref) on CPU, as TRL already does on Triton devices
             (``trl_compat.score_trained_tokens_only``): the same log-probs, entropies and gradients, without the
             prompt and padding rows of the vocabulary projection. False: TRL's choice (every position on CPU).
+        rollout_corr_old_forward (`str`, defaults to `"auto"`):
+            ``"auto"``: in training, pi_old is read from the first loss forward of each generation batch where that
+            forward provably is pi_old (``old_forward``'s rule: ``steps_per_generation == 1``, no dropout, no
+            ``policy_lag_split``, ...), which saves one forward per generation batch (decoupled mode, and the
+            no-correction diagnostics); otherwise, and always with ``"always"``, pi_old has its own no-grad forward.
+            One start-up log line says which, and why.
         rollout_support_matching (`str`, defaults to `"off"`):
             Sampling-support matching (``support``): ``"off"`` scores TRL's full-vocabulary log-probs (the start-up
             report names every sampler parameter that shapes mu but not them, and with truncation on one warning
@@ -163,6 +170,14 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             "same log-probs and gradients, less work. False: TRL's choice (every position)."
         },
     )
+    rollout_corr_old_forward: str = field(
+        default="auto",
+        metadata={
+            "help": "'auto': read pi_old from the first loss forward where it provably is pi_old "
+            "(steps_per_generation 1, no dropout, no policy_lag_split; the start-up log names the reason otherwise), "
+            "one forward fewer per generation batch; 'always': pi_old's own forward."
+        },
+    )
     rollout_support_matching: str = field(
         default="off",
         metadata={
@@ -214,6 +229,9 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
 
     def __post_init__(self):
         support.check_matching_mode(self.rollout_support_matching)
+        if self.rollout_corr_old_forward not in OLD_FORWARD_SETTINGS:
+            _refuse(f"rollout_corr_old_forward must be one of {OLD_FORWARD_SETTINGS}, got "
+                    f"{self.rollout_corr_old_forward!r}.")
         correction = self.resolve()
         if self.rollout_support_matching != "off" and not correction.enabled:
             _refuse(

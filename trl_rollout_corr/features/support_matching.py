@@ -136,9 +136,11 @@ class SupportMatching(Feature):
 
         A forward hook on the policy's backbone (``trl_compat.lm_head_input``: the module whose last hidden state
         TRL's fused LM head scores) runs ``support.SupportScorer`` on each row chunk TRL forwards, over the completion
-        positions only. Matching on, the support-matched log-probs replace TRL's in ``call.result`` (TRL's are then
-        unused: its head's backward does not run) and ``call.miss`` holds the missed tokens; the entropies are TRL's
-        (full vocabulary at ``GRPOConfig.temperature``).
+        positions only. Matching on, the support-matched log-probs replace TRL's in ``call.result`` and ``call.miss``
+        holds the missed tokens; TRL's fused head does not run then (``trl_compat.skip_fused_lm_head``: its output
+        would be thrown away), and the entropies, when the call wants them, come from the scorer's logits (full
+        vocabulary at ``GRPOConfig.temperature``, what TRL's head computes; detached, as TRL's GRPO loss never
+        differentiates them).
         """
         if not self._wanted(trainer, call):
             yield
@@ -148,6 +150,7 @@ class SupportMatching(Feature):
         scorer = self.scorer or support.SupportScorer(self.sampler, "recompute")
         kept = self._kept if call.role == "trl_old" else call.batch.get("rollout_support")
         done = [0]
+        entropy_t = trainer.temperature if replace and call.compute_entropy else None
 
         def score(_args, chunk_kwargs, output):
             ids, mask = chunk_kwargs["input_ids"], chunk_kwargs["attention_mask"]
@@ -156,9 +159,10 @@ class SupportMatching(Feature):
             grad = contextlib.nullcontext() if replace else torch.no_grad()
             with grad, torch.autocast(ids.device.type, enabled=False):
                 return scorer.score(output.last_hidden_state, head.weight, head.bias, ids, mask, call.logits_to_keep,
-                                    rows)
+                                    rows, entropy_temperature=entropy_t)
 
-        with support.capture_module_outputs(backbone, score) as scores:
+        with (support.capture_module_outputs(backbone, score) as scores,
+              trl_compat.skip_fused_lm_head() if replace else contextlib.nullcontext()):
             yield
         logps, entropies, aux_loss = call.result
         if done[0] != logps.size(0):
@@ -166,6 +170,7 @@ class SupportMatching(Feature):
                                "policy's backbone was not called once per row chunk (unsupported model wrapper?).")
         matched = support.SupportScore.cat(scores)
         if replace:
+            entropies = matched.entropy if entropy_t is not None else entropies
             call.result, call.miss = (matched.log_probs, entropies, aux_loss), matched.miss
         if call.role == "trl_old":  # its batch does not exist yet: recorded in on_batch
             self._trl_old_score = matched

@@ -6,6 +6,12 @@ in, as verl does). The loss is TRL's own PPO-clip loss (any of ``trl_compat.SUPP
 the RS mask as loss mask and normaliser and the IS weights multiplying the clipped per-token loss
 (``trl_compat.inject_rs_mask_and_is_weights``). ``max_policy_lag``: rows already over the bound at generation
 (``GenerationBatch.keep_rows``) leave the correction and the baseline in the same exclusion as RS.
+
+pi_old from the first loss forward (``rollout_corr_old_forward="auto"``, ``old_forward``'s rule): in training the
+batch leaves scoring without pi_old; ``prepare_loss`` runs its loss forward (role ``old``: routes replayed and
+measured, support scored and measured), takes the detached log-probs as pi_old, runs the same correction on the rows
+in TRL's shuffled order (``rollout_generation_row`` maps them back for the group baselines) into the batch TRL holds
+(a later iteration finds it done), and hands the forward to TRL's own loss call (``LossStep.reuse``).
 """
 
 from __future__ import annotations
@@ -14,9 +20,9 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .. import support, trl_compat
+from .. import old_forward, support, trl_compat
 from ..correction import make_correction_fn
-from ..hooks import CorrectionMode, GenerationBatch, LossStep
+from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep
 from .common import attach_mu, require_mu, trl_loss_with_ratios
 
 if TYPE_CHECKING:
@@ -35,18 +41,49 @@ class DecoupledMode(CorrectionMode):
 
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
         self.correction_fn = make_correction_fn(trainer.rollout_correction, compile=trainer.args.rollout_corr_compile)
+        self.old_forward_plan = old_forward.plan_for_trainer(trainer, "decoupled")
+        self.replaces_trl_old_forward = self.old_forward_plan.replaces_trl_old_forward
+        old_forward.log_plan(self.old_forward_plan)
+        self._pending: Optional[tuple] = None  # (rewards, keep_rows) of the batch whose pi_old its loss gives
 
     def score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
         attach_mu(trainer, gen, batch, require_mu(batch))
+        if ("old_per_token_logps" not in batch and self.old_forward_plan.from_loss
+                and trainer.metrics_mode == "train"):
+            rows = batch["completion_ids"].size(0)
+            batch[old_forward.GENERATION_ROW] = torch.arange(rows, device=batch["completion_ids"].device)
+            self._pending = (gen.rewards, gen.keep_rows)
+            return
         self.apply_correction(trainer, batch, gen.rewards, gen.keep_rows)
 
+    def prepare_loss(self, trainer, model, step: LossStep) -> None:
+        """pi_old read from the loss forward (module docstring), for the batch's first use."""
+        batch = step.original
+        if old_forward.GENERATION_ROW not in batch or "old_per_token_logps" in batch:
+            return
+        if self._pending is None:
+            raise RuntimeError("A generation batch left scoring without pi_old, but no scoring is pending for it "
+                               "(rollout_corr_old_forward='auto'); set rollout_corr_old_forward='always'.")
+        (rewards, keep_rows), self._pending = self._pending, None
+        rows = batch[old_forward.GENERATION_ROW]
+        fwd = trl_compat.prompt_completion_inputs(batch)
+        result = trainer.policy_forward(ForwardCall("old", model, batch=batch, measure=True), fwd,
+                                        compute_entropy=True, compute_aux_loss=trainer.aux_loss_enabled,
+                                        **fwd.multimodal)
+        trainer.rollout_corr_forward_counts["old_from_loss"] += 1
+        batch["old_per_token_logps"] = result[0].detach().float()
+        self.apply_correction(trainer, batch, rewards, None if keep_rows is None else keep_rows[rows], rows=rows)
+        step.reuse = (fwd.input_ids, fwd.attention_mask, fwd.logits_to_keep, result)
+
     def apply_correction(self, trainer, batch: dict, rewards: Optional[torch.Tensor],
-                         keep_rows: Optional[torch.Tensor] = None) -> None:
+                         keep_rows: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None) -> None:
         """IS weights and RS mask from pi_old vs mu, once per generation batch; RS-aware advantages (in place).
 
         Args:
             batch: the generation batch, with ``rollout_log_probs``. rewards: (B_global, F) TRL's gathered rewards.
             keep_rows: (B,) bool rows within ``max_policy_lag`` at generation, or None.
+            rows: (B,) int64 the generation row of each batch row when the batch is in TRL's shuffled order (pi_old
+                read from the loss forward); None: generation order.
         """
         mask = trl_compat.loss_mask(batch)
         old_log_probs = batch.get("old_per_token_logps")
@@ -65,9 +102,12 @@ class DecoupledMode(CorrectionMode):
         gather = trainer.accelerator.gather
         batch["num_items_in_batch"] = gather(new_mask.sum()).sum()
         # rows left without a loss token (RS, or every token invalid): advantage 0, out of the baseline by default
-        has_tokens = gather(mask.sum(dim=1) > 0)
-        rejected = gather((mask.sum(dim=1) > 0) & (new_mask.sum(dim=1) == 0))
-        batch["advantages"] = trainer.rows_out_of_baseline(batch["advantages"], rejected, has_tokens, rewards)
+        has, rejected, advantages = mask.sum(dim=1) > 0, (mask.sum(dim=1) > 0) & (new_mask.sum(dim=1) == 0), \
+            batch["advantages"]
+        if rows is not None:  # the group baselines need generation order (groups are consecutive there)
+            has, rejected, advantages = (old_forward.to_generation_order(t, rows) for t in (has, rejected, advantages))
+        advantages = trainer.rows_out_of_baseline(advantages, gather(rejected), gather(has), rewards)
+        batch["advantages"] = advantages if rows is None else advantages[rows]
 
     def loss(self, trainer, model, step: LossStep, trl_loss) -> torch.Tensor:
         """TRL's loss with the RS mask as loss mask/normaliser and the IS weights after the clip."""
