@@ -1,4 +1,4 @@
-"""Offline what-if analysis (analyze.py): hand-computed what-if values on a hand-made dump, the check against the
+"""Offline what-if analysis (analyze/): hand-computed what-if values on a hand-made dump, the check against the
 logged values (it passes on real dumps of every mode, to 1e-5, and fails on a tampered value), and config input."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rollout records (records.py): the schema, the writer's layout (unpadded rows, windows, atomic files), and the
+"""Rollout records (records/): the schema, the writer's layout (unpadded rows, windows, atomic files), and the
 reader's validation of bad input (another schema version, a truncated Parquet file, misaligned per-token columns),
 each error naming the file and the fix, nothing overwritten."""
 

@@ -77,7 +77,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             Run the correction math through ``torch.compile`` (``correction.make_correction_fn(..., compile=True)``):
             same values, faster on large batches; the first step pays the compile. Used in both modes.
         rollout_dump_dir (`str`, *optional*):
-            Write rollout records (``records.py``, spec 10) into this folder: every trained sample of every logged
+            Write rollout records (``records/``, spec 10) into this folder: every trained sample of every logged
             step as Parquet, plus ``run.json`` (model, engine, sampling, tokenizer, correction) and ``logs.jsonl``
             (the logged values), for ``trl-rollout-corr analyze``. Unset (default): nothing is written. A folder
             that already holds a dump is refused.

@@ -1,4 +1,4 @@
-"""Rollout records (``rollout_dump_dir``; ``records.py``, spec 10): the writer's lifecycle in the trainer.
+"""Rollout records (``rollout_dump_dir``; ``records/``, spec 10): the writer's lifecycle in the trainer.
 
 Four hooks, training only: ``__init__`` opens the writer and writes ``run.json`` once; ``on_batch`` tags each
 generated row (row index, batch index, local rewards, generation times), which TRL's shuffle and split carry to the

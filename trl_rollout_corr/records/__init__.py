@@ -1,0 +1,108 @@
+"""Rollout records: every trained sample written out per logged step, with a versioned schema (spec section 10).
+
+A *dump* is one folder (``RolloutCorrGRPOConfig.rollout_dump_dir``)::
+
+    run.json                                   once per run: model, engine, sampling, tokenizer, correction, trainer
+    logs.jsonl                                 one line per logged step: its window of steps and the logged values
+    steps/step-00000012.rank-00000.parquet     the samples each rank trained on in that window (one row per use)
+
+One row is one sample *as trained in one micro-batch*: with ``num_iterations > 1`` a sample trained twice has two
+rows (same ``generation_batch`` / ``generation_row``, a later ``step``, its own ``log_probs``), so every
+``rollout_corr/*`` metric of a logged step can be recomputed from the rows alone, for any correction config
+(``trl_rollout_corr.analyze``). The columns are ``schema.COLUMNS`` (name, Arrow type, required or optional, per
+completion token or per row); per-token columns are lists as long as the row's ``completion_ids``, never padded.
+
+Versioning (``SCHEMA_VERSION``, "major.minor", stored in ``run.json`` and in every Parquet file's key-value
+metadata): a reader reads any dump of its major version. A minor version may only add *optional* columns; the
+reserved optional columns of ``schema.COLUMNS`` (policy versions, spec 7; support, spec 8; MoE routes, spec 9) are
+already part of 1.0, so the engineers who fill them need no schema change. A different major version is refused
+with an error naming the file and the fix (``RecordsError``).
+
+Size: per sample about 4 bytes per prompt token and 14 bytes per completion token before compression (ids, masks
+and 2-4 float32 log-prob columns), zstd-compressed on disk; ``benchmarks/RESULTS.md`` has the measured bytes per
+1k samples of the main job. ``rollout_dump_every = N`` keeps one logged window in N to bound a long run.
+
+Writing never overwrites: each Parquet file is written to a temporary name and renamed into place (a crash leaves
+no half-written ``.parquet``), and an existing step file is an error. A folder that already holds ``run.json`` is
+continued by a run resumed from a checkpoint (first trained step k > 0) whose ``run.json`` content is the same
+(schema version, model, tokenizer, engine, sampling, correction, trainer settings but ``max_steps``, rewards, world
+size, ``rollout_dump_every``; the ``run_id`` stays): the windows logged after step k by the interrupted run (its
+steps after the checkpoint, trained again now) are moved to ``superseded/resume-at-<k>/`` (never deleted), so no
+step is in the dump twice, and the resumed run's generation batches are numbered after the kept ones. A run from
+step 0 into a folder with a dump, or a different run's settings, is refused.
+
+Reading validates everything (schema version, Parquet integrity, column types, per-token lengths) before
+any result is produced. Needs ``pyarrow`` (installed with ``datasets``: the ``trl`` extra).
+
+Modules: ``schema`` (versions, file names, columns), ``metadata`` (``run.json``), ``writer``, ``reader``.
+"""
+
+from .metadata import (
+    library_versions,
+    model_fingerprint,
+    run_metadata,
+    tokenizer_fingerprint,
+)
+from .reader import (
+    RolloutDump,
+    Window,
+    check_schema_version,
+    open_dump,
+    padded,
+    read_step_file,
+)
+from .schema import (
+    COLUMNS,
+    COLUMNS_BY_NAME,
+    LOGS_FILE,
+    PER_TOKEN_COLUMNS,
+    REQUIRED_COLUMNS,
+    RUN_FILE,
+    SCHEMA_NAME,
+    SCHEMA_VERSION,
+    STEPS_DIR,
+    TERMINATIONS,
+    Column,
+    RecordsError,
+    arrow_type,
+    schema_markdown,
+    termination_of,
+)
+from .writer import (
+    MicroBatch,
+    RolloutRecordWriter,
+    completion_lengths,
+    terminations,
+)
+
+__all__ = [
+    "COLUMNS",
+    "COLUMNS_BY_NAME",
+    "Column",
+    "LOGS_FILE",
+    "MicroBatch",
+    "PER_TOKEN_COLUMNS",
+    "REQUIRED_COLUMNS",
+    "RUN_FILE",
+    "RecordsError",
+    "RolloutDump",
+    "RolloutRecordWriter",
+    "SCHEMA_NAME",
+    "SCHEMA_VERSION",
+    "STEPS_DIR",
+    "TERMINATIONS",
+    "Window",
+    "arrow_type",
+    "check_schema_version",
+    "completion_lengths",
+    "library_versions",
+    "model_fingerprint",
+    "open_dump",
+    "padded",
+    "read_step_file",
+    "run_metadata",
+    "schema_markdown",
+    "termination_of",
+    "terminations",
+    "tokenizer_fingerprint",
+]
