@@ -46,8 +46,6 @@ class _HalfFresher(StaleRollout):
         return out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: bypass batch norm's step-wide mean (the accumulation window) "
-                   "includes the rows max_policy_lag drops from the loss")
 def test_bypass_batch_norm_excludes_the_rows_max_policy_lag_drops(llama_dir, tmp_path):
     """Micro-batch 8 x accumulation 1 and micro-batch 4 x accumulation 2 are the same optimizer step (8 rows, one
     generation): with max_policy_lag drops the batch-norm mean must be over the kept rows in both, so the grad norms

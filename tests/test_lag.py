@@ -12,7 +12,15 @@ import torch
 
 from stale_rollout import StaleRollout
 from tiny_model import prompt_dataset, reward_len
-from trl_rollout_corr.lag import WeightSchedule, lag_counts, lag_keep, masked_lag_max, policy_lag, row_versions
+from trl_rollout_corr.lag import (
+    WeightSchedule,
+    drop_stale_rows,
+    lag_counts,
+    lag_keep,
+    masked_lag_max,
+    policy_lag,
+    row_versions,
+)
 from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
 
@@ -71,6 +79,28 @@ def test_lag_counts_by_hand():
     assert int(masked_lag_max(lags)) == 5
     assert int(masked_lag_max(torch.zeros(0, dtype=torch.long))) == -1
     assert lag_keep(lags, None).all()
+
+
+def test_drop_stale_rows_by_hand():
+    completion = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    tool = torch.tensor([[1, 0, 1], [1, 1, 1], [1, 1, 1]])
+    batch = {"rollout_policy_version": torch.tensor([3, 1, 2]), "completion_mask": completion, "tool_mask": tool}
+    loss_mask = completion * tool
+    # step 3, bound 1: lags [0, 2, 1], the middle row over it
+    out, keep = drop_stale_rows(batch, loss_mask, 3, 1)
+    assert keep.tolist() == [True, False, True]
+    assert out["tool_mask"].tolist() == [[1, 0, 0], [0, 0, 0], [1, 0, 0]]  # bypass: the loss mask, stale row out
+    assert batch["tool_mask"] is tool and out["completion_mask"] is completion  # a copy; TRL's keys untouched
+    # decoupled: the RS mask carries the drop, TRL's tool mask stays
+    rs = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 0]], dtype=torch.float32)
+    out, _ = drop_stale_rows({**batch, "rollout_rs_mask": rs}, loss_mask, 3, 1)
+    assert out["rollout_rs_mask"].tolist() == [[1, 0, 0], [0, 0, 0], [0, 0, 0]] and out["tool_mask"] is tool
+    # every row kept, no bound, no versions: the batch itself
+    same, keep = drop_stale_rows(batch, loss_mask, 3, 2)
+    assert same is batch and keep.tolist() == [True, True, True]
+    assert drop_stale_rows(batch, loss_mask, 3, None) == (batch, None)
+    no_versions = {"completion_mask": completion}
+    assert drop_stale_rows(no_versions, completion, 3, 0) == (no_versions, None)
 
 
 def test_weight_schedule():

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -137,6 +137,40 @@ def lag_keep(lags: torch.Tensor, max_policy_lag: Optional[int]) -> torch.Tensor:
     if max_policy_lag is None:
         return torch.ones_like(lags, dtype=torch.bool)
     return lags <= int(max_policy_lag)
+
+
+def drop_stale_rows(
+    batch: Mapping[str, Any], loss_mask: torch.Tensor, current_step: int, max_policy_lag: Optional[int],
+) -> tuple[Mapping[str, Any], Optional[torch.Tensor]]:
+    """``max_policy_lag``'s filter of one micro-batch: the one rule that ``features.policy_lag.PolicyLag.before_loss``
+    applies to the micro-batch it trains and the bypass batch-normalisation window (``modes.bypass``) to each
+    micro-batch of the step it scores, so the window's mean is over the rows the loss keeps.
+
+    Args:
+        batch: the micro-batch's keys: ``rollout_policy_version`` (B,) int (none: nothing to filter), and
+            ``rollout_rs_mask`` (B, T) when the decoupled correction made one.
+        loss_mask: (B, T) 0/1, TRL's loss mask of ``batch`` (``trl_compat.loss_mask``).
+        current_step: the trainer's optimizer step now; a row's lag is ``current_step`` minus its version.
+        max_policy_lag: the bound in optimizer steps; None: no filter.
+
+    Returns:
+        ``(batch, keep)``: ``batch`` itself when every row is kept, else a shallow copy whose rows over the bound are
+        out of the loss (decoupled: times the RS mask; bypass: ``tool_mask`` := ``loss_mask`` times the keep mask);
+        ``keep`` (B,) bool, or None without a bound or versions.
+    """
+    versions = batch.get("rollout_policy_version")
+    if versions is None or max_policy_lag is None:
+        return batch, None
+    keep = lag_keep(policy_lag(versions, current_step), max_policy_lag)
+    if bool(keep.all()):
+        return batch, keep
+    rows = keep[:, None].to(loss_mask.device)
+    out = dict(batch)
+    if "rollout_rs_mask" in out:
+        out["rollout_rs_mask"] = out["rollout_rs_mask"] * rows.to(out["rollout_rs_mask"].dtype)
+    else:
+        out["tool_mask"] = loss_mask * rows.to(loss_mask.dtype)
+    return out, keep
 
 
 def lag_counts(lags: torch.Tensor, tokens: torch.Tensor, keep: Optional[torch.Tensor] = None) -> dict[str, tuple]:

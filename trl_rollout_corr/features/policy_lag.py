@@ -18,7 +18,7 @@ import torch
 
 from .. import trl_compat
 from ..hooks import Feature, GenerationBatch, LossStep
-from ..lag import lag_keep, policy_lag, row_versions
+from ..lag import drop_stale_rows, lag_keep, policy_lag, row_versions
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
@@ -65,22 +65,14 @@ class PolicyLag(Feature):
 
     def before_loss(self, trainer, step: LossStep) -> None:
         """The micro-batch's per-row lag into ``rollout_corr/policy_lag_*``; with ``max_policy_lag``, ``step.inputs``
-        becomes a copy whose stale rows are out of the loss mask (decoupled: the RS mask; bypass: ``tool_mask``),
-        counted as ``policy_lag_dropped_fraction``."""
+        becomes a copy whose stale rows are out of the loss mask (``lag.drop_stale_rows``; decoupled: the RS mask;
+        bypass: ``tool_mask``), counted as ``policy_lag_dropped_fraction``."""
         inputs = step.inputs
         versions = inputs.get("rollout_policy_version")
         if versions is None:
             return
-        lags = policy_lag(versions, trainer.state.global_step)
+        step_now = trainer.state.global_step
         mask = trl_compat.loss_mask(inputs)
-        keep = None if self.bound is None else lag_keep(lags, self.bound)
-        trainer.rollout_corr_metrics.add_policy_lag_rows(trainer.metrics_mode, lags, mask.sum(dim=1), keep)
-        if keep is None or bool(keep.all()):
-            return
-        keep = keep[:, None].to(mask.device)
-        out = dict(inputs)
-        if "rollout_rs_mask" in out:
-            out["rollout_rs_mask"] = out["rollout_rs_mask"] * keep.to(out["rollout_rs_mask"].dtype)
-        else:
-            out["tool_mask"] = mask * keep.to(mask.dtype)
-        step.inputs = out
+        step.inputs, keep = drop_stale_rows(inputs, mask, step_now, self.bound)
+        trainer.rollout_corr_metrics.add_policy_lag_rows(trainer.metrics_mode, policy_lag(versions, step_now),
+                                                         mask.sum(dim=1), keep)

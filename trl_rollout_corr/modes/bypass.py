@@ -6,8 +6,8 @@ The correction is computed from the current pi_theta (detached) against mu and t
 ``beta`` * KL to pi_ref and the MoE aux loss as TRL's ``_compute_loss`` adds them. The RS mask is the loss mask and
 normaliser (dapo: the pre-RS token count, as verl's engine workers); the advantages were computed at generation time,
 before pi_theta exists, so rows rejected here stay in their group's baseline. Batch normalisation divides by the mean
-over the optimizer step's rows: with gradient accumulation they are scored once, with no grad, at the step's first
-micro-batch (the ``batch_norm_window`` forwards).
+over the optimizer step's rows the loss keeps (``max_policy_lag``'s dropped rows excluded): with gradient accumulation
+they are scored once, with no grad, at the step's first micro-batch (the ``batch_norm_window`` forwards).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from trl.trainer.grpo_trainer import disable_gradient_checkpointing
 from .. import support, trl_compat
 from ..correction import make_correction_fn
 from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep
+from ..lag import drop_stale_rows
 from ..losses import DEFAULT_DUAL_CLIP, PPOClip, bypass_policy_loss
 from .common import attach_mu, require_mu
 
@@ -101,10 +102,14 @@ class BypassMode(CorrectionMode):
         return lambda _local_total: total
 
     def _window_total(self, trainer, model) -> torch.Tensor:
-        """The global (sum of weights, count) over every row of the optimizer step now starting: the step's
-        micro-batches (``trainer.step_micro_batches()``) scored with no grad, the correction run on all of them at
-        once (its statistics are discarded; only the batch-normalisation total is kept)."""
-        chunks = trainer.step_micro_batches()
+        """The global (sum of weights, count) over every row of the optimizer step now starting that its loss keeps:
+        the step's micro-batches (``trainer.step_micro_batches()``, the rows over ``max_policy_lag`` out of their mask
+        as ``lag.drop_stale_rows`` takes them out of the loss) scored with no grad, the correction run on all of them
+        at once (its statistics are discarded; only the batch-normalisation total is kept)."""
+        step, bound = trainer.state.global_step, trainer.args.max_policy_lag
+        # each micro-batch as its loss will train it: max_policy_lag's dropped rows out (PolicyLag.before_loss's rule)
+        chunks = [drop_stale_rows(chunk, trl_compat.loss_mask(chunk), step, bound)[0]
+                  for chunk in trainer.step_micro_batches()]
         log_probs, rollout, masks = [], [], []
         trainer.rollout_corr_forward_counts["batch_norm_window"] += 1
         no_checkpointing = disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs)
