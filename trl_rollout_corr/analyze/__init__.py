@@ -20,6 +20,7 @@ at each lag, each slice corrected on its own rows: RS decisions, kl, k3 and the 
 the rest of the batch).
 
 Everything here reads tensors from ``records.RolloutDump``; nothing writes. ``cli.py`` prints and plots.
+
 Modules: ``configs`` (what-if configs), ``rows`` (rows, counts, merged parts), ``recompute`` (the grouping),
 ``check`` (against the logs), ``summary`` (table rows, ``analyse_dump``).
 """
