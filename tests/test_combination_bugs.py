@@ -78,8 +78,6 @@ def _assert_engine_ratio_is_one_on_stale_steps(logs):
     assert max(abs(log["rollout_corr/lag_ratio_max"] - 1.0) for log in stale) > 1e-3
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: policy_lag_split's weights-at-version forward scores the full "
-                   "vocabulary while mu and pi_old are support-matched (rollout_support_matching='recompute')")
 def test_lag_split_scores_the_version_forward_over_the_engines_support(llama_dir, tmp_path):
     """A float32 top-p 0.8 engine, sync interval 3, support matching "recompute": pi_train@v over the engine's
     support is mu exactly, so the stale steps' engine ratio is 1 to 1e-5 (before: median ~0.80, 1/S absorbed by the

@@ -3,7 +3,8 @@
 
 The trainer keeps a copy of the policy's weights per version still in use (one per optimizer step of lag; taken when
 a generation batch starts) and, after the mode has scored a batch (pi_old exists then), scores each stale version's
-rows with a scratch copy of the policy: one no-grad forward (role ``version``) per stale version and generation batch.
+rows with a scratch copy of the policy: one no-grad forward (role ``version``: support-scored when matching, as pi_old
+and mu are) per stale version and generation batch.
 The result rides in the batch as ``rollout_version_log_probs``; the mode's ratio decomposition reads it.
 """
 
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
-from .. import trl_compat
+from .. import support, trl_compat
 from ..hooks import Feature, ForwardCall, GenerationBatch
 
 if TYPE_CHECKING:
@@ -83,9 +84,7 @@ class LagSplit(Feature):
         self.model.load_state_dict(weights)
         fwd = trl_compat.prompt_completion_inputs(rows)
         trainer.rollout_corr_forward_counts["version_log_probs"] += 1
+        call = ForwardCall("version", self.model, batch=rows)
         with torch.no_grad():
-            lp, _, _ = trainer.policy_forward(
-                ForwardCall("version", self.model, batch=rows), fwd,
-                batch_size=trainer.args.per_device_train_batch_size,
-            )
-        return lp.float()
+            lp, _, _ = trainer.policy_forward(call, fwd, batch_size=trainer.args.per_device_train_batch_size)
+        return support.invalidate_misses(lp.float(), call.miss)  # support matching: missed tokens NaN, as mu's

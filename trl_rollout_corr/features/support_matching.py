@@ -5,9 +5,10 @@ At start-up: the sampler contract (``rollout_sampler``: what the engine applies,
 ``generation_kwargs`` and the model's ``generation_config.json``, or a ``rollout_func``'s ``sampler_contract``) and a
 report of every parameter that shapes mu but not the trainer's log-probs (``rollout_sampler_report``).
 
-``"recompute"`` / ``"replay"``: the pi_old and pi_theta forwards (roles ``trl_old``, ``old``, ``loss``,
-``bypass_loss``, ``batch_norm_window``) score over the engine's support, the missed tokens (sampled outside it) come
-back as ``ForwardCall.miss`` / the batch key ``rollout_support_miss`` and are made invalid by the mode,
+``"recompute"`` / ``"replay"``: the pi_old, pi_theta and pi_train@v forwards (roles ``trl_old``, ``old``, ``loss``,
+``bypass_loss``, ``batch_norm_window``, ``version``) score over the engine's support, the missed tokens (sampled
+outside it) come back as ``ForwardCall.miss`` / the batch key ``rollout_support_miss`` and are made invalid by the
+mode (``version``: by ``LagSplit``),
 ``rollout_corr/support_*`` are logged for the forwards that measure. ``"off"`` with truncation: TRL's log-probs, the
 kept mass measured once on the first training batch and reported in one warning at the next log.
 """
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("trl_rollout_corr.trainer")  # the trainer's logger: its messages keep their source
 
-SCORED_ROLES = frozenset({"trl_old", "old", "loss", "bypass_loss", "batch_norm_window"})
+# "version": policy_lag_split's pi_train@v, compared with mu and pi_old, so scored over the same support
+SCORED_ROLES = frozenset({"trl_old", "old", "loss", "bypass_loss", "batch_norm_window", "version"})
 
 
 class SupportMatching(Feature):
