@@ -369,7 +369,7 @@ class PartTimers:
                                                                  "records"))
         support.SupportScorer.score = self.wrap(support.SupportScorer.score, "support")
         support.SupportStats.from_score = classmethod(self.wrap(support.SupportStats.from_score.__func__, "support"))
-        function = getattr(support, "_SupportLogProbs", None)
+        function = getattr(getattr(support, "scorer", support), "_SupportLogProbs", None)  # support/scorer.py
         if function is not None:
             function.backward = self.wrap(function.__dict__["backward"].__func__, "support", static=True)
 

@@ -1,4 +1,4 @@
-"""support.py: the sampler contract, the support computation (against hand-computed values, transformers' own
+"""support/: the sampler contract, the support computation (against hand-computed values, transformers' own
 logits processors and finite differences), the kept-token sets and the support metrics."""
 
 from __future__ import annotations

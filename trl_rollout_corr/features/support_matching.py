@@ -1,4 +1,4 @@
-"""Sampling-support matching (``rollout_support_matching``; ``support.py``): the sampler contract, its start-up report
+"""Sampling-support matching (``rollout_support_matching``; ``support/``): the sampler contract, its start-up report
 and, when matching, the support-scored policy forwards.
 
 At start-up: the sampler contract (``rollout_sampler``: what the engine applies, from the config,
