@@ -87,8 +87,6 @@ def test_lag_split_scores_the_version_forward_over_the_engines_support(llama_dir
     _assert_engine_ratio_is_one_on_stale_steps(logs)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: policy_lag_split's copy of the policy for the weights-at-version "
-                   "forward keeps the replay hooks and reads another forward's routes (routing_replay='r3')")
 def test_lag_split_replays_each_rows_own_routes_in_the_version_forward(tmp_path):
     """A tiny Qwen3-MoE engine (float32, its routes returned), sync interval 3, routing_replay="r3", generation
     batches of two forward chunks: the version forward with each row's own routes is the engine's forward, so the

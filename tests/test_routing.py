@@ -328,6 +328,33 @@ def test_replay_follows_row_chunks_and_checks_alignment():
         replayer.remove()
 
 
+def test_a_deep_copy_of_the_model_carries_its_own_idle_replayer():
+    """policy_lag_split's scratch copy (issue 22): a ``copy.deepcopy`` of a model with a replayer routes itself,
+    although the original's last chunk is still current, and replays only in its own replayer's blocks."""
+    model, _ = make_tiny_model("qwen3_moe", seed=0)
+    model.eval()
+    ids, mask = _batch(seed=3)
+    routes = _other_routes(_own_routes(model, ids, mask), 8, seed=7)
+    replayer = RouteReplayer(model)
+    try:
+        with torch.no_grad():
+            plain = _completion_log_probs(model, ids, mask, 7)
+            with replayer.replay(routes, ids):
+                replayed = _completion_log_probs(model, ids, mask, 7)  # its chunk stays current after the block
+            assert not torch.allclose(replayed, plain)
+            scratch = copy.deepcopy(model)
+            own = RouteReplayer.installed_on(scratch)
+            assert RouteReplayer.installed_on(model) is replayer and own is not None and own is not replayer
+            assert all(r.weight.data_ptr() != o.weight.data_ptr()
+                       for r, o in zip(own.routers.routers, replayer.routers.routers))  # bound to the copy
+            assert torch.equal(_completion_log_probs(scratch, ids, mask, 7), plain)
+            with own.replay(routes, ids):
+                assert torch.equal(_completion_log_probs(scratch, ids, mask, 7), replayed)
+    finally:
+        replayer.remove()
+    assert RouteReplayer.installed_on(model) is None
+
+
 def test_replay_under_gradient_checkpointing_recomputes_the_same_routes():
     """The backward's recompute (non-reentrant checkpointing) re-runs the routers after the replay block: it must
     replay the same routes, or the gradients would belong to another computation."""

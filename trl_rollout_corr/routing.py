@@ -37,6 +37,7 @@ Replay (``RouteReplayer``):
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import re
 from dataclasses import dataclass, field
@@ -476,7 +477,8 @@ class RouteReplayer:
     routers' hooks then substitute those rows' routes, layer by layer. The chunk stays current until the next
     top-level forward, so gradient checkpointing's recompute in the backward (which re-runs the decoder layers, not
     the stack's pre-hook) replays the same routes; ``replay`` refuses several chunks under gradient checkpointing
-    with grad enabled (the recompute of an earlier chunk could not be told apart).
+    with grad enabled (the recompute of an earlier chunk could not be told apart). A ``copy.deepcopy`` of the model
+    carries its own copy of the replayer (``installed_on(copy)``), which replays only in its own ``replay`` blocks.
 
     Args:
         model: a model (or wrapper) whose routers belong to one ``ROUTER_FAMILIES`` family.
@@ -492,6 +494,22 @@ class RouteReplayer:
         self._handles = [self.routers.base.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
         for position, router in enumerate(self.routers.routers):
             self._handles.append(router.register_forward_hook(self._router_hook(position)))
+
+    @staticmethod
+    def installed_on(model: torch.nn.Module) -> Optional["RouteReplayer"]:
+        """The replayer whose hooks are on ``model``'s MoE decoder stack, or None: the one built on it, or the copy
+        that a ``copy.deepcopy`` of a model with a replayer carries (bound to the copy's modules, with its own
+        state).
+
+        Raises:
+            ValueError: from ``find_moe_routers`` (dense model, unsupported family).
+        """
+        base = find_moe_routers(model).base
+        for hook in base._forward_pre_hooks.values():
+            owner = getattr(hook, "__self__", None)
+            if isinstance(owner, RouteReplayer) and owner.routers.base is base:
+                return owner
+        return None
 
     def remove(self) -> None:
         """Remove the hooks (the model then routes as it always did)."""
@@ -578,27 +596,29 @@ class RouteReplayer:
         return any(getattr(m, "gradient_checkpointing", False) and m.training for m in self.routers.base.modules())
 
     def _router_hook(self, position: int) -> Callable:
+        # a partial of a bound method, not a closure over ``self``: a deep copy of the model (``copy.deepcopy``, e.g.
+        # policy_lag_split's scratch copy) then carries its own copy of this replayer (``installed_on``), idle outside
+        # its own replay blocks, instead of hooks that substitute this replayer's current chunk
+        return functools.partial(self._route, position)
+
+    def _route(self, position: int, module, args, output):
+        """The router hook of MoE layer ``position``: its own top-k replaced by the current chunk's routes."""
+        chunk = self._current
+        if chunk is None:
+            return None
         family, layer = self.routers.family, self.routers.layer_indices[position]
-        last = position == self.routers.num_layers - 1
-
-        def hook(module, args, output):
-            chunk = self._current
-            if chunk is None:
-                return None
-            logits, _, own = output
-            recorded = chunk.routes[:, :, position].reshape(-1, chunk.routes.size(-1))
-            if recorded.size(0) != own.size(0):
-                raise RuntimeError(
-                    f"layer {layer}: the router saw {own.size(0)} tokens, the bound routes hold {recorded.size(0)}."
-                )
-            routed = recorded[:, 0] != NO_ROUTE
-            if chunk.measure and position not in chunk.seen:
-                self._count(chunk, layer, recorded, own, routed, last)
-            chunk.seen.add(position)
-            expert_ids = torch.where(routed.unsqueeze(-1), recorded, own)
-            return logits, family.gate_weights(module, logits, expert_ids), expert_ids
-
-        return hook
+        logits, _, own = output
+        recorded = chunk.routes[:, :, position].reshape(-1, chunk.routes.size(-1))
+        if recorded.size(0) != own.size(0):
+            raise RuntimeError(
+                f"layer {layer}: the router saw {own.size(0)} tokens, the bound routes hold {recorded.size(0)}."
+            )
+        routed = recorded[:, 0] != NO_ROUTE
+        if chunk.measure and position not in chunk.seen:
+            self._count(chunk, layer, recorded, own, routed, position == self.routers.num_layers - 1)
+        chunk.seen.add(position)
+        expert_ids = torch.where(routed.unsqueeze(-1), recorded, own)
+        return logits, family.gate_weights(module, logits, expert_ids), expert_ids
 
     @staticmethod
     def _count(chunk: _Chunk, layer: int, recorded, own, routed, last: bool) -> None:

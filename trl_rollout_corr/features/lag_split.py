@@ -4,7 +4,7 @@
 The trainer keeps a copy of the policy's weights per version still in use (one per optimizer step of lag; taken when
 a generation batch starts) and, after the mode has scored a batch (pi_old exists then), scores each stale version's
 rows with a scratch copy of the policy: one no-grad forward (role ``version``: support-scored when matching, as pi_old
-and mu are) per stale version and generation batch.
+and mu are; each row's own routes replayed with routing replay) per stale version and generation batch.
 The result rides in the batch as ``rollout_version_log_probs``; the mode's ratio decomposition reads it.
 """
 
@@ -21,6 +21,10 @@ from ..hooks import Feature, ForwardCall, GenerationBatch
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
+
+
+# the batch keys the version forward reads: TRL's rows, and their routes (routing replay, replayed in it)
+_ROW_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "routed_experts")
 
 
 class LagSplit(Feature):
@@ -70,7 +74,7 @@ class LagSplit(Feature):
                 )
             rows = versions == version
             version_log_probs[rows] = self._log_probs_at_version(trainer, weights, {
-                k: batch[k][rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+                k: batch[k][rows] for k in _ROW_KEYS if k in batch
             })
         batch["rollout_version_log_probs"] = version_log_probs
         oldest = int(versions.min())

@@ -1,7 +1,9 @@
 """Routing replay (``routing_replay="r3"``, Rollout Routing Replay for mixture-of-experts models; ``routing.py``,
 ``docs/routing-replay.md``): the rollout's expert choices, recorded while ``transformers.generate`` samples or
 returned by a ``rollout_func`` as ``routed_experts``, ride in the batch as ``routed_experts`` and are replayed in the
-policy forwards (roles ``old``, ``loss``, ``bypass_loss``, ``batch_norm_window``; never ``ref``).
+policy forwards (roles ``old``, ``loss``, ``bypass_loss``, ``batch_norm_window``; never ``ref``) and in
+``policy_lag_split``'s weights-at-version forward (role ``version``, on its scratch copy of the policy, by the replayer
+that copy carries: ``RouteReplayer.installed_on``).
 ``rollout_corr/routing_mismatch_fraction`` (overall, ``/layer_<i>``) and ``routing_token_mismatch_fraction`` count the
 trainer's own differing choices before substitution, in the forwards that measure (``ForwardCall.measure``).
 
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
 
 ROUTING_REPLAY_MODES = ("off", "r3")
-REPLAYED_ROLES = frozenset({"old", "loss", "bypass_loss", "batch_norm_window"})
+REPLAYED_ROLES = frozenset({"old", "loss", "bypass_loss", "batch_norm_window", "version"})
 
 
 class RoutingReplay(Feature):
@@ -107,8 +109,9 @@ class RoutingReplay(Feature):
 
     @contextlib.contextmanager
     def forward(self, trainer, call: ForwardCall) -> Iterator[None]:
-        """Replay the batch's ``routed_experts`` in the policy forwards; with ``call.measure`` add the mismatch
-        counts to ``rollout_corr/routing_*`` (``RolloutCorrAccumulator.add_fraction_counts``)."""
+        """Replay the batch's ``routed_experts`` in the policy forwards (role ``version``: with the replayer of
+        ``call.model``, a copy of the policy); with ``call.measure`` add the mismatch counts to
+        ``rollout_corr/routing_*`` (``RolloutCorrAccumulator.add_fraction_counts``)."""
         if call.role not in REPLAYED_ROLES:
             yield
             return
@@ -118,5 +121,9 @@ class RoutingReplay(Feature):
         on_counts = (functools.partial(trainer.rollout_corr_metrics.add_fraction_counts, trainer.metrics_mode)
                      if call.measure else None)
         input_ids = trl_compat.prompt_completion_inputs(call.batch).input_ids
-        with self.replayer.replay(routes, input_ids, measure=call.measure, on_counts=on_counts):
+        replayer = self.replayer if call.role != "version" else RouteReplayer.installed_on(call.model)
+        if replayer is None:
+            raise RuntimeError("routing_replay='r3': the copy of the policy for this forward carries no route "
+                               "replayer (a copy.deepcopy of the policy carries one); report this.")
+        with replayer.replay(routes, input_ids, measure=call.measure, on_counts=on_counts):
             yield
