@@ -141,6 +141,10 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self.rollout_corr_features = build_features(self)
         self._skip_trl_old = self.rollout_corr_mode.replaces_trl_old_forward or any(
             f.replaces_trl_old_forward for f in self.rollout_corr_features)
+        # compact scoring only with a correction configured: on some shapes the LM head's matmul over fewer rows
+        # rounds differently (bench_step's tiny Llama: grad norm 1.9e-6 off at step 3), and without a correction
+        # the trainer must be plain TRL bit for bit
+        self._compact_scoring = self.args.rollout_corr_compact_scoring and self.rollout_corr_mode.name != "diagnostics"
 
     @property
     def rollout_sampler(self):
@@ -215,7 +219,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         call.logits_to_keep = logits_to_keep
         call.compute_entropy = bool(kwargs.get("compute_entropy", False))
         with self.rollout_corr_features.around("forward", self, call):
-            with trl_compat.score_trained_tokens_only(self.args.rollout_corr_compact_scoring):
+            with trl_compat.score_trained_tokens_only(self._compact_scoring):
                 call.result = super()._get_per_token_logps_and_entropies(
                     model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
                 )

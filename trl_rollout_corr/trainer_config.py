@@ -87,8 +87,11 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         rollout_corr_compact_scoring (`bool`, defaults to `True`):
             Score only the trained (completion, non-padding) positions through the LM head in every log-prob
             forward (pi_old, pi_theta, pi_ref) on CPU, as TRL already does on Triton devices
-            (``trl_compat.score_trained_tokens_only``): the same log-probs, entropies and gradients, without the
-            prompt and padding rows of the vocabulary projection. False: TRL's choice (every position on CPU).
+            (``trl_compat.score_trained_tokens_only``): the same log-probs, entropies and gradients up to float
+            rounding (over fewer rows the projection can round differently: 1e-7 relative), without the prompt and
+            padding rows of the vocabulary projection. Only with a correction configured: without one the
+            trainer keeps TRL's choice, so that it stays plain TRL bit for bit. False: TRL's choice (every position
+            on CPU).
         rollout_corr_old_forward (`str`, defaults to `"auto"`):
             ``"auto"``: in training, pi_old is read from the first loss forward of each generation batch where that
             forward provably is pi_old (``old_forward``'s rule: ``steps_per_generation == 1``, no dropout, no
@@ -166,8 +169,9 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
     rollout_corr_compact_scoring: bool = field(
         default=True,
         metadata={
-            "help": "Score only the trained positions through the LM head on CPU (as TRL does on Triton devices): "
-            "same log-probs and gradients, less work. False: TRL's choice (every position)."
+            "help": "Score only the trained positions through the LM head on CPU (as TRL does on Triton devices), "
+            "with a correction configured: same log-probs and gradients up to float rounding, less work. False, and "
+            "without a correction: TRL's choice (every position)."
         },
     )
     rollout_corr_old_forward: str = field(
