@@ -14,6 +14,8 @@ Runs (each in a fresh process, one torch thread, float32 trainer):
 * ``ours_records``: ``ours_decoupled`` with rollout records on (``rollout_dump_dir``).
 * ``ours_decoupled_always``: ``ours_decoupled`` with ``rollout_corr_old_forward="always"`` (the extra pi_old forward
   kept); offered only where the config has that field.
+* ``ours_none``: ``RolloutCorrGRPOTrainer`` with no correction configured (the equality table compares it with
+  ``trl``: it must be bit-identical).
 
 The same rollouts for every run: sampled once (``--sample``, cached in ``<out>/rollouts.pt``) from a bfloat16 copy
 of the initial weights with ``transformers.generate`` (mu = the processed log-probs,
@@ -35,12 +37,13 @@ fixed forward + backward with full-vocabulary scoring of every position, timed a
 (``--calibrate``): the machine is shared, this normalises for the load a run met.
 
 Equality: loss, grad norm and every ``rollout_corr/*`` metric of every step, between the runs that train the same
-way by construction (``ours_decoupled``, ``ours_records``, ``ours_decoupled_always``) and between the rounds of
-each run (determinism), max |difference| and whether it is within 1e-6.
+way by construction (``ours_decoupled``, ``ours_records``, ``ours_decoupled_always``; ``trl`` and ``ours_none``)
+and between the rounds of each run (determinism), max |difference| and whether it is within 1e-6.
 
 ``results.json`` in ``--out`` is rewritten after every run (a stopped benchmark keeps what finished); ``--resume``
-skips the (round, run) pairs already there. ``--write-results PATH`` replaces this script's section of a
-RESULTS.md (``results_md.replace_section``); ``--report-only`` re-renders from ``results.json``.
+skips the (round, run) pairs already there (a benchmark can be run in chunks: ``--rounds 1``, then
+``--rounds 2 --resume``; the runs listed are the union over the chunks). ``--write-results PATH`` replaces this
+script's section of a RESULTS.md (``results_md.replace_section``); ``--report-only`` re-renders from ``results.json``.
 
     .venv/bin/python benchmarks/bench_step.py --model tiny --rounds 1        # quick check (about a minute)
     .venv/bin/python benchmarks/bench_step.py --lock /tmp/cpu.lock --rounds 2 --steps 3 \\
@@ -103,10 +106,11 @@ RUNS = (
     Run("ours_decoupled_always", "ours, decoupled, pi_old forward always run",
         fields=(("rollout_corr_preset", DECOUPLED), ("rollout_corr_old_forward", "always")),
         needs=("rollout_corr_old_forward",)),
+    Run("ours_none", "ours, no correction configured (must equal plain TRL bit for bit)"),
 )
 BY_NAME = {r.name: r for r in RUNS}
 # Runs that train identically by construction (records and the pi_old elision change no value).
-EQUAL_GROUPS = (("ours_decoupled", "ours_records", "ours_decoupled_always"),)
+EQUAL_GROUPS = (("ours_decoupled", "ours_records", "ours_decoupled_always"), ("trl", "ours_none"))
 # (numerator, denominator, target ratio of CPU s/step, label)
 TARGETS = (
     ("ours_decoupled", "trl_is", 0.70, "ours decoupled / TRL with its IS"),
@@ -725,10 +729,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                      f"runs {missing} need config fields this checkout lacks ({[BY_NAME[r].needs for r in missing]})")
     previous = json.loads(path.read_text()) if args.resume and path.exists() else None
     results = previous or {"meta": {}, "runs": []}
+    listed = list(dict.fromkeys([*results["meta"].get("runs", []), *runs]))  # the union over resumed chunks
+    command = shlex.join(["python", "benchmarks/bench_step.py", *(argv if argv is not None else sys.argv[1:])])
     results["meta"].update(
-        command=shlex.join(["python", "benchmarks/bench_step.py", *(argv if argv is not None else sys.argv[1:])]),
+        command=f"{results['meta']['command']}`, then `{command}" if previous else command,
         commit=_commit(), started=results["meta"].get("started", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
-        machine=f"{os.cpu_count()} CPUs ({os.uname().machine})", runs=runs, rounds=args.rounds, steps=args.steps,
+        machine=f"{os.cpu_count()} CPUs ({os.uname().machine})", runs=listed, rounds=args.rounds, steps=args.steps,
         prompts=args.prompts, generations=args.generations, max_completion_length=args.max_completion_length,
         top_p=args.top_p, learning_rate=args.learning_rate, seed=args.seed,
         model_label="SmolLM2-135M-Instruct, float32" if args.model == "smollm2" else "tiny random Llama: a check of "
