@@ -45,7 +45,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     if args.keep is not None or args.quantile is not None or args.suggest_options:
         raise UsageError("--keep, --quantile and --suggest-options belong to --suggest: add --suggest (e.g. "
                          "analyze DUMP --suggest --keep 0.99).")
-    from .analyze import analyse_dump, check_tolerance, length_slices, preset_config, summary_row, yaml_config
+    from .analyze import analyse_dump, check_tolerance, preset_config, yaml_config
     from .records import open_dump
 
     buckets = _length_buckets(args.length_buckets) if args.length_buckets else None
@@ -70,6 +70,29 @@ def run_analyze(args: argparse.Namespace) -> int:
           f"{meta.get('model', {}).get('name_or_path')}, engine {meta.get('engine', {}).get('rollout_engine')} "
           f"({meta.get('engine', {}).get('rollout_dtype')}).")
     _print_check(check)
+    _print_what_if_tables(analyses)
+    report = _analysis_report(dump, check, analyses)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "analysis.json").write_text(json.dumps(report, indent=2) + "\n")
+    written = [out / "analysis.json"]
+    if not args.no_plots:
+        from .plotting import analyze_figures
+
+        identity = {"model": meta.get("model", {}).get("name_or_path"),
+                    "engine": meta.get("engine", {}).get("rollout_engine"),
+                    "rollout dtype": meta.get("engine", {}).get("rollout_dtype"),
+                    "train dtype": meta.get("model", {}).get("dtype"),
+                    "trained": f"{preset or 'custom'} ({meta.get('correction', {}).get('mode')})",
+                    "dump": str(dump.path)}
+        written += analyze_figures(analyses, out, identity)
+    print("\nWrote " + ", ".join(str(p) for p in written))
+    return EXIT_OK if check.ok or args.no_check else EXIT_CHECK_FAILED
+
+
+def _print_what_if_tables(analyses) -> None:
+    """``analyze``'s three what-if tables: every config's total, by response length, by policy lag."""
+    from .analyze import length_slices, summary_row
+
     header = ["config", "mode", "kept tokens", "kept rows", "ESS", "kl", "k3_kl", "k3 kept", "rows", "tokens"]
     rows = []
     for a in analyses:
@@ -97,22 +120,6 @@ def run_analyze(args: argparse.Namespace) -> int:
                          _fmt(s["kept_rows"], "%"), _fmt(s["ess"], "f"), _fmt(s["kl"]), _fmt(s["k3_kl"]),
                          _fmt(s["kept_k3"])])
     print(format_table(["config", "lag", "uses", "kept tokens", "kept rows", "ESS", "kl", "k3_kl", "k3 kept"], rows))
-    report = _analysis_report(dump, check, analyses)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "analysis.json").write_text(json.dumps(report, indent=2) + "\n")
-    written = [out / "analysis.json"]
-    if not args.no_plots:
-        from .plotting import analyze_figures
-
-        identity = {"model": meta.get("model", {}).get("name_or_path"),
-                    "engine": meta.get("engine", {}).get("rollout_engine"),
-                    "rollout dtype": meta.get("engine", {}).get("rollout_dtype"),
-                    "train dtype": meta.get("model", {}).get("dtype"),
-                    "trained": f"{preset or 'custom'} ({meta.get('correction', {}).get('mode')})",
-                    "dump": str(dump.path)}
-        written += analyze_figures(analyses, out, identity)
-    print("\nWrote " + ", ".join(str(p) for p in written))
-    return EXIT_OK if check.ok or args.no_check else EXIT_CHECK_FAILED
 
 
 SUGGEST_OUTPUTS = ("suggest.json", "suggest_kept_vs_threshold.png")
@@ -146,6 +153,33 @@ def run_suggest(args: argparse.Namespace) -> int:
     print(f"Suggestions for {dump.path} ({mode} rows, as analyze re-applies them): each threshold {how}; IS "
           "options: the TIS cap U, kept = untruncated (R <= U). RS suggestions keep the trained IS settings, IS "
           "suggestions its RS settings.")
+    _print_suggestion_tables(suggestions)
+    out.mkdir(parents=True, exist_ok=True)
+    configs_dir = out / "suggest_configs"
+    configs_dir.mkdir(exist_ok=True)
+    print("\nYAML to paste into the recipe config (one option; also written to " + str(configs_dir) + "):")
+    for s in suggestions:
+        text = yaml_text(s, by_keep)
+        (configs_dir / f"{s.option}.yaml").write_text(text)
+        print(text)
+    (out / "suggest.json").write_text(json.dumps(report(suggestions), indent=2) + "\n")
+    written = [out / "suggest.json", configs_dir]
+    if not args.no_plots and suggestions:
+        meta = dump.metadata
+        identity = {"model": meta.get("model", {}).get("name_or_path"),
+                    "engine": meta.get("engine", {}).get("rollout_engine"),
+                    "rollout dtype": meta.get("engine", {}).get("rollout_dtype"),
+                    "train dtype": meta.get("model", {}).get("dtype"), "dump": str(dump.path),
+                    "rule": f"--keep {args.keep:g}" if by_keep else f"--quantile {args.quantile:g} (lag 0)"}
+        written.append(figure(suggestions, out, identity))
+    print("Wrote " + ", ".join(str(p) for p in written))
+    return EXIT_OK
+
+
+def _print_suggestion_tables(suggestions) -> None:
+    """``analyze --suggest``'s three tables: every option's threshold and totals, by policy lag, by length."""
+    from .analyze import length_slices
+
     header = ["option", "threshold", "unit", "kept", "kept tokens", "kept rows", "ESS", "kl", "k3 kept", "note"]
     rows = []
     for s in suggestions:
@@ -167,8 +201,6 @@ def run_suggest(args: argparse.Namespace) -> int:
         rows.append(cells)
     print(format_table(["option", *(f"lag {lag}" for lag in lags)], rows))
     print("\nBy response length (kept tokens / ESS / k3 of the kept tokens):")
-    from .analyze import length_slices
-
     buckets_seen = [r["bucket"] for r in length_slices(suggestions[0].analysis) if r["rows"]] if suggestions else []
     rows = []
     for s in suggestions:
@@ -176,26 +208,6 @@ def run_suggest(args: argparse.Namespace) -> int:
         rows.append([s.option, *(f"{_fmt(by[b]['kept_tokens'], '%')} / {_fmt(by[b]['ess'], 'f')} / "
                                  f"{_fmt(by[b]['kept_k3'])}" for b in buckets_seen)])
     print(format_table(["option", *buckets_seen], rows))
-    out.mkdir(parents=True, exist_ok=True)
-    configs_dir = out / "suggest_configs"
-    configs_dir.mkdir(exist_ok=True)
-    print("\nYAML to paste into the recipe config (one option; also written to " + str(configs_dir) + "):")
-    for s in suggestions:
-        text = yaml_text(s, by_keep)
-        (configs_dir / f"{s.option}.yaml").write_text(text)
-        print(text)
-    (out / "suggest.json").write_text(json.dumps(report(suggestions), indent=2) + "\n")
-    written = [out / "suggest.json", configs_dir]
-    if not args.no_plots and suggestions:
-        meta = dump.metadata
-        identity = {"model": meta.get("model", {}).get("name_or_path"),
-                    "engine": meta.get("engine", {}).get("rollout_engine"),
-                    "rollout dtype": meta.get("engine", {}).get("rollout_dtype"),
-                    "train dtype": meta.get("model", {}).get("dtype"), "dump": str(dump.path),
-                    "rule": f"--keep {args.keep:g}" if by_keep else f"--quantile {args.quantile:g} (lag 0)"}
-        written.append(figure(suggestions, out, identity))
-    print("Wrote " + ", ".join(str(p) for p in written))
-    return EXIT_OK
 
 
 def summary_row_of(s, part=None) -> dict:

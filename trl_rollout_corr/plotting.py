@@ -100,7 +100,12 @@ def _save(fig, path: Path) -> Path:
 def analyze_figures(analyses: Sequence["Analysis"], out_dir: Path, identity: Mapping[str, Any]) -> list[Path]:
     """``analyze_per_step.png`` (kept tokens, kept rows, IS ESS and k3 KL per logged step, one line per config) and
     ``analyze_slices.png`` (kept tokens and k3 KL per response-length bucket, and per policy lag)."""
-    from .analyze import length_slices, summary_row
+    return [_analyze_per_step_figure(analyses, out_dir, identity), _analyze_slices_figure(analyses, out_dir, identity)]
+
+
+def _analyze_per_step_figure(analyses: Sequence["Analysis"], out_dir: Path, identity: Mapping[str, Any]) -> Path:
+    """``analyze_per_step.png``: kept tokens, kept rows, IS ESS and k3 KL per logged step, one line per config."""
+    from .analyze import summary_row
 
     fig, axes = _new_figure(2, 2, "What-if: the rollout correction of each config on the stored steps", identity,
                             legend=True)
@@ -126,7 +131,12 @@ def analyze_figures(analyses: Sequence["Analysis"], out_dir: Path, identity: Map
             ax.axhline(scale, color="grey", linewidth=0.8, linestyle="--")
         ax.grid(alpha=0.3)
     _figure_legend(fig, axes[0, 0], height=7.5)
-    paths = [_save(fig, out_dir / "analyze_per_step.png")]
+    return _save(fig, out_dir / "analyze_per_step.png")
+
+
+def _analyze_slices_figure(analyses: Sequence["Analysis"], out_dir: Path, identity: Mapping[str, Any]) -> Path:
+    """``analyze_slices.png``: kept tokens and k3 KL per response-length bucket, and kept tokens per policy lag."""
+    from .analyze import length_slices, summary_row
 
     lags = sorted({lag for a in analyses for lag in a.by_lag})
     fig, axes = _new_figure(1, 3, "What-if by slice: response length and policy lag", identity, size=(14.0, 6.5),
@@ -157,8 +167,7 @@ def analyze_figures(analyses: Sequence["Analysis"], out_dir: Path, identity: Map
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.grid(alpha=0.3, axis="y")
     _figure_legend(fig, axes[0, 0], height=6.5)
-    paths.append(_save(fig, out_dir / "analyze_slices.png"))
-    return paths
+    return _save(fig, out_dir / "analyze_slices.png")
 
 
 # ---------------------------------------------------------------------------------------------- probe
@@ -168,6 +177,16 @@ def probe_figures(report: Mapping[str, Any], log_ratios: Mapping[str, Sequence[f
     """``probe_log_ratio.png`` (histogram of log pi_train - log mu, by variant), ``probe_by_position.png`` (|log
     ratio| quantiles and the out-of-band fraction per completion position) and, when measured,
     ``probe_self_consistency.png`` (the trainer's batch-1 vs batch-B log-prob difference)."""
+    paths = [_probe_log_ratio_figure(log_ratios, out_dir, identity),
+             _probe_by_position_figure(report, out_dir, identity)]
+    if self_consistency is not None and len(self_consistency):
+        paths.append(_probe_self_consistency_figure(report, self_consistency, out_dir, identity))
+    return paths
+
+
+def _probe_log_ratio_figure(log_ratios: Mapping[str, Sequence[float]], out_dir: Path,
+                            identity: Mapping[str, Any]) -> Path:
+    """``probe_log_ratio.png``: the histogram of log pi_train - log mu, one line per variant."""
     import numpy as np
 
     lo, hi = math.log(BAND[0]), math.log(BAND[1])
@@ -189,8 +208,11 @@ def probe_figures(report: Mapping[str, Any], log_ratios: Mapping[str, Sequence[f
     ax.set_ylabel("tokens (log scale)")
     ax.legend(fontsize=8, loc="upper right")
     ax.grid(alpha=0.3)
-    paths = [_save(fig, out_dir / "probe_log_ratio.png")]
+    return _save(fig, out_dir / "probe_log_ratio.png")
 
+
+def _probe_by_position_figure(report: Mapping[str, Any], out_dir: Path, identity: Mapping[str, Any]) -> Path:
+    """``probe_by_position.png``: |log ratio| quantiles and the out-of-band fraction per completion position."""
     rows = report.get("by_position", [])
     fig, axes = _new_figure(1, 2, "Mismatch by completion position", identity, size=(12.0, 5.5))
     labels = [r["bucket"] for r in rows]
@@ -208,20 +230,24 @@ def probe_figures(report: Mapping[str, Any], log_ratios: Mapping[str, Sequence[f
         ax.set_xlabel("completion position (tokens from the prompt)")
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
-    paths.append(_save(fig, out_dir / "probe_by_position.png"))
+    return _save(fig, out_dir / "probe_by_position.png")
 
-    if self_consistency is not None and len(self_consistency):
-        sc = report.get("self_consistency", {})
-        fig, axes = _new_figure(1, 1, f"Trainer self-consistency: the same tokens at batch 1 vs batch "
-                                f"{sc.get('batch_size', '?')}", identity, size=(11.0, 6.0))
-        ax = axes[0, 0]
-        values = np.asarray(self_consistency, dtype=np.float64)
-        span = max(float(np.max(np.abs(values))), 1e-7)
-        ax.hist(values, bins=np.linspace(-span, span, 121), color="tab:purple")
-        ax.set_yscale("log")
-        ax.axvline(0.0, color="black", linewidth=0.9)
-        ax.set_xlabel(f"log pi_train at batch 1 - at batch {sc.get('batch_size', '?')} (nats)")
-        ax.set_ylabel("tokens (log scale)")
-        ax.grid(alpha=0.3)
-        paths.append(_save(fig, out_dir / "probe_self_consistency.png"))
-    return paths
+
+def _probe_self_consistency_figure(report: Mapping[str, Any], self_consistency: Sequence[float], out_dir: Path,
+                                   identity: Mapping[str, Any]) -> Path:
+    """``probe_self_consistency.png``: the trainer's batch-1 vs batch-B log-prob difference."""
+    import numpy as np
+
+    sc = report.get("self_consistency", {})
+    fig, axes = _new_figure(1, 1, f"Trainer self-consistency: the same tokens at batch 1 vs batch "
+                            f"{sc.get('batch_size', '?')}", identity, size=(11.0, 6.0))
+    ax = axes[0, 0]
+    values = np.asarray(self_consistency, dtype=np.float64)
+    span = max(float(np.max(np.abs(values))), 1e-7)
+    ax.hist(values, bins=np.linspace(-span, span, 121), color="tab:purple")
+    ax.set_yscale("log")
+    ax.axvline(0.0, color="black", linewidth=0.9)
+    ax.set_xlabel(f"log pi_train at batch 1 - at batch {sc.get('batch_size', '?')} (nats)")
+    ax.set_ylabel("tokens (log scale)")
+    ax.grid(alpha=0.3)
+    return _save(fig, out_dir / "probe_self_consistency.png")

@@ -147,6 +147,20 @@ def build_cpu_llm(
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
 
+    llm = _start_llm(model, torch_dtype, max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
+                     max_num_seqs=max_num_seqs, restore_set_num_threads=restore_set_num_threads, llm_kwargs=llm_kwargs)
+    _track_for_shutdown(llm)
+    actual = engine_dtype(llm)
+    if actual != torch_dtype:
+        raise RuntimeError(f"vLLM loaded the model in {actual}, expected {torch_dtype}.")
+    return llm
+
+
+def _start_llm(model: Union[str, os.PathLike], torch_dtype: torch.dtype, *, max_model_len: int, seed: int,
+               enforce_eager: bool, max_num_seqs: Optional[int], restore_set_num_threads: bool,
+               llm_kwargs: dict[str, Any]) -> "LLM":
+    """``vllm.LLM`` in ``torch_dtype`` with processed log-probs (``build_cpu_llm``'s arguments), vLLM CPU's global
+    ``torch.set_num_threads`` patch undone afterwards when ``restore_set_num_threads``."""
     from vllm import LLM
 
     from .._environment import explain_vllm_build
@@ -168,10 +182,6 @@ def build_cpu_llm(
     finally:
         if restore_set_num_threads:
             torch.set_num_threads = original_set_num_threads
-    _track_for_shutdown(llm)
-    actual = engine_dtype(llm)
-    if actual != torch_dtype:
-        raise RuntimeError(f"vLLM loaded the model in {actual}, expected {torch_dtype}.")
     return llm
 
 
