@@ -87,6 +87,18 @@ def reference(method: str) -> str:
     """The method a cell is compared with, item by item, at the same k and seed."""
     return "topp_trl_is" if method.startswith("topp_") else "trl"
 
+
+def reference_cell(name: str) -> str | None:
+    """The cell ``name`` is compared with item by item: its method's reference (``reference``) at the same k and
+    seed; for plain TRL at k > 1, plain TRL at k = 1 and the same seed (the lag effect itself). None for the warm
+    start and for ``trl_k1_*``."""
+    if name == WARMSTART:
+        return None
+    method, k, seed = parse_cell(name)
+    if method == reference(method):
+        return f"{method}_k1_s{seed}" if k != 1 else None
+    return f"{reference(method)}_k{k}_s{seed}"
+
 # The shared starting point: on-policy plain TRL from the base model (the pilot's seed-42 run, which took off).
 WARMSTART = "warmstart"
 WARMSTART_FLAGS = ["--learning_rate", "3e-5", "--per_device_train_batch_size", "16", "--seed", "42"]
@@ -418,10 +430,12 @@ def _mean(xs):
 INTRO = " ".join("""
 Every cell starts from the shared `warmstart` checkpoint (on-policy plain TRL from the base model, `{flags}`, 16
 steps by default), syncs the vLLM CPU engine every k optimizer steps, and is scored greedily on the same held-out
-problems before and after. *vs trl* compares a cell's final scores item by item with plain TRL's at the same k and
-seed (mean difference ± paired s.e., and the exact McNemar p). Per-step means: `rollout_corr/kl` and `k3_kl`
-(nats/token, behaviour vs trainer), trained = fraction of completion tokens left after RS, IcePop zeroing and the
-lag filter. Generated from the committed cells under `benchmarks/results/policy_lag/` (`--report-only`).
+problems before and after. *vs reference* compares a cell's final scores item by item with its reference cell's
+(mean difference ± paired s.e., and the exact McNemar p): plain TRL at the same k and seed (`topp_trl_is` for the
+top-p cells), and for plain TRL at k > 1 plain TRL at k = 1 and the same seed (the effect of the lag itself).
+Per-step means: `rollout_corr/kl` and `k3_kl` (nats/token, behaviour vs trainer), trained = fraction of completion
+tokens left after RS, IcePop zeroing and the lag filter. Generated from the committed cells under
+`benchmarks/results/policy_lag/` (`--report-only`).
 """.split())
 
 
@@ -431,21 +445,20 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
     lines = [BEGIN, "", "### Policy lag: stale vLLM CPU rollouts, with and without correction "
              "(`benchmarks/policy_lag_experiment.py`)", "",
              INTRO.format(flags=" ".join(WARMSTART_FLAGS)), "",
-             "| cell | steps | held-out before -> after | vs trl same k, seed (paired s.e.) | McNemar p "
+             "| cell | steps | held-out before -> after | vs reference (paired s.e.) | McNemar p "
              "| mean kl / k3 "
              "| mean lag | trained | grad norm | entropy | length | clipped | zero-std groups | step s | wall s "
              "| lag check |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in cells.items():
-        ref_name = None if name == WARMSTART else "{0}_k{1}_s{2}".format(
-            reference(parse_cell(name)[0]), *parse_cell(name)[1:])
-        ref = cells.get(ref_name)
+        ref_name = reference_cell(name)
+        ref = cells.get(ref_name) if ref_name else None
         b = s["before"] or (cells.get(WARMSTART) or {}).get("after") or {}  # a cell starts at the warm start
         a = s["after"] or {}
         vs, p = "—", "—"
-        if ref and ref_name != name:
+        if ref:
             m, se = paired(a["scores"], ref["after"]["scores"])
-            vs, p = f"{100 * m:+.1f} ± {100 * se:.1f} pts", f"{mcnemar(a['scores'], ref['after']['scores'])[2]:.3f}"
+            vs, p = f"{100 * m:+.1f} ± {100 * se:.1f} pts", f"{mcnemar(a['scores'], ref['after']['scores'])[2]:.2g}"
         ser = s["series"]
         check = lag_check(name, s["steps"], engine_kl_max)  # recomputed: the committed log is the evidence
         if s["meta"].get("starts_at_warm_start") is False:
@@ -472,7 +485,7 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
 
 def seed_table(cells: dict) -> list[str]:
     """Each (method, k) arm over its seeds: mean and standard deviation of the final accuracy, and the difference
-    of arm means with plain TRL at the same k (standard error over seeds, Welch)."""
+    of arm means with its reference arm (``reference_cell``'s rule; standard error over seeds, Welch)."""
     arms: dict[tuple[str, int], list[float]] = {}
     for name, s in cells.items():
         if name != WARMSTART and s.get("after"):
@@ -480,16 +493,18 @@ def seed_table(cells: dict) -> list[str]:
             arms.setdefault((method, k), []).append(s["after"]["accuracy"])
     if not arms:
         return []
-    out = ["| arm | seeds | final accuracy mean ± sd | minus its reference (trl; topp_trl_is for topp_*) at the same "
-           "k (s.e. over seeds) |",
+    out = ["| arm | seeds | final accuracy mean ± sd | minus its reference arm (s.e. over seeds) |",
            "|---|---|---|---|"]
     for (method, k), accs in sorted(arms.items()):
         sd = statistics.stdev(accs) if len(accs) > 1 else float("nan")
-        ref = arms.get((reference(method), k))
+        # the reference arm, as reference_cell: trl (topp_trl_is) at the same k; trl at k = 1 for trl at k > 1
+        ref_arm = (method, 1) if method == reference(method) else (reference(method), k)
+        ref = arms.get(ref_arm) if ref_arm != (method, k) else None
         diff = "—"
-        if ref and method != reference(method) and len(ref) > 1 and len(accs) > 1:
+        if ref and len(ref) > 1 and len(accs) > 1:
             se = math.sqrt(statistics.variance(accs) / len(accs) + statistics.variance(ref) / len(ref))
-            diff = f"{100 * (statistics.fmean(accs) - statistics.fmean(ref)):+.1f} ± {100 * se:.1f} pts"
+            diff = (f"{100 * (statistics.fmean(accs) - statistics.fmean(ref)):+.1f} ± {100 * se:.1f} pts "
+                    f"(vs {ref_arm[0]}_k{ref_arm[1]})")
         out.append(f"| {method}_k{k} | {len(accs)} | {100 * statistics.fmean(accs):.1f} ± {100 * sd:.1f} % | {diff} |")
     return out
 
