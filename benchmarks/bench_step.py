@@ -36,9 +36,10 @@ forward counts as support only). ``norm``: each run's step scaled by (mean over 
 fixed forward + backward with full-vocabulary scoring of every position, timed at the run's start
 (``--calibrate``): the machine is shared, this normalises for the load a run met.
 
-Equality: loss, grad norm and every ``rollout_corr/*`` metric of every step, between the runs that train the same
-way by construction (``ours_decoupled``, ``ours_records``, ``ours_decoupled_always``; ``trl`` and ``ours_none``)
-and between the rounds of each run (determinism), max |difference| and whether it is within 1e-6.
+Equality: loss, grad norm, entropy and every ``rollout_corr/*`` metric of every step (those both log), between the
+runs that train the same way by construction (``ours_decoupled``, ``ours_records``, ``ours_decoupled_always``;
+``trl`` and ``ours_none``) and between the rounds of each run (determinism), max |difference| and whether it is
+within 1e-6.
 
 ``results.json`` in ``--out`` is rewritten after every run (a stopped benchmark keeps what finished); ``--resume``
 skips the (round, run) pairs already there (a benchmark can be run in chunks: ``--rounds 1``, then
@@ -547,7 +548,7 @@ def summarise(results: dict) -> dict:
 
 
 def _compared(logs: list[dict]) -> list[dict]:
-    return [{k: v for k, v in step.items() if k in ("loss", "grad_norm") or k.startswith("rollout_corr/")}
+    return [{k: v for k, v in step.items() if k in ("loss", "grad_norm", "entropy") or k.startswith("rollout_corr/")}
             for step in logs]
 
 
@@ -576,6 +577,8 @@ def equality(done: list[dict]) -> list[dict]:
         present = [first[n] for n in group if n in first]
         for other in present[1:]:
             diff, only = _max_diff(present[0]["logs"], other["logs"])
+            if "trl" in group:  # TRL logs no rollout_corr/* diagnostics: compare what both log
+                only = [k for k in only if not k.startswith("rollout_corr/")]
             rows.append({"what": f"{present[0]['run']} vs {other['run']}", "steps": len(other["logs"]),
                          "keys": len(_compared(other["logs"])[0]) if other["logs"] else 0, "max_diff": diff,
                          "only_in_one": only})
@@ -629,7 +632,8 @@ def render(results: dict, summary: dict) -> str:
         lines.append("| correction share of the step | " + " | ".join(
             f"{100 * per_run[n]['parts'].get('correction', 0.0) / per_run[n]['cpu']:.2f}%" for n in with_parts)
             + " |")
-    lines += ["", f"Equality (loss, grad norm and every `rollout_corr/*` metric of every step; tolerance "
+    lines += ["", f"Equality (loss, grad norm, entropy and every `rollout_corr/*` metric of every step; with `trl`, "
+              f"the keys both log; tolerance "
               f"{TOLERANCE:g}):", "", "| compared | steps | keys per step | max abs difference | equal |",
               "|---|---|---|---|---|"]
     for row in summary["equality"]:
