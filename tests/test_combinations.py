@@ -1,8 +1,9 @@
 """The feature-combination matrix (issue 22): every pair of {decoupled, bypass} x {support recompute, routing replay
-r3, policy_lag_split, max_policy_lag, records, batch norm with accumulation, num_iterations 2} that the config
-accepts trains 2 steps on a tiny model (a tiny Qwen3-MoE, router aux loss off, where r3 is in the pair, else the
-tiny Llama), float32 on both sides and lag 0 (``transformers.generate`` samples from the policy itself), twice:
-micro-batch 1 x accumulation 4 and micro-batch 4 x accumulation 1. The invariants every combination must keep:
+r3, policy_lag_split, max_policy_lag, records, batch norm with accumulation, num_iterations 2, RS on the engine factor
+(issue 23)} that the config accepts trains 2 steps on a tiny model (a tiny Qwen3-MoE, router aux loss off,
+where r3 is in the pair, else the tiny Llama), float32 on both sides and lag 0 (``transformers.generate`` samples
+from the policy itself), twice: micro-batch 1 x accumulation 4 and micro-batch 4 x accumulation 1. The invariants
+every combination must keep:
 
 * the two micro-batchings are one optimizer step: grad norm and loss agree to 1e-4 (absolute; the runs differ only
   in float32 summation order over a 2-layer model, measured differences are ~1e-6; a wrong normaliser or a
@@ -44,6 +45,9 @@ FEATURES = {
     "records": dict(),
     "batch_norm_accum": dict(rollout_is_batch_normalize=True),
     "num_iterations_2": dict(num_iterations=2),
+    # issue 23: RS on the engine factor (its own lag split and RS option)
+    "rs_engine": dict(policy_lag_split=True, rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01,
+                      rollout_rs_on="engine"),
 }
 SHAPES = ((1, 4), (4, 1))  # (per_device_train_batch_size, gradient_accumulation_steps)
 ENGINE_KEYS = [f"rollout_corr/engine_ratio_{q}" for q in ("mean", "p01", "p50", "p99", "max")]
@@ -54,7 +58,8 @@ NOT_RECOMPUTED = {
                    "rollout_corr/routing_mismatch_fraction/layer_0", "rollout_corr/routing_mismatch_fraction/layer_1"},
 }
 # a dump analyze refuses, and the setting its message must name
-ANALYZE_REFUSES = {"support_recompute": "rollout_support_matching='recompute'", "max_policy_lag": "max_policy_lag=1"}
+ANALYZE_REFUSES = {"support_recompute": "rollout_support_matching='recompute'", "max_policy_lag": "max_policy_lag=1",
+                   "rs_engine": "rollout_rs_on='engine'"}
 DOC = Path(__file__).resolve().parents[1] / "docs" / "combinations.md"
 TABLE_START, TABLE_END = "<!-- refused-combinations:start -->", "<!-- refused-combinations:end -->"
 PAIRS = [(mode, a, b) for mode in MODES for a, b in itertools.combinations(FEATURES, 2)]

@@ -46,7 +46,7 @@ def _trainer(tmp_path, **overrides):
                            rs_keep_rejected_in_baseline=False, vllm_importance_sampling_correction=False,
                            rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=False,
                            rollout_rs=None, rollout_rs_threshold=None, bypass_mode=False, bypass_loss_type="ppo_clip",
-                           rollout_m2_threshold=None)
+                           rollout_rs_on="direct", rollout_m2_threshold=None)
     import torch
 
     model = torch.nn.Linear(2, 2)

@@ -208,7 +208,7 @@ def _config_for(option: str, threshold: float, trained: RolloutCorrectionConfig,
                 bypass: bool) -> RolloutCorrectionConfig:
     """The trained config with this option's fields replaced (RS option: IS kept; IS cap: RS kept), in the mode of
     the rows the statistic was read from."""
-    base = dict(trained.to_dict(), bypass_mode=bypass, rollout_m2_threshold=None)
+    base = dict(trained.to_dict(), bypass_mode=bypass, rollout_m2_threshold=None, rollout_rs_on="direct")
     if not bypass:
         base["bypass_loss_type"] = "ppo_clip"
     if option in IS_OPTIONS:

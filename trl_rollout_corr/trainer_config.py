@@ -318,6 +318,12 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 "policy_lag_split needs pi_old (the lag ratio is pi_old / pi_train@v), which bypass mode does not "
                 "compute; use decoupled mode or unset policy_lag_split."
             )
+        if getattr(correction, "rollout_rs_on", "direct") == "engine" and not self.policy_lag_split:
+            _refuse(
+                "rollout_rs_on='engine' computes every RS statistic on the engine factor pi_train@v / mu, which "
+                "needs the weights of each row's policy version and one forward at them: set policy_lag_split=True, "
+                "or rollout_rs_on='direct' (RS on pi_old / mu, staleness included)."
+            )
 
     def _warn_cpu_autocast(self) -> None:
         """bf16 autocast on CPU runs the generate forward and the training forwards in the same bf16 numerics."""

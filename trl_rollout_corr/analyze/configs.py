@@ -98,7 +98,20 @@ def yaml_config(path: str | Path) -> NamedConfig:
         config = args.rollout_correction()
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{path}: {e}") from e
+    check_recomputable(config, str(path))
     return NamedConfig(str(data.get("label") or path.stem), config)
+
+
+def check_recomputable(config: RolloutCorrectionConfig, where: str) -> None:
+    """Refuse a correction the records cannot reproduce: RS on the engine factor (the records hold no pi_train@v).
+
+    Raises:
+        ConfigError: naming the setting and ``where`` (a file, a config's label, or the dump of a run trained with it).
+    """
+    if config.rs_enabled and config.rollout_rs_on == "engine":
+        raise ConfigError(f"{where}: rollout_rs_on='engine': the records hold no pi_train@v (policy_lag_split's "
+                          "forward at each row's version), so RS on the engine factor cannot be recomputed; analyse "
+                          "with rollout_rs_on='direct', and runs trained with it.")
 
 
 def _flag_value(value: Any) -> Any:

@@ -11,7 +11,7 @@ from ..accumulator import PREFIX, exact_ratio_quantiles
 from ..config import RolloutCorrectionConfig
 from ..correction import SAFETY_BOUND, CorrectionStats
 from ..records import RolloutDump, Window, padded
-from .configs import ConfigError, NamedConfig
+from .configs import ConfigError, NamedConfig, check_recomputable
 
 
 # ---------------------------------------------------------------------------------------------- the rows
@@ -67,8 +67,10 @@ def check_config_fits(rows: Rows, named: NamedConfig, dump: RolloutDump) -> None
     """Raise unless the dump has the log-probs the config's mode needs.
 
     Raises:
-        ConfigError: decoupled config on a bypass dump (no pi_old), or bypass config without ``log_probs``.
+        ConfigError: decoupled config on a bypass dump (no pi_old), bypass config without ``log_probs``, or a
+            config the records cannot reproduce (``check_recomputable``).
     """
+    check_recomputable(named.config, f"config {named.label!r}")
     needed = _needed_column(named.config)
     if rows.has(needed):
         missing = rows.table.column(needed).null_count

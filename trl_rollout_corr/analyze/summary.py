@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 from ..accumulator import PREFIX
 from ..records import RecordsError, RolloutDump, Window
 from .check import DEFAULT_TOLERANCE, CheckResult, check_against_logs, check_length_edges, check_tolerance
-from .configs import ConfigError, NamedConfig
+from .configs import ConfigError, NamedConfig, check_recomputable
 from .recompute import Analysis, Recomputer
 from .rows import Counts, Part, check_config_fits
 
@@ -57,7 +57,8 @@ def analysable_windows(dump: RolloutDump, steps: Optional[tuple[int, int]] = Non
     cannot be recomputed.
 
     Raises:
-        ConfigError: a run trained with support matching or ``max_policy_lag``. RecordsError: no stored rows there.
+        ConfigError: a run trained with support matching, ``max_policy_lag`` or RS on the engine factor
+            (``check_recomputable``). RecordsError: no stored rows there.
     """
     matching = dump.metadata.get("trainer", {}).get("rollout_support_matching") or "off"
     if matching != "off":
@@ -74,6 +75,7 @@ def analysable_windows(dump: RolloutDump, steps: Optional[tuple[int, int]] = Non
             "before the metrics were computed, which this version of analyze does not reproduce. Analyse runs "
             "trained without max_policy_lag."
         )
+    check_recomputable(dump.correction_config(), f"{dump.path} (the run's training config)")
     windows = [w for w in dump.windows if steps is None or steps[0] <= w.logged_step <= steps[1]]
     if not any(w.files for w in windows):
         raise RecordsError(f"{dump.path}: no stored rows in the selected steps ({len(windows)} logged steps, "

@@ -13,6 +13,7 @@ from .thresholds import (
     BYPASS_LOSS_TYPES,
     IS_LEVELS,
     KPOP_PHI,
+    RS_RATIOS,
     ISBounds,
     RSSpec,
     ThresholdSpec,
@@ -79,8 +80,16 @@ class RolloutCorrectionConfig:
             set_("rs_specs", parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold))
         else:
             set_("rs_specs", ())
+        if self.rollout_rs_on not in RS_RATIOS:
+            raise ValueError(f"rollout_rs_on must be 'direct' or 'engine', got {self.rollout_rs_on!r}.")
         _check_settings_have_their_option(self, {name: getattr(self, name) for name in CORRECTION_FIELDS},
                                           _FIELD_DEFAULTS)
+        if self.rollout_rs_on == "engine" and self.bypass_mode:
+            raise ValueError(
+                "rollout_rs_on='engine' needs decoupled mode: the engine factor pi_train@v / mu comes from "
+                "policy_lag_split, which needs pi_old (bypass mode has none). Set bypass_mode=False, or "
+                "rollout_rs_on='direct'."
+            )
         set_("rollout_m2_threshold", self._parse_m2_threshold())
 
     def _parse_m2_threshold(self) -> Optional[float]:

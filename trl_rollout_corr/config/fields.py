@@ -65,6 +65,15 @@ CORRECTION_FIELD_TABLE = (
         "`KL <= phi` (phi > 0, nats; 0.1 as KPop). Required when `rollout_rs` is set.",
     ),
     CorrectionField(
+        "rollout_rs_on", Literal["direct", "engine"], str, "direct",
+        '`"direct"`, `"engine"`',
+        "The ratio every RS statistic judges. `direct`: the correction's own `l` (decoupled: pi_old / mu; bypass: "
+        "pi_theta / mu). `engine`: the engine factor pi_train@v / mu of `policy_lag_split` (numerics only), so that "
+        "stale rows are weighted by IS (which still uses pi_old / mu), not rejected for their staleness; the RS "
+        "metrics are then named `rollout_rs_engine_*`. `engine` needs `rollout_rs`, decoupled mode and "
+        "`policy_lag_split=True`.",
+    ),
+    CorrectionField(
         "rollout_m2_threshold", Optional[float], str, None,
         "`tau > 0` (nats²)",
         "M2PO (second-moment mask; AReaL's `m2_threshold`, paper 0.04): over the whole optimizer step, mask the "

@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
 _DEPENDENT_SETTINGS = (
     ("rollout_is_threshold", "rollout_is", "rollout_is='token' or 'sequence'"),
     ("rollout_rs_threshold", "rollout_rs", f"rollout_rs (options: {', '.join(RS_OPTIONS)})"),
+    ("rollout_rs_on", "rollout_rs", f"rollout_rs (options: {', '.join(RS_OPTIONS)})"),
     ("bypass_loss_type", "bypass_mode", "bypass_mode=True"),
 )
 

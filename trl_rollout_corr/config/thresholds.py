@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 from ..correction.rejection import RS_OPTION_PARTS, RS_OPTIONS  # the RS option table lives with the RS math
 
 IS_LEVELS = ("token", "sequence")
+RS_RATIOS = ("direct", "engine")  # rollout_rs_on: the ratio RS judges
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 
 ThresholdSpec = Union[float, int, str, tuple, list, None]

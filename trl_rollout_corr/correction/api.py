@@ -70,6 +70,7 @@ def compute_rollout_correction(
     *,
     all_reduce: Optional[AllReduce] = None,
     length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
+    rs_log_probs: Optional[torch.Tensor] = None,
 ) -> RolloutCorrectionOutput:
     """IS weights, RS mask and reducible ``rollout_corr/*`` statistics for one batch.
 
@@ -86,6 +87,12 @@ def compute_rollout_correction(
         length_buckets: increasing response-length edges (valid tokens per row) for the length slices
             ``rollout_corr/len_{lo}_{hi}/*`` (kl, k3_kl, rs_masked_fraction, is_eff_sample_size, num_seqs);
             ``()`` turns them off. Rows with ``lo <= length < hi`` fall in a slice; the last one is open.
+        rs_log_probs: ``config.rollout_rs_on == "engine"`` only (and then required): (B, T) log-probs, nats, of the
+            training engine at each row's own policy version, ``log pi_train@v`` (``policy_lag_split``). Every RS
+            statistic and the RS mask are then computed from the engine factor ``rs_log_probs - rollout_log_probs``
+            (numerics only, no staleness) while the IS weights and the off-policy metrics still use the whole ratio
+            ``log_probs - rollout_log_probs``; the RS metrics are named ``rollout_rs_engine_*``. A token that is valid
+            but whose ``rs_log_probs`` is NaN/inf is rejected by RS.
 
     Returns:
         ``RolloutCorrectionOutput`` with ``weights`` ((B, T) float32 or None), ``response_mask`` (RS and
@@ -93,7 +100,8 @@ def compute_rollout_correction(
 
     Raises:
         ValueError: ``rollout_log_probs`` is None (names the fix), shapes differ, tensors are not 2-D or on
-            different devices, or the length buckets are not increasing positive counts.
+            different devices, the length buckets are not increasing positive counts, or ``rs_log_probs`` is missing
+            with ``rollout_rs_on="engine"`` / given without it.
         TypeError: non-tensor or non-float log-probs.
 
     Tokens whose log-probs are NaN or +-inf where the mask is 1 are *invalid*: they are removed from the
@@ -102,17 +110,23 @@ def compute_rollout_correction(
     """
     _check_inputs(log_probs, rollout_log_probs, response_mask)
     layout = MetricLayout.from_config(config, length_buckets)
-    return _correct(log_probs, rollout_log_probs, response_mask, layout, all_reduce)
+    _check_rs_log_probs(layout, rs_log_probs, log_probs)
+    return _correct(log_probs, rollout_log_probs, response_mask, layout, all_reduce, rs_log_probs)
 
 
 def _correct(log_probs, rollout_log_probs, response_mask, layout: MetricLayout,
-             all_reduce: Optional[AllReduce]) -> RolloutCorrectionOutput:
-    """Steps 2-7 of the module docstring for checked inputs and a built layout."""
+             all_reduce: Optional[AllReduce], rs_log_probs=None) -> RolloutCorrectionOutput:
+    """Steps 2-7 of the module docstring for checked inputs and a built layout (``rs_log_probs``: RS on the engine
+    factor, a second workspace over the first one's valid tokens)."""
     ws = prepare(log_probs, rollout_log_probs, response_mask, layout.needs)
     rows = RowTable(ws.n_row64, layout.length_buckets)
     counts.collect(ws, rows)
     weights = importance_weights(ws, layout, rows, all_reduce) if layout.is_level is not None else None
-    keep = rejection_mask(ws, layout.rs_specs, rows) if layout.rs_specs else ws.valid
+    if layout.rs_specs:
+        rs_ws = ws if rs_log_probs is None else prepare(rs_log_probs, rollout_log_probs, ws.valid, layout.needs)
+        keep = rejection_mask(rs_ws, layout.rs_specs, rows)
+    else:
+        keep = ws.valid
     diagnostics.collect(ws, rows)
     return RolloutCorrectionOutput(weights=weights, response_mask=keep.to(response_mask.dtype),
                                    stats=rows.reduce(layout))
@@ -153,6 +167,25 @@ def _check_inputs(log_probs, rollout_log_probs, response_mask) -> None:
         )
 
 
+def _check_rs_log_probs(layout: MetricLayout, rs_log_probs, log_probs) -> None:
+    """``rs_log_probs`` exactly when RS judges the engine factor, shaped and typed as ``log_probs``."""
+    if layout.rs_on == "engine" and rs_log_probs is None:
+        raise ValueError(
+            "rollout_rs_on='engine' computes RS on the engine factor pi_train@v / mu, but no rs_log_probs "
+            "(log pi_train@v, the policy_lag_split forward at each row's version) were passed; set "
+            "policy_lag_split=True in the trainer, or rollout_rs_on='direct'."
+        )
+    if rs_log_probs is None:
+        return
+    if layout.rs_on != "engine":
+        raise ValueError("rs_log_probs is read only with rollout_rs_on='engine' (and RS on); it would be ignored.")
+    if not isinstance(rs_log_probs, torch.Tensor) or not rs_log_probs.is_floating_point():
+        raise TypeError(f"rs_log_probs must be a floating-point torch.Tensor (nats), got {type(rs_log_probs)}.")
+    if rs_log_probs.shape != log_probs.shape or rs_log_probs.device != log_probs.device:
+        raise ValueError(f"rs_log_probs must be (B, T) like log_probs {tuple(log_probs.shape)} on {log_probs.device}, "
+                         f"got {tuple(rs_log_probs.shape)} on {rs_log_probs.device}.")
+
+
 # ---------------------------------------------------------------------- one signature, eager or compiled
 _COMPILED: dict = {}
 
@@ -173,7 +206,8 @@ def compiled_rollout_correction(
         **compile_kwargs: passed to ``torch.compile`` (default ``dynamic=True``).
 
     Returns:
-        ``fn(log_probs, rollout_log_probs, response_mask, all_reduce=None) -> RolloutCorrectionOutput``.
+        ``fn(log_probs, rollout_log_probs, response_mask, all_reduce=None, rs_log_probs=None) ->
+        RolloutCorrectionOutput``.
     """
     compile_kwargs.setdefault("dynamic", True)
     key = (repr(config.to_dict()), tuple(length_buckets), repr(sorted(compile_kwargs.items())))
@@ -186,7 +220,8 @@ def make_correction_fn(
     config: "RolloutCorrectionConfig", *, compile: bool = False,
     length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS,
 ) -> CorrectionFn:
-    """The correction for one config as ``fn(log_probs, rollout_log_probs, response_mask, all_reduce=None)``.
+    """The correction for one config as ``fn(log_probs, rollout_log_probs, response_mask, all_reduce=None,
+    rs_log_probs=None)`` (``rs_log_probs``: as ``compute_rollout_correction``).
 
     Args:
         config: a validated ``RolloutCorrectionConfig``.
@@ -204,8 +239,9 @@ def make_correction_fn(
 
 
 def _bound(layout: MetricLayout) -> CorrectionFn:
-    def correction_fn(log_probs, rollout_log_probs, response_mask, all_reduce=None):
+    def correction_fn(log_probs, rollout_log_probs, response_mask, all_reduce=None, rs_log_probs=None):
         _check_inputs(log_probs, rollout_log_probs, response_mask)
-        return _correct(log_probs, rollout_log_probs, response_mask, layout, all_reduce)
+        _check_rs_log_probs(layout, rs_log_probs, log_probs)
+        return _correct(log_probs, rollout_log_probs, response_mask, layout, all_reduce, rs_log_probs)
 
     return correction_fn

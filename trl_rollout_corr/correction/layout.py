@@ -48,6 +48,9 @@ class MetricLayout:
         is_batch_normalize: IS batch normalisation on.
         rs_specs: the parsed RS options (``RSSpec``), in order; ``()`` without RS.
         length_buckets: increasing response-length edges for the ``len_{lo}_{hi}/`` slices; ``()`` for none.
+        rs_on: the ratio RS judges: ``"direct"`` (the correction's own ``pi_train / mu``) or ``"engine"`` (the lag
+            split's engine factor ``pi_train@v / mu``, passed as ``rs_log_probs``; the RS metrics are then named
+            ``rollout_rs_engine_*``).
         needs: the derived per-token quantities the workspace must prepare (computed; not compared).
 
     Raises:
@@ -59,6 +62,7 @@ class MetricLayout:
     is_batch_normalize: bool = False
     rs_specs: tuple = ()
     length_buckets: tuple[int, ...] = ()
+    rs_on: str = "direct"
     needs: Needs = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,7 +75,8 @@ class MetricLayout:
     def from_config(cls, config, length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS) -> "MetricLayout":
         """The layout of a validated ``RolloutCorrectionConfig`` (cached: layouts are immutable values)."""
         return _layout(config.rollout_is if config.is_enabled else None, config.is_bounds,
-                       bool(config.rollout_is_batch_normalize), tuple(config.rs_specs), tuple(length_buckets))
+                       bool(config.rollout_is_batch_normalize), tuple(config.rs_specs), tuple(length_buckets),
+                       getattr(config, "rollout_rs_on", "direct") if config.rs_enabled else "direct")
 
     @functools.cached_property
     def bucket_prefixes(self) -> tuple[str, ...]:
@@ -96,7 +101,7 @@ class MetricLayout:
             n_j = v.sum(counts.N_TOK, j)
             part = diagnostics.finalize_bucket(v, j, n_j)
             if self.rs_specs:
-                part.update(rejection.finalize_bucket(v, j, n_j))
+                part.update(rejection.finalize_bucket(v, j, n_j, self.rs_on))
             if self.is_level is not None:
                 part.update(weights.finalize_bucket(v, j, n_j))
             m.update({prefix + k: value for k, value in part.items()})
@@ -105,5 +110,6 @@ class MetricLayout:
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(is_level, is_bounds, is_batch_normalize, rs_specs, length_buckets) -> MetricLayout:
-    return MetricLayout(is_level, is_bounds, is_batch_normalize, rs_specs, tuple(int(e) for e in length_buckets))
+def _layout(is_level, is_bounds, is_batch_normalize, rs_specs, length_buckets, rs_on="direct") -> MetricLayout:
+    return MetricLayout(is_level, is_bounds, is_batch_normalize, rs_specs, tuple(int(e) for e in length_buckets),
+                        rs_on)

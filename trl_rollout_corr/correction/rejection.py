@@ -200,46 +200,57 @@ def _compare_valid(t: torch.Tensor, op: str, threshold: float, ws: Workspace,
 
 
 # ---------------------------------------------------------------------- metrics
+def metric_base(rs_on: str = "direct") -> str:
+    """The prefix of the RS metrics: ``rollout_rs_`` (verl's names) when RS judges the correction's own ratio,
+    ``rollout_rs_engine_`` when it judges the lag split's engine factor (``rollout_rs_on="engine"``), so that a logged
+    value always says which ratio it is of."""
+    return "rollout_rs_engine_" if rs_on == "engine" else "rollout_rs_"
+
+
 def finalize(v: StatView, layout, n_tok: float, n_seq: float) -> dict[str, float]:
-    """Per-option ``rollout_rs_{option}_*`` metrics and the combined masked fractions (verl's names)."""
+    """Per-option ``rollout_rs_{option}_*`` metrics and the combined masked fractions (verl's names; ``metric_base``
+    for ``rollout_rs_on="engine"``)."""
+    base = metric_base(layout.rs_on)
     m: dict[str, float] = {}
     for spec in layout.rs_specs:
-        m.update(_finalize_option(v, spec, n_tok, n_seq))
-    m["rollout_rs_masked_fraction"] = div(n_tok - v.sum(KEPT), n_tok)
-    m["rollout_rs_seq_masked_fraction"] = div(v.count(REJECTED_SEQS), n_seq)
+        m.update(_finalize_option(v, spec, n_tok, n_seq, base))
+    m[base + "masked_fraction"] = div(n_tok - v.sum(KEPT), n_tok)
+    m[base + "seq_masked_fraction"] = div(v.count(REJECTED_SEQS), n_seq)
     return m
 
 
-def _finalize_option(v: StatView, spec, n_tok: float, n_seq: float) -> dict[str, float]:
-    p = f"rollout_rs_{spec.option}_"
+def _finalize_option(v: StatView, spec, n_tok: float, n_seq: float, base: str = "rollout_rs_") -> dict[str, float]:
+    p = f"{base}{spec.option}_"
+    q = f"rollout_rs_{spec.option}_"  # the statistics' stored names (independent of the metric names)
     k1, is_token = spec.stat == "k1", spec.is_token_level
-    m = {p + "mean": div(v.sum(p + "sum"), n_tok)}
+    m = {p + "mean": div(v.sum(q + "sum"), n_tok)}
     if is_token and k1:  # k1 = -x: extrema from those of x
-        m[p + "max"], m[p + "min"] = -min_or_zero(v.min(p + "x")), -max_or_zero(v.max(p + "x"))
+        m[p + "max"], m[p + "min"] = -min_or_zero(v.min(q + "x")), -max_or_zero(v.max(q + "x"))
     elif is_token:
-        m[p + "max"], m[p + "min"] = max_or_zero(v.max(p + "tok")), min_or_zero(v.min(p + "tok"))
+        m[p + "max"], m[p + "min"] = max_or_zero(v.max(q + "tok")), min_or_zero(v.min(q + "tok"))
     else:
-        m[p + "max"], m[p + "min"] = max_or_zero(v.max(p + "seq")), min_or_zero(v.min(p + "seq"))
-    high = v.sum(p + "high") if is_token else v.count(p + "seq_high")
-    low = (v.sum(p + "low") if is_token else v.count(p + "seq_low")) if k1 else 0.0
+        m[p + "max"], m[p + "min"] = max_or_zero(v.max(q + "seq")), min_or_zero(v.min(q + "seq"))
+    high = v.sum(q + "high") if is_token else v.count(q + "seq_high")
+    low = (v.sum(q + "low") if is_token else v.count(q + "seq_low")) if k1 else 0.0
     m[p + "fraction_high"] = div(high, n_tok if is_token else n_seq)
     m[p + "fraction_low"] = div(low, n_tok if is_token else n_seq)
-    m[p + "std"] = pop_std(v.sum(p + "csum"), v.sq(p + "csum"), n_tok)
-    m[p + "seq_mean"] = div(v.sum(p + "seq"), n_seq)
-    m[p + "seq_std"] = unbiased_std(v.sum(p + "seq"), v.sq(p + "seq"), n_seq)
-    smax, smin = max_or_zero(v.max(p + "seq")), min_or_zero(v.min(p + "seq"))
+    m[p + "std"] = pop_std(v.sum(q + "csum"), v.sq(q + "csum"), n_tok)
+    m[p + "seq_mean"] = div(v.sum(q + "seq"), n_seq)
+    m[p + "seq_std"] = unbiased_std(v.sum(q + "seq"), v.sq(q + "seq"), n_seq)
+    smax, smin = max_or_zero(v.max(q + "seq")), min_or_zero(v.min(q + "seq"))
     m[p + "seq_max"] = smax
     m[p + "seq_min"] = smin
     m[p + "seq_max_deviation"] = max(abs(smax), abs(smin)) if n_seq > 0 else 0.0
-    m[p + "seq_fraction_high"] = div(v.count(p + "seq_high"), n_seq)
+    m[p + "seq_fraction_high"] = div(v.count(q + "seq_high"), n_seq)
     if k1:
-        m[p + "seq_fraction_low"] = div(v.count(p + "seq_low"), n_seq)
-    rejected = high + low if is_token else v.sum(p + "rejected")
+        m[p + "seq_fraction_low"] = div(v.count(q + "seq_low"), n_seq)
+    rejected = high + low if is_token else v.sum(q + "rejected")
     m[p + "masked_fraction"] = div(rejected, n_tok)
-    m[p + "seq_masked_fraction"] = div(v.count(p + "rejected_seqs"), n_seq)
+    m[p + "seq_masked_fraction"] = div(v.count(q + "rejected_seqs"), n_seq)
     return m
 
 
-def finalize_bucket(v: StatView, j: int, n_j: float) -> dict[str, float]:
-    """``len_{lo}_{hi}/rs_masked_fraction`` of length bucket ``j`` (n_j valid tokens)."""
-    return {"rs_masked_fraction": div(n_j - v.sum(KEPT, j), n_j)}
+def finalize_bucket(v: StatView, j: int, n_j: float, rs_on: str = "direct") -> dict[str, float]:
+    """``len_{lo}_{hi}/rs_masked_fraction`` of length bucket ``j`` (n_j valid tokens; ``rs_engine_masked_fraction``
+    with ``rollout_rs_on="engine"``)."""
+    return {metric_base(rs_on)[len("rollout_"):] + "masked_fraction": div(n_j - v.sum(KEPT, j), n_j)}

@@ -56,12 +56,25 @@ class LagSplit(Feature):
         yield
 
     def after_score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
-        """``batch["rollout_version_log_probs"]``: (B, T) float32 log pi_train@v of each row at its own version v;
-        rows of the current version reuse pi_old exactly (their lag ratio is 1)."""
+        """``batch["rollout_version_log_probs"]`` (``version_log_probs``, unless the mode asked for it already: RS on
+        the engine factor, ``rollout_rs_on="engine"``), then the weights no row needs any more are dropped."""
+        if self.version_log_probs(trainer, batch) is None:
+            return
+        oldest = int(batch["rollout_policy_version"].min())
+        for version in [v for v in self.weights if v < oldest]:
+            del self.weights[version]
+
+    def version_log_probs(self, trainer, batch: dict) -> Optional[torch.Tensor]:
+        """(B, T) float32 log pi_train@v of each row at its own version v, stored as
+        ``batch["rollout_version_log_probs"]`` (computed once per batch; the stored tensor afterwards); rows of the
+        current version reuse pi_old exactly (their lag ratio is 1). None while the batch has no pi_old or no
+        versions."""
+        if "rollout_version_log_probs" in batch:
+            return batch["rollout_version_log_probs"]
         old = batch.get("old_per_token_logps", batch.get("rollout_old_log_probs"))
         versions = batch.get("rollout_policy_version")
         if old is None or versions is None:
-            return
+            return None
         step = trainer.state.global_step
         version_log_probs = old.detach().float().clone()
         for version in sorted(set(versions.tolist()) - {step}):
@@ -77,9 +90,7 @@ class LagSplit(Feature):
                 k: batch[k][rows] for k in _ROW_KEYS if k in batch
             })
         batch["rollout_version_log_probs"] = version_log_probs
-        oldest = int(versions.min())
-        for version in [v for v in self.weights if v < oldest]:
-            del self.weights[version]
+        return version_log_probs
 
     def _log_probs_at_version(self, trainer, weights: dict, rows: dict) -> torch.Tensor:
         """(b, T) float32 log-probs of ``rows`` under the policy with ``weights`` loaded (the scratch copy)."""

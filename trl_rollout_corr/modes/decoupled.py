@@ -22,6 +22,7 @@ import torch
 
 from .. import old_forward, support, trl_compat
 from ..correction import make_correction_fn
+from ..features.lag_split import LagSplit
 from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep
 from .common import attach_mu, require_mu, trl_loss_with_ratios
 
@@ -45,6 +46,8 @@ class DecoupledMode(CorrectionMode):
         self.replaces_trl_old_forward = self.old_forward_plan.replaces_trl_old_forward
         old_forward.log_plan(self.old_forward_plan)
         self._pending: Optional[tuple] = None  # (rewards, keep_rows) of the batch whose pi_old its loss gives
+        correction = trainer.rollout_correction
+        self.rs_on_engine = correction.rs_enabled and getattr(correction, "rollout_rs_on", "direct") == "engine"
 
     def score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
         attach_mu(trainer, gen, batch, require_mu(batch))
@@ -90,10 +93,12 @@ class DecoupledMode(CorrectionMode):
         if old_log_probs is None:
             old_log_probs = batch["old_per_token_logps"] = trainer.old_log_probs(batch)
         kept = mask if keep_rows is None else mask * keep_rows[:, None].to(mask.dtype)
-        correction = self.correction_fn(
-            support.invalidate_misses(old_log_probs, batch.get("rollout_support_miss")), batch["rollout_log_probs"],
-            kept, all_reduce=trainer.rollout_corr_reducers.all_reduce,
-        )
+        miss = batch.get("rollout_support_miss")
+        old_log_probs = support.invalidate_misses(old_log_probs, miss)
+        extra = {"rs_log_probs": support.invalidate_misses(self._engine_log_probs(trainer, batch), miss)} \
+            if self.rs_on_engine else {}
+        correction = self.correction_fn(old_log_probs, batch["rollout_log_probs"], kept,
+                                        all_reduce=trainer.rollout_corr_reducers.all_reduce, **extra)
         trainer.rollout_corr_metrics.add_stats(trainer.metrics_mode, correction.stats)
         new_mask = correction.response_mask
         batch["rollout_rs_mask"] = new_mask
@@ -108,6 +113,20 @@ class DecoupledMode(CorrectionMode):
             has, rejected, advantages = (old_forward.to_generation_order(t, rows) for t in (has, rejected, advantages))
         advantages = trainer.rows_out_of_baseline(advantages, gather(rejected), gather(has), rewards)
         batch["advantages"] = advantages if rows is None else advantages[rows]
+
+    @staticmethod
+    def _engine_log_probs(trainer, batch: dict) -> torch.Tensor:
+        """log pi_train@v per row (``policy_lag_split``'s forward, run now: RS judges the engine factor).
+
+        Raises:
+            RuntimeError: without the lag split (``RolloutCorrGRPOConfig`` refuses ``rollout_rs_on='engine'`` then).
+        """
+        lag_split = trainer.rollout_corr_features.get(LagSplit)
+        version_log_probs = None if lag_split is None else lag_split.version_log_probs(trainer, batch)
+        if version_log_probs is None:
+            raise RuntimeError("rollout_rs_on='engine' needs the lag split's log pi_train@v (policy_lag_split=True) "
+                               "and the rows' policy versions; none reached the batch.")
+        return version_log_probs
 
     def loss(self, trainer, model, step: LossStep, trl_loss) -> torch.Tensor:
         """TRL's loss with the RS mask as loss mask/normaliser and the IS weights after the clip."""
