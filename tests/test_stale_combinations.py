@@ -47,6 +47,7 @@ TRIPLES = [
     ("decoupled", ("policy_lag_split", "max_policy_lag", "batch_norm")),
     ("decoupled", ("max_policy_lag", "num_iterations_2", "batch_norm")),
     ("bypass", ("routing_r3", "max_policy_lag", "num_iterations_2")),
+    ("decoupled", ("max_policy_lag", "support_recompute", "batch_norm")),
 ]
 SHAPES = ((8, 1, "auto"), (8, 1, "always"), (4, 2, "auto"))  # micro-batch, accumulation, rollout_corr_old_forward
 
@@ -125,6 +126,8 @@ def _check_run(mode, features, rollout, logs, shape):
             assert log["rollout_corr/policy_lag_dropped_fraction"] == pytest.approx(dropped), (shape, log["step"])
             if dropped == 1.0:  # nothing left to train on
                 assert log["grad_norm"] == 0.0 and log["loss"] == 0.0, (shape, log["step"], log["grad_norm"])
+    if "max_policy_lag" in features and "policy_lag_split" not in features:  # the half-fresher engine
+        assert any(0.0 < log["rollout_corr/policy_lag_dropped_fraction"] < 1.0 for log in logs), shape
     if "policy_lag_split" in features:
         # a step whose rows are all dropped logs 0 for the (empty) ratio statistics: only the trained steps count
         trained = [log for log in logs if log.get("rollout_corr/policy_lag_dropped_fraction", 0.0) < 1.0]
