@@ -11,8 +11,8 @@ every combination must keep:
 * float32 on both sides at lag 0: every logged ``engine_ratio_*`` is 1 to 1e-5;
 * no NaN in any logged value;
 * with records on: ``analyze`` reproduces every logged ``rollout_corr/*`` value it recomputes (its default
-  tolerance) and names the others (``not_recomputed``), which must be the feature's known set; a dump it refuses must
-  be refused naming the setting.
+  tolerance) and names the others (``not_recomputed``), which must be the feature's known set (routing_* with R3:
+  they need the trainer's own top-k); a dump it refuses (RS on the engine factor) must be refused naming the setting.
 
 The combinations the config refuses are in docs/combinations.md, checked against the refusals here (regenerate
 with ``COMBINATIONS_REGENERATE=1``). Runtime: see the README (about 2 minutes on one core for the whole file).
@@ -52,14 +52,12 @@ FEATURES = {
 SHAPES = ((1, 4), (4, 1))  # (per_device_train_batch_size, gradient_accumulation_steps)
 ENGINE_KEYS = [f"rollout_corr/engine_ratio_{q}" for q in ("mean", "p01", "p50", "p99", "max")]
 # logged keys analyze does not recompute, by the feature that logs them
-NOT_RECOMPUTED = {
-    "policy_lag_split": {f"rollout_corr/lag_ratio_{q}" for q in ("mean", "p01", "p50", "p99", "max")},
+NOT_RECOMPUTED = {  # policy_lag_split's lag_ratio_* are recomputed from version_log_probs (issue 22)
     "routing_r3": {"rollout_corr/routing_mismatch_fraction", "rollout_corr/routing_token_mismatch_fraction",
                    "rollout_corr/routing_mismatch_fraction/layer_0", "rollout_corr/routing_mismatch_fraction/layer_1"},
 }
-# a dump analyze refuses, and the setting its message must name
-ANALYZE_REFUSES = {"support_recompute": "rollout_support_matching='recompute'", "max_policy_lag": "max_policy_lag=1",
-                   "rs_engine": "rollout_rs_on='engine'"}
+# a dump analyze refuses, and the setting its message must name (support matching and max_policy_lag: recorded)
+ANALYZE_REFUSES = {"rs_engine": "rollout_rs_on='engine'"}
 DOC = Path(__file__).resolve().parents[1] / "docs" / "combinations.md"
 TABLE_START, TABLE_END = "<!-- refused-combinations:start -->", "<!-- refused-combinations:end -->"
 PAIRS = [(mode, a, b) for mode in MODES for a, b in itertools.combinations(FEATURES, 2)]

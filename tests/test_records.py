@@ -9,6 +9,7 @@ import math
 import warnings
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -66,19 +67,43 @@ def _writer(path, **kw):
 
 # ---------------------------------------------------------------------------------------------- schema
 def test_schema_is_versioned_and_has_room_for_lag_support_and_routes():
-    assert SCHEMA_VERSION == "1.0"
+    assert SCHEMA_VERSION == "1.1"
     names = [c.name for c in COLUMNS]
     assert len(names) == len(set(names))
     for name in ("prompt_ids", "completion_ids", "completion_mask", "rollout_log_probs", "step", "generation_step",
                  "generation_start_time", "generation_end_time", "rewards", "advantage", "termination"):
         assert name in REQUIRED_COLUMNS  # spec section 10's per-sample fields
     reserved = {c.name: c.spec for c in COLUMNS if c.reserved}
-    assert reserved == {"policy_version_tokens": "7", "support_log_mass": "8",
-                        "support_size": "8", "routes": "9"}
-    assert all(not COLUMNS[names.index(n)].required for n in reserved)  # optional: adding them is not a break
+    assert reserved == {"policy_version_tokens": "7"}
+    # 1.1: the columns that follow policy_lag_split, support matching and R3 (optional: adding them is not a break)
+    added = {"version_log_probs": "7", "support_log_mass": "8", "support_size": "8", "support_miss": "8",
+             "routes_packed": "9"}
+    assert {n: COLUMNS[names.index(n)].spec for n in added} == added
+    assert all(not COLUMNS[names.index(n)].required for n in [*reserved, *added])
     assert records.arrow_type("list<list<list<int16>>>") == pa.list_(pa.list_(pa.list_(pa.int16())))
+    assert records.arrow_type("binary") == pa.binary()
     table = records.schema_markdown()
-    assert table.count("\n") == len(COLUMNS) + 1 and "`routes`" in table
+    assert table.count("\n") == len(COLUMNS) + 1 and "`routes_packed`" in table
+
+
+def test_routes_pack_to_one_byte_per_expert_id_and_unpack_exactly():
+    """Two rows, L=2 layers, k=2: row 0 a 2-token prompt (left-padded by 1) and 2 completion tokens (the last one
+    without a route, as generate's final token), row 1 a 3-token prompt and 1 completion token of 2 (padding)."""
+    routes = torch.full((2, 5, 2, 2), -1, dtype=torch.int16)
+    routes[0, 1:4] = torch.tensor([[[0, 7], [3, 1]], [[2, 2], [6, 5]], [[1, 0], [4, 3]]], dtype=torch.int16)
+    routes[1, 0:4] = torch.arange(16, dtype=torch.int16).reshape(4, 2, 2) % 8
+    keep = torch.tensor([[False, True, True, True, True], [True, True, True, True, False]])
+    column = records.pack_routes(routes, keep, records.routes_encoding(8))
+    assert pc.binary_length(column).to_pylist() == [4 * 4, 4 * 4]  # L*k = 4 bytes a token
+    assert column[0].as_py() == bytes([0, 7, 3, 1, 2, 2, 6, 5, 1, 0, 4, 3, 255, 255, 255, 255])
+    table = pa.table({"routes_packed": column})
+    layout = {"encoding": "uint8", "layers": 2, "top_k": 2}
+    out = records.unpack_routes(table, layout)
+    assert torch.equal(out[0], routes[0, 1:5]) and torch.equal(out[1], routes[1, 0:4])
+    assert records.routes_encoding(255) == "uint8" and records.routes_encoding(256) == "int16le"
+    wide = records.unpack_routes(pa.table({"routes_packed": records.pack_routes(routes, keep, "int16le")}),
+                                 {**layout, "encoding": "int16le"})
+    assert torch.equal(wide[0], out[0]) and torch.equal(wide[1], out[1])
 
 
 def test_completion_lengths_and_termination_by_hand():
@@ -179,7 +204,7 @@ def test_another_schema_major_version_names_the_file_and_the_fix(dump_dir):
     run = json.loads((dump_dir / "run.json").read_text())
     run["schema_version"] = "2.0"
     (dump_dir / "run.json").write_text(json.dumps(run))
-    with pytest.raises(RecordsError, match=r"run.json: rollout records schema 2.0.*reads schema 1.0.*release that "
+    with pytest.raises(RecordsError, match=r"run.json: rollout records schema 2.0.*reads schema 1.1.*release that "
                                            r"wrote it"):
         open_dump(dump_dir)
     run["schema_version"] = "1.0"
@@ -201,7 +226,7 @@ def test_newer_minor_version_is_read_with_a_warning(dump_dir):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         table = open_dump(dump_dir).read_table()
-    assert any("newer than 1.0" in str(w.message) for w in caught)
+    assert any("newer than 1.1" in str(w.message) for w in caught)
     assert "future_column" not in table.column_names and table.num_rows == 2
 
 
@@ -292,7 +317,7 @@ def test_a_resumed_run_continues_the_dump(tmp_path):
     with pytest.raises(RecordsError, match=r"other settings \(rollout_dump_every: stored 1, this run 2"):
         _writer(d, every=2).write_run_metadata(_metadata())
     run = json.loads((d / "run.json").read_text())
-    (d / "run.json").write_text(json.dumps({**run, "schema_version": "1.1"}))
+    (d / "run.json").write_text(json.dumps({**run, "schema_version": "1.2"}))
     with pytest.raises(RecordsError, match="a resumed run can only continue a dump of its own schema"):
         _writer(d).write_run_metadata(_metadata())
 

@@ -277,17 +277,38 @@ def test_decoupled_matching_where_pi_theta_can_leave_pi_olds_support_is_refused(
     make_args(tmp_path, rollout_support_matching="recompute", top_p=0.8, rollout_corr_preset="decoupled_token_is")
 
 
-def test_analyze_refuses_a_support_matched_run(llama_dir, tmp_path, make_trainer):
-    """The records do not store the tokens support matching made invalid, so such a run cannot be recomputed:
-    analyze says so (ConfigError naming the setting) instead of reporting a mismatch."""
-    from trl_rollout_corr.analyze import ConfigError, analyse_dump
+@pytest.mark.parametrize("preset", ["bypass_ppo_clip", "decoupled_token_is"])
+def test_analyze_reproduces_a_support_matched_run(llama_dir, tmp_path, monkeypatch, preset):
+    """Issue 22: analyze refused support-matched dumps (the missed tokens were not recorded). The records now hold
+    the support the trainer scored with (log S, |K|, misses; decoupled: the pi_old forward's, bypass: each loss
+    forward's), so analyze reproduces every logged rollout_corr/* value, the support_* ones included, at its default
+    tolerance (1e-5). A top-p 0.8 engine 2 steps stale samples tokens outside the trainer's support: misses > 0."""
+    from conftest import _make_args
+    from stale_rollout import StaleRollout
+    from trl_rollout_corr.analyze import analyse_dump
     from trl_rollout_corr.records import open_dump
+    from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
 
-    trainer = make_trainer(llama_dir, tmp_path, rollout_corr_preset="bypass_ppo_clip", top_p=0.8, max_steps=1,
-                           rollout_support_matching="recompute", rollout_dump_dir=str(tmp_path / "dump"))
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    args = _make_args(tmp_path, rollout_corr_preset=preset, top_p=0.8, max_steps=3, learning_rate=3e-2,
+                      rollout_support_matching="recompute", rollout_dump_dir=str(tmp_path / "dump"))
+    trainer = RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, args=args,
+                                     train_dataset=prompt_dataset(8),
+                                     rollout_func=StaleRollout(sync_interval=3, top_p=0.8))
     trainer.train()
-    with pytest.raises(ConfigError, match="rollout_support_matching='recompute'.*cannot be recomputed"):
-        analyse_dump(open_dump(tmp_path / "dump"), [])
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    check, analyses, _ = analyse_dump(open_dump(tmp_path / "dump"), [])
+    assert check.ok and not check.skipped, check.failures[:3]
+    from trl_rollout_corr.support import SUPPORT_METRICS
+
+    support_keys = {f"rollout_corr/{k}" for k in SUPPORT_METRICS}
+    assert support_keys <= set(logs[0]) and not support_keys & check.not_recomputed
+    assert max(log["rollout_corr/support_miss_fraction"] for log in logs) > 0  # misses happened, and were recorded
+    for log in logs:
+        ours = analyses[0].per_window[log["step"]].metrics()
+        for key in sorted(support_keys) + ["rollout_corr/invalid_token_fraction"]:
+            assert ours[key] == pytest.approx(log[key], abs=1e-5 * max(1.0, abs(log[key]))), (log["step"], key)
+    assert check.compared >= 20 * len(logs)
 
 
 def test_matched_forwards_skip_trls_lm_head_pass(llama_dir, tmp_path, make_trainer, step_logs):

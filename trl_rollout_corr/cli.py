@@ -227,7 +227,11 @@ def _print_check(check) -> None:
     for step, why in sorted(check.skipped.items()):
         print(f"  step {step} not checked: {why}")
     if check.not_recomputed:
-        print(f"  logged but not recomputed by this version: {', '.join(sorted(check.not_recomputed))}")
+        by_reason: dict[str, list[str]] = {}
+        for key in sorted(check.not_recomputed):
+            by_reason.setdefault(check.why_not_recomputed(key), []).append(key)
+        for why, keys in by_reason.items():
+            print(f"  logged but not recomputed ({why}): {', '.join(keys)}")
 
 
 def _analysis_report(dump, check, analyses) -> dict[str, Any]:

@@ -12,6 +12,12 @@ from .recompute import Analysis, Recomputer
 
 DEFAULT_TOLERANCE = 1e-5
 
+# Logged keys analyze cannot recompute from records, by prefix, and why (CheckResult.why_not_recomputed).
+NOT_RECOMPUTABLE = {
+    "rollout_corr/routing_": "the trainer's own router top-k before replay is a forward of the model; the records "
+                             "hold the replayed routes (routes_packed), not the trainer's choices",
+}
+
 
 # ---------------------------------------------------------------------------------------------- the check
 def check_tolerance(tolerance: Any) -> float:
@@ -63,6 +69,12 @@ class CheckResult:
     @property
     def ok(self) -> bool:
         return not self.failures and self.compared > 0
+
+    @staticmethod
+    def why_not_recomputed(key: str) -> str:
+        """Why ``key`` is not recomputed: the reason of ``NOT_RECOMPUTABLE``, else "unknown to this version"."""
+        return next((why for prefix, why in NOT_RECOMPUTABLE.items() if key.startswith(prefix)),
+                    "unknown to this version (a newer trainer's metric?)")
 
 
 def check_against_logs(analysis: Analysis, recomputer: Recomputer,

@@ -61,6 +61,18 @@ class Recomputer:
             self.generations[batch] = torch.tensor([i for _, _, i in sorted(items)], dtype=torch.int64)
             self.generation_step[batch] = int(s["generation_step"][self.generations[batch][0]])
         self.incomplete = self._incomplete_generations(by_batch)
+        # max_policy_lag: (N,) rows the trainer kept at generation (decoupled: out of the correction) and at use
+        bound = dump.metadata.get("trainer", {}).get("max_policy_lag")
+        self.max_policy_lag = None if bound is None else int(bound)
+        versions = self._row_versions()
+        self.kept_at_generation = self._within_bound(s["generation_step"] - versions)
+        self.kept_at_use = self._within_bound(s["step"] - versions)
+
+    def _within_bound(self, lags: torch.Tensor) -> Optional[torch.Tensor]:
+        """(N,) bool ``lag.lag_keep``, or None without ``max_policy_lag``."""
+        from ..lag import lag_keep
+
+        return None if self.max_policy_lag is None else lag_keep(lags, self.max_policy_lag)
 
     def _incomplete_generations(self, by_batch) -> set[int]:
         """Generation batches with fewer rows than a full one (a window not dumped, or the run's last steps)."""
@@ -100,18 +112,43 @@ class Recomputer:
         by_lag = self._by_lag(fn, named.config, length_buckets)
         return Analysis(named, self.windows, per_window, total, by_lag, tuple(length_buckets))
 
-    def _correct(self, fn, index: torch.Tensor, policy: str, edges) -> tuple[Any, dict[str, torch.Tensor], Part]:
+    def _correct(self, fn, index: torch.Tensor, policy: str, edges,
+                 keep: Optional[torch.Tensor] = None) -> tuple[Any, dict[str, torch.Tensor], Part]:
+        """The correction of rows ``index`` (their ``mask`` times ``keep[index]``, the rows ``max_policy_lag``
+        kept, when given) and, with support matching, the support statistics of those rows over the same mask."""
         b = self.rows.batch(index, policy=policy)
-        out = fn(b["policy"], b["rollout"], b["mask"])
+        mask = b["mask"] if keep is None else b["mask"] * keep[index][:, None].to(b["mask"].dtype)
+        out = fn(b["policy"], b["rollout"], mask)
         part = Part()
         part.add_stats(out.stats)
-        part.counts, part.counts_by_length = _counts(b["mask"], b["policy"], b["rollout"], out.response_mask, edges)
+        part.support = self._support(index, mask)
+        part.counts, part.counts_by_length = _counts(mask, b["policy"], b["rollout"], out.response_mask, edges)
         return out, b, part
+
+    def _support(self, index: torch.Tensor, mask: torch.Tensor):
+        """``support.SupportStats`` of rows ``index`` over ``mask`` (n, T) (``SupportStats.from_score``: tokens,
+        sum of log S, sum of |K|, one-token supports, misses; the sizes for the quantiles), or None without the
+        support columns."""
+        if not self.rows.has("support_size"):
+            return None
+        from ..support import SupportStats
+
+        width = mask.shape[1]
+        size = self.rows.full("support_size", dtype=torch.int64)[index][:, :width]
+        log_mass = self.rows.full("support_log_mass")[index][:, :width]
+        miss = self.rows.full("support_miss", dtype=torch.int64)[index][:, :width] != 0
+        tokens = mask != 0
+        sizes = size[tokens].double()
+        sums = torch.stack([tokens.sum().double(), log_mass[tokens].double().sum(), sizes.sum(),
+                            (sizes == 1).sum().double(), miss[tokens].sum().double()])
+        return SupportStats(sums, [sizes])
 
     def _decoupled(self, fn, per_window: dict[int, Part], edges, config: RolloutCorrectionConfig) -> None:
         kept_of_row: dict[int, torch.Tensor] = {}  # row index of the first use -> that row's kept mask
         for batch, index in self.generations.items():
-            out, b, part = self._correct(fn, index, "old_log_probs", edges)
+            out, b, part = self._correct(fn, index, "old_log_probs", edges, keep=self.kept_at_generation)
+            if part.support is not None:  # the pi_old forward's, over the generation batch's loss mask
+                part.support = self._support(index, b["mask"])
             for k, i in enumerate(index.tolist()):
                 kept_of_row[i] = out.response_mask[k]
             self._lone_survivors(config, b, out, part)
@@ -134,10 +171,18 @@ class Recomputer:
                                               int(s["generation_row"][i]))]]
                 n = min(row_keep.numel(), keep.shape[1])
                 keep[k, :n] = row_keep[:n]
+            if self.kept_at_use is not None:  # rows over max_policy_lag at use left the loss
+                keep = keep * self.kept_at_use[uses][:, None].to(keep.dtype)
             d = ratio_decomposition(b["log_probs"], b["old"], b["rollout"], keep)
+            ratios = {name: getattr(d, name)[d.valid] for name in ("engine", "update", "direct")}
+            if "version" in b:  # policy_lag_split: engine pi_train@v / mu, lag pi_old / pi_train@v
+                valid = d.valid & torch.isfinite(b["version"])
+                ratios = {"engine": (b["version"] - b["rollout"].float())[valid],
+                          "lag": (b["old"].float() - b["version"])[valid], "update": d.update[valid],
+                          "direct": d.direct[valid]}
             part = per_window[w.logged_step]
-            for name in ("engine", "update", "direct"):
-                part.log_ratios.setdefault(name, []).append(getattr(d, name)[d.valid].double())
+            for name, values in ratios.items():
+                part.log_ratios.setdefault(name, []).append(values.double())
 
     def _lone_survivors(self, config, b: dict, out, part: Part) -> None:
         """``rs_lone_survivor_fraction`` of one generation batch, as the trainer counts it: rows RS kept while
@@ -165,7 +210,7 @@ class Recomputer:
             in_window = s["logged_step"] == w.logged_step
             for micro_step in torch.unique(s["micro_step"][in_window]).tolist():
                 index = (in_window & (s["micro_step"] == micro_step)).nonzero().flatten()
-                out, b, part = self._correct(fn, index, "log_probs", edges)
+                out, b, part = self._correct(fn, index, "log_probs", edges, keep=self.kept_at_use)
                 direct = b["log_probs"].float() - b["rollout"].float()
                 keep = (out.response_mask != 0) & torch.isfinite(direct)
                 part.log_ratios["direct"] = [direct[keep].double()]
@@ -174,14 +219,16 @@ class Recomputer:
     def _row_lags(self) -> torch.Tensor:
         """(N,) lag of every row in optimizer steps: ``step - policy_version`` (``generation_step`` for rows without
         a version, e.g. dumps written before versions existed)."""
+        return self.rows.scalar["step"] - self._row_versions()
+
+    def _row_versions(self) -> torch.Tensor:
+        """(N,) ``policy_version`` of every row (``generation_step`` where a row has none)."""
         s = self.rows.scalar
-        if self.rows.has("policy_version"):
-            column = self.rows.table.column("policy_version").to_pylist()
-            versions = torch.tensor([g if v is None else v for v, g in zip(column, s["generation_step"].tolist())],
-                                    dtype=torch.int64)
-        else:
-            versions = s["generation_step"]
-        return s["step"] - versions
+        if not self.rows.has("policy_version"):
+            return s["generation_step"]
+        column = self.rows.table.column("policy_version").to_pylist()
+        return torch.tensor([g if v is None else v for v, g in zip(column, s["generation_step"].tolist())],
+                            dtype=torch.int64)
 
     def _lags(self, per_window: dict[int, Part]) -> None:
         """``policy_lag_*``: every trained row of the window (all ranks), as the trainer's ``lag.lag_counts`` over
@@ -200,7 +247,7 @@ class Recomputer:
             sel = s["logged_step"] == w.logged_step
             if not bool(sel.any()):
                 continue
-            keep = None  # runs with max_policy_lag are refused (analyse_dump)
+            keep = None if self.kept_at_use is None else self.kept_at_use[sel]
             part = per_window[w.logged_step]
             for name, (num, den) in lag_counts(lags[sel], tokens[sel], keep).items():
                 counts = part.lag_counts.setdefault(name, [0, 0])
@@ -214,6 +261,6 @@ class Recomputer:
         out = {}
         for value in torch.unique(lag).tolist():
             index = (lag == value).nonzero().flatten()
-            _, _, part = self._correct(fn, index, _needed_column(config), edges)
+            _, _, part = self._correct(fn, index, _needed_column(config), edges, keep=self.kept_at_use)
             out[int(value)] = part
         return out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -45,7 +45,8 @@ class Rows:
 
     def batch(self, index: torch.Tensor, *, policy: str) -> dict[str, torch.Tensor]:
         """The (n, T) tensors of rows ``index``: ``mask`` (completion_mask * tool_mask), ``rollout`` (mu), and
-        ``policy`` (the named log-prob column); ``log_probs`` and ``old`` too when present."""
+        ``policy`` (the named log-prob column, NaN at ``support_miss``: invalid, as in the trainer); ``log_probs``,
+        ``old`` and ``version`` (pi_train@v, ``policy_lag_split``) too when present."""
         mask = self.full("completion_mask", dtype=torch.int64)[index]
         if self.has("tool_mask"):
             mask = mask * self.full("tool_mask", dtype=torch.int64, fill=1)[index]
@@ -53,7 +54,10 @@ class Rows:
         nan = float("nan")  # a log-prob missing from a row reads as NaN (an invalid token), never as 0
         out = {"mask": mask[:, :width], "rollout": self.full("rollout_log_probs", fill=nan)[index][:, :width]}
         out["policy"] = self.full(policy, fill=nan)[index][:, :width]
-        for name, key in (("log_probs", "log_probs"), ("old_log_probs", "old")):
+        if self.has("support_miss"):  # support matching: the missed tokens were invalid in the trainer's correction
+            miss = self.full("support_miss", dtype=torch.int64)[index][:, :width] != 0
+            out["policy"] = torch.where(miss, nan, out["policy"])
+        for name, key in (("log_probs", "log_probs"), ("old_log_probs", "old"), ("version_log_probs", "version")):
             if self.has(name):
                 out[key] = self.full(name, fill=nan)[index][:, :width]
         return out
@@ -137,6 +141,7 @@ class Part:
     lag_counts: dict[str, list[int]] = field(default_factory=dict)  # lag.lag_counts names -> [num, den]
     lag_max: Optional[int] = None
     fractions: dict[str, list[int]] = field(default_factory=dict)  # name -> [hits, total] (global row counts)
+    support: Optional[Any] = None  # support.SupportStats of the measured support forwards (support matching)
 
     def add_stats(self, stats: CorrectionStats) -> None:
         self.stats = stats if self.stats is None else self.stats.merge(stats)
@@ -144,6 +149,8 @@ class Part:
     def merge(self, other: "Part") -> None:
         if other.stats is not None:
             self.add_stats(other.stats)
+        if other.support is not None:
+            self.support = other.support if self.support is None else self.support.merge(other.support)
         self.counts.add(other.counts)
         for j, c in other.counts_by_length.items():
             self.counts_by_length.setdefault(j, Counts()).add(c)
@@ -165,6 +172,8 @@ class Part:
         out: dict[str, float] = {}
         if self.stats is not None:
             out.update(self.stats.finalize())
+        if self.support is not None:
+            out.update(self.support.finalize())
         for name in sorted(self.log_ratios):
             values = torch.cat(self.log_ratios[name]) if self.log_ratios[name] else torch.zeros(0, dtype=torch.float64)
             for key, value in exact_ratio_quantiles(values).items():

@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 from ..accumulator import PREFIX
 from ..records import RecordsError, RolloutDump, Window
 from .check import DEFAULT_TOLERANCE, CheckResult, check_against_logs, check_length_edges, check_tolerance
-from .configs import ConfigError, NamedConfig, check_recomputable
+from .configs import NamedConfig, check_recomputable
 from .recompute import Analysis, Recomputer
 from .rows import Counts, Part, check_config_fits
 
@@ -57,24 +57,9 @@ def analysable_windows(dump: RolloutDump, steps: Optional[tuple[int, int]] = Non
     cannot be recomputed.
 
     Raises:
-        ConfigError: a run trained with support matching, ``max_policy_lag`` or RS on the engine factor
-            (``check_recomputable``). RecordsError: no stored rows there.
+        ConfigError: a run trained with RS on the engine factor (``check_recomputable``). RecordsError: no stored
+            rows there.
     """
-    matching = dump.metadata.get("trainer", {}).get("rollout_support_matching") or "off"
-    if matching != "off":
-        raise ConfigError(
-            f"{dump.path} was trained with rollout_support_matching={matching!r}: the trainer scored over the "
-            "engine's support and made the tokens outside it invalid, which records of schema "
-            f"{dump.metadata.get('schema_version', '1.0')} do not store, so its metrics cannot be recomputed. "
-            "Analyse runs trained with rollout_support_matching='off'."
-        )
-    bound = dump.metadata.get("trainer", {}).get("max_policy_lag")
-    if bound is not None:
-        raise ConfigError(
-            f"{dump.path} was trained with max_policy_lag={bound}: the rows it dropped left the correction's mask "
-            "before the metrics were computed, which this version of analyze does not reproduce. Analyse runs "
-            "trained without max_policy_lag."
-        )
     check_recomputable(dump.correction_config(), f"{dump.path} (the run's training config)")
     windows = [w for w in dump.windows if steps is None or steps[0] <= w.logged_step <= steps[1]]
     if not any(w.files for w in windows):
@@ -97,9 +82,9 @@ def analyse_dump(dump: RolloutDump, configs: Sequence[NamedConfig], *, length_bu
         (check, [trained analysis, what-if analyses...], the recomputer).
 
     Raises:
-        RecordsError: an invalid dump (see ``records``). ConfigError: a config the dump cannot serve, a run
-            trained with support matching (its missed tokens are not recorded), length buckets that are not
-            increasing positive ints, or a tolerance that is not a finite number >= 0 (checked before any work).
+        RecordsError: an invalid dump (see ``records``). ConfigError: a config the dump cannot serve, length
+            buckets that are not increasing positive ints, or a tolerance that is not a finite number >= 0
+            (checked before any work).
     """
     tolerance = check_tolerance(tolerance)
     if length_buckets is not None:

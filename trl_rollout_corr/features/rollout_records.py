@@ -61,6 +61,11 @@ class RolloutRecords(Feature):
             pad_token_id=tokenizer.pad_token_id, max_completion_length=trainer.max_completion_length,
         )
         self.batches = 0  # generation batches tagged on this rank
+        self.num_experts = None  # E of the MoE layers with routing replay (the routes' packing), else None
+        if args.routing_replay == "r3":
+            from ..routing import find_moe_routers
+
+            self.num_experts = find_moe_routers(unwrapped).num_experts
         correction = trainer.rollout_correction
         self.writer.write_run_metadata(records.run_metadata(
             model=unwrapped, tokenizer=trainer.processing_class,
@@ -98,7 +103,8 @@ class RolloutRecords(Feature):
         """The trained micro-batch, as TRL passed it, and its pi_theta to the writer (training only; without a
         correction a batch can lack mu: warned, no diagnostics, not recorded)."""
         if trainer.metrics_mode == "train" and "rollout_log_probs" in step.original:
-            self.writer.add(micro_batch(trainer.state.global_step, step.original, step.policy_log_probs))
+            self.writer.add(micro_batch(trainer.state.global_step, step.original, step.policy_log_probs,
+                                        trained=step.inputs, num_experts=self.num_experts))
 
     def after_log(self, trainer, record: Mapping[str, Any]) -> None:
         """Close the logged step's window with TRL's logged values (training only)."""
@@ -106,9 +112,24 @@ class RolloutRecords(Feature):
             self.writer.end_window(trainer.state.global_step, record)
 
 
-def micro_batch(step: int, inputs: dict, log_probs: Optional[torch.Tensor]) -> "MicroBatch":
-    """The ``records.MicroBatch`` of one trained micro-batch (TRL's keys mapped to record column names)."""
+def micro_batch(step: int, inputs: dict, log_probs: Optional[torch.Tensor], *, trained: Optional[dict] = None,
+                num_experts: Optional[int] = None) -> "MicroBatch":
+    """The ``records.MicroBatch`` of one trained micro-batch (TRL's keys mapped to record column names).
+
+    Args:
+        step: learner step at use. inputs: the micro-batch as TRL passed it (``LossStep.original``).
+        log_probs: (B, T) pi_theta of its loss forward. trained: what the mode trained on (``LossStep.inputs``),
+            where the support scores of the loss forward are (bypass: ``support_matching`` stores them there;
+            decoupled: the pi_old forward's ride in ``inputs``). num_experts: E, with routing replay.
+    """
     from ..records import MicroBatch
+
+    support = {}
+    for name in ("support_log_mass", "support_size", "support_miss"):
+        key = f"rollout_record_{name}"
+        support[name] = (trained or {}).get(key, inputs.get(key))
+    if support["support_miss"] is None and inputs.get("rollout_support_miss") is not None:
+        support["support_miss"] = inputs["rollout_support_miss"]
 
     return MicroBatch(
         step=step, generation_step=int(inputs["rollout_generation_step"]),
@@ -124,7 +145,9 @@ def micro_batch(step: int, inputs: dict, log_probs: Optional[torch.Tensor]) -> "
             old_log_probs=inputs.get("old_per_token_logps", inputs.get("rollout_old_log_probs")),
             log_probs=log_probs, ref_log_probs=inputs.get("ref_per_token_logps"),
             rollout_is_weights=inputs.get("rollout_is_weights"), rollout_rs_mask=inputs.get("rollout_rs_mask"),
+            version_log_probs=inputs.get("rollout_version_log_probs"), **support,
         ),
+        routes=inputs.get("routed_experts") if num_experts is not None else None, num_experts=num_experts,
     )
 
 

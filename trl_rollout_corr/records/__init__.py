@@ -13,14 +13,18 @@ rows (same ``generation_batch`` / ``generation_row``, a later ``step``, its own 
 completion token or per row); per-token columns are lists as long as the row's ``completion_ids``, never padded.
 
 Versioning (``SCHEMA_VERSION``, "major.minor", stored in ``run.json`` and in every Parquet file's key-value
-metadata): a reader reads any dump of its major version. A minor version may only add *optional* columns; the
-reserved optional columns of ``schema.COLUMNS`` (policy versions, spec 7; support, spec 8; MoE routes, spec 9) are
-already part of 1.0, so the engineers who fill them need no schema change. A different major version is refused
-with an error naming the file and the fix (``RecordsError``).
+metadata): a reader reads any dump of its major version. A minor version may only add *optional* columns. 1.1
+added the columns of the features 1.0 could not follow (written only when the feature is on): ``version_log_probs``
+(``policy_lag_split``), ``support_miss`` with the reserved ``support_log_mass`` / ``support_size`` now filled
+(support matching), ``routes_packed`` (R3, ``routes``; it replaces 1.0's reserved nested-list ``routes``, never
+written). A 1.1 reader reads 1.0 dumps; a 1.0 reader reads a 1.1 dump without the new columns. A different major
+version is refused with an error naming the file and the fix (``RecordsError``).
 
 Size: per sample about 4 bytes per prompt token and 14 bytes per completion token before compression (ids, masks
-and 2-4 float32 log-prob columns), zstd-compressed on disk; ``benchmarks/RESULTS.md`` has the measured bytes per
-1k samples of the main job. ``rollout_dump_every = N`` keeps one logged window in N to bound a long run.
+and 2-4 float32 log-prob columns; + 4 with ``policy_lag_split``, + 9 with support matching, + L*k with R3 for every
+prompt and completion token: L MoE layers, top-k), zstd-compressed on disk; ``benchmarks/RESULTS.md`` has the
+measured bytes per 1k samples of the main job. ``rollout_dump_every = N`` keeps one logged window in N to bound a
+long run.
 
 Writing never overwrites: each Parquet file is written to a temporary name and renamed into place (a crash leaves
 no half-written ``.parquet``), and an existing step file is an error. A folder that already holds ``run.json`` is
@@ -34,7 +38,8 @@ step 0 into a folder with a dump, or a different run's settings, is refused.
 Reading validates everything (schema version, Parquet integrity, column types, per-token lengths) before
 any result is produced. Needs ``pyarrow`` (installed with ``datasets``: the ``trl`` extra).
 
-Modules: ``schema`` (versions, file names, columns), ``metadata`` (``run.json``), ``writer``, ``reader``.
+Modules: ``schema`` (versions, file names, columns), ``metadata`` (``run.json``), ``writer``, ``reader``,
+``routes`` (the packed MoE routes).
 """
 
 from .metadata import (
@@ -51,6 +56,7 @@ from .reader import (
     padded,
     read_step_file,
 )
+from .routes import ROUTES_FIELD_META, pack_routes, routes_encoding, routes_layout, unpack_routes
 from .schema import (
     COLUMNS,
     COLUMNS_BY_NAME,
@@ -83,6 +89,7 @@ __all__ = [
     "MicroBatch",
     "PER_TOKEN_COLUMNS",
     "REQUIRED_COLUMNS",
+    "ROUTES_FIELD_META",
     "RUN_FILE",
     "RecordsError",
     "RolloutDump",
@@ -98,11 +105,15 @@ __all__ = [
     "library_versions",
     "model_fingerprint",
     "open_dump",
+    "pack_routes",
     "padded",
     "read_step_file",
+    "routes_encoding",
+    "routes_layout",
     "run_metadata",
     "schema_markdown",
     "termination_of",
     "terminations",
     "tokenizer_fingerprint",
+    "unpack_routes",
 ]

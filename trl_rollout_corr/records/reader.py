@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
+from .routes import _ROUTE_ENCODINGS, routes_layout
 from .schema import (
     _META_SCHEMA,
     _META_VERSION,
@@ -246,8 +247,31 @@ def read_step_file(path: Path) -> "pa.Table":
             row = pc.index(bad, True).as_py()
             raise RecordsError(f"{path}: row {row}: column {name!r} has {lengths[row]} entries for "
                                f"{n_tokens[row]} completion tokens (per-token columns are never padded).")
+    _check_routes(table, path)
     known = [n for n in table.column_names if n in COLUMNS_BY_NAME]
     return table.select(known)
+
+
+def _check_routes(table: "pa.Table", path: Path) -> None:
+    """``routes_packed``: a layout in the field's metadata and L*k ids per prompt and completion token of each row."""
+    import pyarrow.compute as pc
+
+    if "routes_packed" not in table.column_names or table.column("routes_packed").null_count == table.num_rows:
+        return
+    try:
+        layout = routes_layout(table)
+        size = int(layout["layers"]) * int(layout["top_k"]) * _ROUTE_ENCODINGS[layout["encoding"]][0].itemsize
+    except (TypeError, KeyError, ValueError) as e:
+        raise RecordsError(f"{path}: column 'routes_packed' has no valid layout metadata ({e!r}); the file was not "
+                           "written by this schema version's writer.") from e
+    positions = pc.add(pc.list_value_length(table.column("prompt_ids")),
+                       pc.list_value_length(table.column("completion_ids")))
+    lengths = pc.binary_length(table.column("routes_packed"))
+    bad = pc.and_(pc.is_valid(lengths), pc.not_equal(lengths, pc.multiply(positions, size)))
+    if pc.any(bad).as_py():
+        row = pc.index(bad, True).as_py()
+        raise RecordsError(f"{path}: row {row}: column 'routes_packed' has {lengths[row]} bytes for {positions[row]} "
+                           f"tokens x {size} bytes ({layout}); the file is corrupt.")
 
 
 def open_dump(path: os.PathLike | str) -> RolloutDump:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 SCHEMA_NAME = "trl-rollout-corr/rollout-records"
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 RUN_FILE = "run.json"
 LOGS_FILE = "logs.jsonl"
 STEPS_DIR = "steps"
@@ -93,12 +93,21 @@ COLUMNS = (
            "oldest token's; the trainer's rollout_policy_version).", spec="7"),
     Column("policy_version_tokens", "list<int64>", False, True, "Policy version per completion token.", spec="7",
            reserved=True),
-    Column("support_log_mass", "list<float32>", False, True, "log S (nats) of the engine's kept sampling support "
-           "per token.", spec="8", reserved=True),
-    Column("support_size", "list<int32>", False, True, "Size of the kept sampling support per token.", spec="8",
-           reserved=True),
-    Column("routes", "list<list<list<int16>>>", False, False, "MoE expert ids: positions (prompt then completion) "
-           "x MoE layers x top-k, -1 at padding.", spec="9", reserved=True),
+    Column("version_log_probs", "list<float32>", False, True, "log pi_train@v (nats): the trainer's forward at the "
+           "row's own policy version v (policy_lag_split; equal to old_log_probs for rows of the current version, "
+           "NaN where that forward gave none). The lag split's engine ratio is version - mu, its lag ratio old - "
+           "version.", spec="7"),
+    Column("support_log_mass", "list<float32>", False, True, "log S (nats, <= 0) of the sampling support the trainer "
+           "scored with (rollout_support_matching on; decoupled: the pi_old forward's, bypass: this micro-batch's "
+           "loss forward's).", spec="8"),
+    Column("support_size", "list<int32>", False, True, "Size |K| of that support per token (0 where not scored).",
+           spec="8"),
+    Column("support_miss", "list<int8>", False, True, "1 where the sampled token was outside that support (made "
+           "invalid by the correction), else 0.", spec="8"),
+    Column("routes_packed", "binary", False, False, "MoE routes (routing_replay='r3'): the expert ids of every "
+           "position (prompt then completion) x MoE layer x top-k, packed C-order as one byte per id (uint8, 255 = "
+           "no route) when the model has <= 255 experts, else int16 little-endian (-1 = no route); L*k bytes per "
+           "token (uint8). The step file's metadata names the layout (unpack_routes).", spec="9"),
 )
 COLUMNS_BY_NAME = {c.name: c for c in COLUMNS}
 REQUIRED_COLUMNS = tuple(c.name for c in COLUMNS if c.required)
@@ -122,7 +131,7 @@ def arrow_type(text: str) -> "pa.DataType":
     if text.startswith("list<") and text.endswith(">"):
         return pa.list_(arrow_type(text[5:-1]))
     return {"int8": pa.int8(), "int16": pa.int16(), "int32": pa.int32(), "int64": pa.int64(),
-            "float32": pa.float32(), "float64": pa.float64(), "string": pa.string()}[text]
+            "float32": pa.float32(), "float64": pa.float64(), "string": pa.string(), "binary": pa.binary()}[text]
 
 
 def schema_markdown() -> str:

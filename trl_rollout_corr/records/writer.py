@@ -14,6 +14,7 @@ import torch
 
 from .metadata import _json_safe
 from .reader import _read_json
+from .routes import ROUTES_FIELD_META, pack_routes, routes_encoding
 from .schema import (
     _META_SCHEMA,
     _META_VERSION,
@@ -51,6 +52,8 @@ class MicroBatch:
         rollout_log_probs: (B, T) mu, nats.
         advantages: (B,) float. generation_row: (B,) int, the row in the generation batch.
         rewards: (B, F) float or None. times: (B, 2) float64 unix seconds (start, end) or None.
+        routes: (B, P + T, L, k) int16 expert ids aligned with ``cat(prompt_ids, completion_ids)`` (``-1`` at
+            padding: ``routing.pad_routes``), or None; ``num_experts`` E with it (``pack_routes``).
         per_token: optional (B, T) columns by record name (``tool_mask``, ``old_log_probs``, ``log_probs``,
             ``ref_log_probs``, ``rollout_is_weights``, ``rollout_rs_mask``, or a reserved one); None values skipped.
     """
@@ -69,6 +72,8 @@ class MicroBatch:
     times: Optional[torch.Tensor] = None
     per_token: dict[str, Optional[torch.Tensor]] = field(default_factory=dict)
     policy_version: Optional[torch.Tensor] = None  # (B,) int, spec 7; None: not recorded (generation_step then)
+    routes: Optional[torch.Tensor] = None  # (B, P + T, L, k) int16 MoE routes as the batch holds them (-1 padding)
+    num_experts: Optional[int] = None  # E of the MoE layers (the routes' packing: uint8 when E <= 255)
 
 
 def completion_lengths(completion_ids: torch.Tensor, completion_mask: torch.Tensor,
@@ -160,6 +165,7 @@ class RolloutRecordWriter:
         self._resumed_at: Optional[int] = None
         (self.dump_dir / STEPS_DIR).mkdir(parents=True, exist_ok=True)
         self._batches: list = []
+        self._routes_layout: Optional[dict] = None  # routes_packed's layout (the first batch with routes)
         self._micro_step = 0
         self._windows = 0
         self._previous_logged_step = 0
@@ -297,6 +303,8 @@ class RolloutRecordWriter:
         if b.policy_version is not None:
             columns["policy_version"] = pa.array(b.policy_version.reshape(-1).cpu().to(torch.int64).numpy(),
                                                  pa.int64())
+        if b.routes is not None:
+            columns["routes_packed"] = self._routes_column(b, lengths)
         times = b.times if b.times is not None else torch.full((B, 2), float("nan"), dtype=torch.float64)
         times = times.detach().cpu().to(torch.float64).reshape(B, 2)
         columns["generation_start_time"] = pa.array(times[:, 0].numpy(), pa.float64())
@@ -319,6 +327,28 @@ class RolloutRecordWriter:
             inner = column.type[5:-1]
             columns[name] = _list_array(tensor.detach().to(_TORCH_FOR[inner]), lengths, inner)
         return pa.RecordBatch.from_pydict({name: columns[name] for name in _column_order(columns)})
+
+    def _routes_column(self, b: MicroBatch, lengths: torch.Tensor):
+        """``routes_packed`` of a micro-batch: each row's prompt and completion positions (``records.routes``).
+
+        Raises:
+            RecordsError: routes without ``num_experts``, of the wrong shape, or of another layout than earlier ones.
+        """
+        B, T = b.completion_ids.shape
+        if b.num_experts is None:
+            raise RecordsError("MicroBatch.routes needs num_experts (the packing depends on E).")
+        keep = torch.cat([b.prompt_mask.to(b.routes.device) != 0,
+                          torch.arange(T, device=b.routes.device).expand(B, T)
+                          < lengths.to(b.routes.device).unsqueeze(1)], dim=1)
+        if b.routes.dim() != 4 or tuple(b.routes.shape[:2]) != tuple(keep.shape):
+            raise RecordsError(f"MicroBatch.routes has shape {tuple(b.routes.shape)}, expected (B, P + T, L, k) "
+                               f"with (B, P + T) = {tuple(keep.shape)}.")
+        layout = {"encoding": routes_encoding(b.num_experts), "layers": int(b.routes.shape[2]),
+                  "top_k": int(b.routes.shape[3])}
+        if self._routes_layout not in (None, layout):
+            raise RecordsError(f"MicroBatch.routes layout {layout} differs from this run's {self._routes_layout}.")
+        self._routes_layout = layout
+        return pack_routes(b.routes, keep, layout["encoding"])
 
     # ------------------------------------------------------------------ every logged step
     def end_window(self, logged_step: int, logs: Mapping[str, Any]) -> Optional[Path]:
@@ -369,6 +399,10 @@ class RolloutRecordWriter:
         table = pa.Table.from_batches(_unify(self._batches))
         table = table.set_column(table.schema.get_field_index("logged_step"), "logged_step",
                                  pa.array([logged_step] * table.num_rows, pa.int64()))
+        if self._routes_layout is not None and "routes_packed" in table.column_names:
+            i = table.schema.get_field_index("routes_packed")
+            table = table.set_column(i, table.schema.field(i).with_metadata(
+                {ROUTES_FIELD_META: json.dumps(self._routes_layout, sort_keys=True).encode()}), table.column(i))
         table = table.replace_schema_metadata({_META_SCHEMA: SCHEMA_NAME.encode(),
                                                _META_VERSION: SCHEMA_VERSION.encode()})
         path = self.dump_dir / STEPS_DIR / f"step-{logged_step:08d}.rank-{self.rank:05d}.parquet"
