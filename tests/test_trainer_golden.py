@@ -83,7 +83,8 @@ def _records(dump_dir: Path) -> dict:
 
     dump = open_dump(dump_dir)
     table = dump.read_table()
-    columns = {name: table.column(name).to_pylist() for name in table.column_names if name not in WALL_CLOCK_COLUMNS}
+    columns = {name: [v.hex() if isinstance(v, bytes) else v for v in table.column(name).to_pylist()]  # routes_packed
+               for name in table.column_names if name not in WALL_CLOCK_COLUMNS}
     run = {k: v for k, v in dump.metadata.items() if k not in RUN_JSON_SKIPPED}
     return {"columns": columns, "run_json": run}
 
