@@ -1,6 +1,6 @@
 """The feature-combination matrix (issue 22): every pair of {decoupled, bypass} x {support recompute, routing replay
-r3, policy_lag_split, max_policy_lag, records, batch norm with accumulation, num_iterations 2, RS on the engine factor
-(issue 23)} that the config accepts trains 2 steps on a tiny model (a tiny Qwen3-MoE, router aux loss off,
+r3, policy_lag_split, max_policy_lag, records, batch norm with accumulation, num_iterations 2, M2PO, RS on the engine
+factor (issue 23)} that the config accepts trains 2 steps on a tiny model (a tiny Qwen3-MoE, router aux loss off,
 where r3 is in the pair, else the tiny Llama), float32 on both sides and lag 0 (``transformers.generate`` samples
 from the policy itself), twice: micro-batch 1 x accumulation 4 and micro-batch 4 x accumulation 1. The invariants
 every combination must keep:
@@ -45,7 +45,9 @@ FEATURES = {
     "records": dict(),
     "batch_norm_accum": dict(rollout_is_batch_normalize=True),
     "num_iterations_2": dict(num_iterations=2),
-    # issue 23: RS on the engine factor (its own lag split and RS option)
+    # issue 23: M2PO's step-global mask (tau 0.04 masks nothing at lag 0 in float32: the wiring must not change the
+    # step) and RS on the engine factor (its own lag split and RS option)
+    "m2po": dict(rollout_m2_threshold=0.04),
     "rs_engine": dict(policy_lag_split=True, rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01,
                       rollout_rs_on="engine"),
 }
@@ -57,7 +59,7 @@ NOT_RECOMPUTED = {  # policy_lag_split's lag_ratio_* are recomputed from version
                    "rollout_corr/routing_mismatch_fraction/layer_0", "rollout_corr/routing_mismatch_fraction/layer_1"},
 }
 # a dump analyze refuses, and the setting its message must name (support matching and max_policy_lag: recorded)
-ANALYZE_REFUSES = {"rs_engine": "rollout_rs_on='engine'"}
+ANALYZE_REFUSES = {"m2po": "rollout_m2_threshold=0.04 (M2PO)", "rs_engine": "rollout_rs_on='engine'"}
 DOC = Path(__file__).resolve().parents[1] / "docs" / "combinations.md"
 TABLE_START, TABLE_END = "<!-- refused-combinations:start -->", "<!-- refused-combinations:end -->"
 PAIRS = [(mode, a, b) for mode in MODES for a, b in itertools.combinations(FEATURES, 2)]

@@ -184,16 +184,152 @@ def test_config_field():
         RolloutCorrectionConfig(rollout_m2_threshold=0.04, bypass_mode=True)
 
 
-def test_flat_arguments_refuse_it_until_the_trainer_applies_it(tmp_path):
+def test_flat_arguments_accept_it_and_analyze_refuses_it(tmp_path):
     from trl_rollout_corr.analyze import ConfigError, yaml_config
     from trl_rollout_corr.config import RolloutCorrectionArguments
 
-    with pytest.raises(ValueError, match=r"rollout_m2_threshold='0.04' \(M2PO\) is not yet wired in the trainer"):
-        RolloutCorrectionArguments(rollout_m2_threshold="0.04")
-    with pytest.raises(ValueError, match="needs decoupled mode"):  # the mode error comes first
+    assert RolloutCorrectionArguments(rollout_m2_threshold="0.04").rollout_correction().rollout_m2_threshold == 0.04
+    with pytest.raises(ValueError, match="needs decoupled mode"):
         RolloutCorrectionArguments(rollout_corr_preset="bypass_ppo_clip", rollout_m2_threshold="0.04")
     f = tmp_path / "m2.yaml"
     f.write_text("rollout_m2_threshold: 0.04\n")
-    with pytest.raises(ConfigError, match="not yet wired in the trainer"):
+    with pytest.raises(ConfigError, match=r"rollout_m2_threshold=0.04 \(M2PO\): analyze does not recompute"):
         yaml_config(f)
     assert RolloutCorrectionArguments(rollout_corr_preset="decoupled_k3_rs").rollout_m2_threshold is None
+
+
+def test_trainer_config_refusals(make_args, tmp_path):
+    for bad in (0, -0.04):
+        with pytest.raises(ValueError, match=r"rollout_m2_threshold must be > 0"):
+            make_args(tmp_path, rollout_m2_threshold=bad)
+    with pytest.raises(ValueError, match=r"needs decoupled mode: .*Set bypass_mode=False"):
+        make_args(tmp_path, rollout_corr_preset="bypass_pg_is", rollout_m2_threshold=0.04)
+    with pytest.raises(ValueError, match=r"steps_per_generation \(4\) must equal gradient_accumulation_steps \(2\)"):
+        make_args(tmp_path, rollout_m2_threshold=0.04, gradient_accumulation_steps=2, steps_per_generation=4)
+    args = make_args(tmp_path, rollout_m2_threshold=0.04, gradient_accumulation_steps=2)
+    assert args.rollout_correction().m2_enabled and args.steps_per_generation == 2
+
+
+# ---------------------------------------------------------------------------------------------- the step mask
+def _reference_keep(l_rows, mask_rows, tau):
+    """(keep rows, masked count) from ``greedy_reference`` on rows of possibly different widths."""
+    width = max(len(r) for r in l_rows)
+    pad = lambda rows, fill: [list(r) + [fill] * (width - len(r)) for r in rows]  # noqa: E731
+    l_pad, m_pad = pad(l_rows, 0.0), pad(mask_rows, 0)
+    masked, before, after, width = greedy_reference(l_pad, m_pad, tau)
+    keep = [[float(m_pad[i][j] > 0 and math.isfinite(l_pad[i][j]) and i * width + j not in masked)
+             for j in range(width)] for i in range(len(l_rows))]
+    return keep, len(masked), before, after
+
+
+def test_step_mask_equals_the_greedy_reference_in_any_row_order():
+    from trl_rollout_corr.modes.m2po_window import m2po_step_mask
+
+    l, mask = _tensors(torch.float64)
+    expected, n_masked, before, after = _reference_keep(L, MASK, 0.05)
+    keep, sel = m2po_step_mask(l, mask, 0.05)
+    assert keep.tolist() == expected and sel.n_masked == n_masked == 4
+    # TRL's shuffled order (pi_old read from the loss forward): rows[i] is the generation row of batch row i
+    rows = torch.tensor([2, 0, 3, 1])
+    keep, sel = m2po_step_mask(l[rows], mask[rows], 0.05, rows=rows)
+    assert keep.tolist() == [expected[r] for r in rows.tolist()] and sel.n_masked == 4
+    assert sel.sum_sq_before / sel.n_valid == pytest.approx(before) and sel.sum_sq_after / 14 == pytest.approx(after)
+
+
+def _rank_worker(rank, world, port, path):
+    import torch.distributed as dist
+
+    from trl_rollout_corr.accumulator import Reducers
+    from trl_rollout_corr.modes.m2po_window import m2po_step_mask
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    def gather(t):
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts)
+
+    l, mask, lengths = _random_step(0)
+    mine = slice(6 * rank, 6 * rank + 6)
+    width = int(lengths[mine].max())  # each rank pads to its own longest row
+    keep, sel = m2po_step_mask(l[mine, :width].double(), mask[mine, :width], 0.01, Reducers(world, gather=gather),
+                               rank)
+    torch.save({"keep": keep, "row": sel.masked_row, "col": sel.masked_col, "metrics": sel.metrics()},
+               f"{path}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_two_ranks_give_the_one_rank_mask(tmp_path):
+    """Two real processes (gloo all-gather of uneven candidate sets, each rank padded to its own width) give the mask
+    one rank computes on the concatenated batch."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from trl_rollout_corr.modes.m2po_window import m2po_step_mask
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_worker, args=(2, port, str(tmp_path / "out")), nprocs=2, join=True)
+    l, mask, _ = _random_step(0)
+    whole_keep, whole = m2po_step_mask(l.double(), mask, 0.01)
+    assert 0 < whole.n_masked < int(mask.sum())
+    for rank in range(2):
+        got = torch.load(tmp_path / f"out.{rank}")
+        assert torch.equal(got["row"], whole.masked_row) and torch.equal(got["col"], whole.masked_col)
+        assert got["metrics"] == whole.metrics()
+        width = got["keep"].shape[1]
+        assert torch.equal(got["keep"], whole_keep[6 * rank:6 * rank + 6, :width])
+
+
+# ---------------------------------------------------------------------------------------------- the trainer
+def _train_m2(model_dir, tmp_path, mb, ga, tau):
+    """2 steps of M2PO alone (decoupled, no IS/RS) with a bf16 rollout copy (a real mismatch); returns the step logs
+    and, per optimizer step, the (l, loss mask, M2 mask) rows of its micro-batches as TRL served them."""
+    from conftest import _make_trainer
+    from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
+
+    seen = []
+
+    class Spy(RolloutCorrGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            loss = super()._compute_loss(model, inputs)
+            l = (inputs["old_per_token_logps"].double() - inputs["rollout_log_probs"].double())
+            seen.append((self.state.global_step, l, inputs["completion_mask"], inputs["rollout_rs_mask"]))
+            return loss
+
+    trainer = _make_trainer(model_dir, tmp_path / f"{mb}x{ga}", trainer_cls=Spy, rollout_m2_threshold=tau,
+                            rollout_generate_dtype="bfloat16", per_device_train_batch_size=mb,
+                            gradient_accumulation_steps=ga, max_steps=2, loss_type="grpo")
+    trainer.train()
+    steps = {}
+    for step, l, m, keep in seen:
+        steps.setdefault(step, []).extend(zip(l.tolist(), m.tolist(), keep.tolist()))
+    return [h for h in trainer.state.log_history if "loss" in h], steps
+
+
+@pytest.mark.slow
+def test_trainer_mask_is_the_greedy_reference_and_micro_batching_does_not_change_it(llama_dir, tmp_path):
+    tau = 2e-5
+    runs = {shape: _train_m2(llama_dir, tmp_path, *shape, tau) for shape in ((1, 4), (4, 1))}
+    for shape, (logs, steps) in runs.items():
+        assert sorted(steps) == [0, 1]
+        for step, rows in steps.items():
+            assert len(rows) == 4  # one optimizer step: 4 rows, in 4 micro-batches of 1 or 1 of 4
+            l_rows = [[v if m else math.nan for v, m in zip(lr, mr)] for lr, mr, _ in rows]
+            expected, n_masked, before, after = _reference_keep(l_rows, [mr for _, mr, _ in rows], tau)
+            got = [[float(k) for k in keep] + [0.0] * (len(expected[0]) - len(keep)) for _, _, keep in rows]
+            assert got == expected, (shape, step)
+            log = logs[step]
+            n_valid = sum(sum(mr) for _, mr, _ in rows)
+            assert log["rollout_corr/m2po_masked_fraction"] == pytest.approx(n_masked / n_valid), (shape, step)
+            assert log["rollout_corr/m2po_second_moment_before"] == pytest.approx(before, rel=1e-9)
+            assert log["rollout_corr/m2po_second_moment_after"] == pytest.approx(after, rel=1e-9)
+            assert log["rollout_corr/m2po_second_moment_after"] <= tau
+    fractions = [log["rollout_corr/m2po_masked_fraction"] for log in runs[(4, 1)][0]]
+    assert all(0.0 < f < 0.5 for f in fractions), fractions  # the mask acts, on a few outliers
+    for small, whole in zip(runs[(1, 4)][0], runs[(4, 1)][0]):
+        assert small["rollout_corr/m2po_masked_fraction"] == whole["rollout_corr/m2po_masked_fraction"]
+        assert small["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-6), small["step"]
+        assert small["loss"] == pytest.approx(whole["loss"], rel=1e-6, abs=1e-9), small["step"]

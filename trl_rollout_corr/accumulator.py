@@ -254,6 +254,14 @@ class RolloutCorrAccumulator:
         counts[0] += int(hits)
         counts[1] += int(total)
 
+    def add_global_ratio(self, mode: str, name: str, num: float, den: float) -> None:
+        """Add ``num`` / ``den`` towards ``rollout_corr/{name}`` = (sum of ``num``) / (sum of ``den``) over the log
+        window (0.0 for a zero total): ``add_fraction`` for float numerators (e.g. a sum of squares over a token
+        count). Like ``add_fraction``, the values must already be global (the same on every rank)."""
+        total = self._buffer(mode).global_fractions.setdefault(name, [0.0, 0.0])
+        total[0] += float(num)
+        total[1] += float(den)
+
     def flush(self, mode: str) -> dict[str, float]:
         """The metrics of ``mode`` since the previous flush, exact over all ranks; empties the buffer.
 

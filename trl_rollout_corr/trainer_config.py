@@ -377,6 +377,15 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             _refuse(f"{what} supports loss_type in {supported}, got {self.loss_type!r}.")
         if correction.rollout_is_batch_normalize:
             self._check_batch_norm_is_exact(correction)
+        if correction.m2_enabled and self.steps_per_generation != self.gradient_accumulation_steps:
+            # the mask is computed once per generation batch, which must be the optimizer step's global batch
+            _refuse(
+                f"rollout_m2_threshold (M2PO) masks over the optimizer step's global batch, computed once per "
+                f"generation batch: steps_per_generation ({self.steps_per_generation}) must equal "
+                f"gradient_accumulation_steps ({self.gradient_accumulation_steps}), so that each optimizer step "
+                "trains on exactly one whole generation batch. Set steps_per_generation=gradient_accumulation_steps "
+                "(TRL's default), or unset rollout_m2_threshold."
+            )
         if correction.bypass_mode:
             self._check_bypass(correction)
 

@@ -103,11 +103,16 @@ def yaml_config(path: str | Path) -> NamedConfig:
 
 
 def check_recomputable(config: RolloutCorrectionConfig, where: str) -> None:
-    """Refuse a correction the records cannot reproduce: RS on the engine factor (the records hold no pi_train@v).
+    """Refuse a correction the records cannot reproduce: M2PO (its mask is global over the optimizer step of every
+    rank) and RS on the engine factor (the records hold no pi_train@v).
 
     Raises:
         ConfigError: naming the setting and ``where`` (a file, a config's label, or the dump of a run trained with it).
     """
+    if config.m2_enabled:
+        raise ConfigError(f"{where}: rollout_m2_threshold={config.rollout_m2_threshold} (M2PO): analyze does not "
+                          "recompute the step-global M2PO mask (the optimizer step's rows of every rank together); "
+                          "analyse configs without it, and runs trained without it.")
     if config.rs_enabled and config.rollout_rs_on == "engine":
         raise ConfigError(f"{where}: rollout_rs_on='engine': the records hold no pi_train@v (policy_lag_split's "
                           "forward at each row's version), so RS on the engine factor cannot be recomputed; analyse "

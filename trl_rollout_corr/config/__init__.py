@@ -23,7 +23,6 @@ off), ``core`` (``RolloutCorrectionConfig``, presets), ``arguments`` (``RolloutC
 """
 
 from .arguments import (
-    M2_NOT_WIRED,
     RolloutCorrectionArguments,
 )
 from .core import (
@@ -61,7 +60,6 @@ __all__ = [
     "ISBounds",
     "IS_LEVELS",
     "KPOP_PHI",
-    "M2_NOT_WIRED",
     "PRESETS",
     "RSSpec",
     "RolloutCorrectionArguments",

@@ -10,14 +10,6 @@ from .fields import CORRECTION_FIELDS, _with_correction_fields
 from .rules import _DEPENDENT_SETTINGS, _check_settings_have_their_option, _unset_inert_settings
 
 # ---------------------------------------------------------------------------------------------- flat arguments
-# Until the trainer applies M2PO over the optimizer step, the flat arguments (the trainer's config, recipe YAML,
-# analyze --config) refuse the field instead of ignoring it. What the trainer must call: correction/m2po.py docstring.
-M2_NOT_WIRED = (
-    "rollout_m2_threshold={value!r} (M2PO) is not yet wired in the trainer (nor in analyze): the step-global mask is "
-    "implemented as pure functions (trl_rollout_corr.correction.m2po: m2po_candidates / m2po_select / keep_mask), but "
-    "applying it over an optimizer step needs the trainer's per-step hook, which does not exist yet. Unset "
-    "rollout_m2_threshold."
-)
 
 
 def _threshold_to_field(value: Any) -> Any:
@@ -79,8 +71,6 @@ class RolloutCorrectionArguments:
             base["rollout_is_threshold"] = base["rollout_is_threshold"].strip()
         correction = RolloutCorrectionConfig(**_unset_inert_settings(base, inherited))
         _check_settings_have_their_option(correction, base, inherited)
-        if correction.m2_enabled:
-            raise ValueError(M2_NOT_WIRED.format(value=base["rollout_m2_threshold"]))
         return correction
 
     def _inherited(self) -> dict[str, Any]:

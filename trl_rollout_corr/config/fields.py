@@ -76,9 +76,10 @@ CORRECTION_FIELD_TABLE = (
     CorrectionField(
         "rollout_m2_threshold", Optional[float], str, None,
         "`tau > 0` (nats²)",
-        "M2PO (second-moment mask; AReaL's `m2_threshold`, paper 0.04): over the whole optimizer step, mask the "
-        "tokens with the largest `|l|` until the mean of `l²` over the remaining valid tokens is `<= tau` "
-        "(`correction/m2po.py`). Decoupled mode only. Not yet wired in the trainer: refused there.",
+        "M2PO (second-moment mask; AReaL's `m2_threshold`, paper 0.04): over the optimizer step's global batch (every "
+        "rank), mask the trained tokens with the largest `|l|` (ties: row, then position) until the mean of `l²` over "
+        "the remaining ones is `<= tau`; logged as `rollout_corr/m2po_*` (second moment before / after, masked "
+        "fraction). Decoupled mode, `steps_per_generation == gradient_accumulation_steps`; not in `analyze`.",
     ),
     CorrectionField(
         "bypass_mode", bool, bool, False,

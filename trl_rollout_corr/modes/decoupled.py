@@ -25,6 +25,7 @@ from ..correction import make_correction_fn
 from ..features.lag_split import LagSplit
 from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep
 from .common import attach_mu, require_mu, trl_loss_with_ratios
+from .m2po_window import m2po_step_mask
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
@@ -48,6 +49,7 @@ class DecoupledMode(CorrectionMode):
         self._pending: Optional[tuple] = None  # (rewards, keep_rows) of the batch whose pi_old its loss gives
         correction = trainer.rollout_correction
         self.rs_on_engine = correction.rs_enabled and getattr(correction, "rollout_rs_on", "direct") == "engine"
+        self.m2_threshold = correction.rollout_m2_threshold
 
     def score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
         attach_mu(trainer, gen, batch, require_mu(batch))
@@ -101,6 +103,8 @@ class DecoupledMode(CorrectionMode):
                                         all_reduce=trainer.rollout_corr_reducers.all_reduce, **extra)
         trainer.rollout_corr_metrics.add_stats(trainer.metrics_mode, correction.stats)
         new_mask = correction.response_mask
+        if self.m2_threshold is not None:
+            new_mask = self._m2po(trainer, old_log_probs, batch["rollout_log_probs"], new_mask, rows)
         batch["rollout_rs_mask"] = new_mask
         if correction.weights is not None:
             batch["rollout_is_weights"] = correction.weights
@@ -127,6 +131,19 @@ class DecoupledMode(CorrectionMode):
             raise RuntimeError("rollout_rs_on='engine' needs the lag split's log pi_train@v (policy_lag_split=True) "
                                "and the rows' policy versions; none reached the batch.")
         return version_log_probs
+
+    def _m2po(self, trainer, old_log_probs, rollout_log_probs, mask, rows) -> torch.Tensor:
+        """``mask`` with M2PO's step-global mask applied (``modes.m2po_window``), its metrics recorded: the second
+        moment of ``l = log pi_old - log mu`` (nats^2) before / after over the step's trained tokens, and the
+        fraction of them masked (all exact over the log window: sums and counts, already global)."""
+        log_ratio = old_log_probs.double() - rollout_log_probs.double()
+        keep, sel = m2po_step_mask(log_ratio, mask, self.m2_threshold, trainer.rollout_corr_reducers,
+                                   trainer.accelerator.process_index, rows)
+        mode, metrics = trainer.metrics_mode, trainer.rollout_corr_metrics
+        metrics.add_global_ratio(mode, "m2po_second_moment_before", sel.sum_sq_before, sel.n_valid)
+        metrics.add_global_ratio(mode, "m2po_second_moment_after", sel.sum_sq_after, sel.n_valid - sel.n_masked)
+        metrics.add_global_ratio(mode, "m2po_masked_fraction", sel.n_masked, sel.n_valid)
+        return mask * keep.to(mask.dtype)
 
     def loss(self, trainer, model, step: LossStep, trl_loss) -> torch.Tensor:
         """TRL's loss with the RS mask as loss mask/normaliser and the IS weights after the clip."""
