@@ -280,7 +280,7 @@ def test_lag_fields_are_flags(tmp_path):
 def test_analyze_reproduces_the_lag_metrics_of_stale_rollouts(llama_dir, tmp_path):
     """A dump of a sync-interval-3 run: the records carry each row's policy version, and ``analyze`` recomputes
     every logged policy_lag_* value (row and token means, buckets, max) exactly."""
-    from trl_rollout_corr.analyze import ConfigError, analyse_dump
+    from trl_rollout_corr.analyze import analyse_dump
     from trl_rollout_corr.records import open_dump
 
     trainer = _train(llama_dir, tmp_path, StaleRollout(sync_interval=3), max_steps=4,
@@ -292,8 +292,10 @@ def test_analyze_reproduces_the_lag_metrics_of_stale_rollouts(llama_dir, tmp_pat
     assert recomputer.rows.has("policy_version")
     lag_keys = {k for log in logs for k in log if k.startswith("rollout_corr/policy_lag_")}
     assert {"rollout_corr/policy_lag_token_mean", "rollout_corr/policy_lag_fraction_2_3"} <= lag_keys
-    # a run with max_policy_lag is refused (its drops are not reproduced yet), naming the setting
-    _train(llama_dir, tmp_path / "bounded", StaleRollout(sync_interval=3), max_steps=1, max_policy_lag=1,
-           rollout_dump_dir=str(tmp_path / "bounded_dump"))
-    with pytest.raises(ConfigError, match="max_policy_lag=1"):
-        analyse_dump(open_dump(tmp_path / "bounded_dump"), [])
+    # with max_policy_lag (records 1.1): step 3's rows are lag 2 > 1, dropped, and analyze reproduces the drops
+    bounded = _train(llama_dir, tmp_path / "bounded", StaleRollout(sync_interval=3), max_steps=3, max_policy_lag=1,
+                     rollout_dump_dir=str(tmp_path / "bounded_dump"))
+    dropped = [h["rollout_corr/policy_lag_dropped_fraction"] for h in bounded.state.log_history if "loss" in h]
+    assert dropped == [0.0, 0.0, 1.0]
+    check, _, _ = analyse_dump(open_dump(tmp_path / "bounded_dump"), [])
+    assert check.ok and not check.not_recomputed and check.max_abs_diff <= 1e-5, check.failures[:3]

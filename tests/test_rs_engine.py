@@ -195,7 +195,7 @@ def test_analyze_refuses_it(tmp_path):
 
     f = tmp_path / "engine.yaml"
     f.write_text("rollout_rs: seq_mean_k3\nrollout_rs_threshold: 0.01\nrollout_rs_on: engine\n")
-    with pytest.raises(ConfigError, match=r"rollout_rs_on='engine': the records hold no pi_train@v"):
+    with pytest.raises(ConfigError, match=r"rollout_rs_on='engine': analyze does not recompute RS"):
         yaml_config(f)
     f.write_text("rollout_rs: seq_mean_k3\nrollout_rs_threshold: 0.01\nrollout_rs_on: direct\n")
     assert yaml_config(f).config.rollout_rs_on == "direct"

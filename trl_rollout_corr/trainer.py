@@ -362,40 +362,6 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         spg = self.args.steps_per_generation
         return [self._buffered_inputs[(self._step + i) % spg] for i in range(accumulation)]
 
-    def rows_out_of_baseline(
-        self, advantages: torch.Tensor, rejected: torch.Tensor, has_tokens: torch.Tensor,
-        rewards_per_func: Optional[torch.Tensor], *, count_lone_survivors: bool = True,
-    ) -> torch.Tensor:
-        """(B_local,) advantages with RS-rejected rows at 0 and (by default) out of their group's baseline
-        (``trl_compat.advantages_after_rejection``); keeps TRL's completions table consistent and counts the rows
-        left alone in their group (``rollout_corr/rs_lone_survivor_fraction``). ``rejected``, ``has_tokens``:
-        (B_global,) bool, gathered."""
-        num_generations = self.num_generations if self.metrics_mode == "train" else self.num_generations_eval
-        keep_in_baseline = self.args.rs_keep_rejected_in_baseline
-        result = trl_compat.advantages_after_rejection(
-            advantages,
-            rejected,
-            rewards_per_func,
-            keep_rejected_in_baseline=keep_in_baseline,
-            process_index=self.accelerator.process_index,
-            reward_weights=self.reward_weights,
-            num_generations=num_generations,
-            multi_objective_aggregation=self.multi_objective_aggregation,
-            scale_rewards=self.scale_rewards,
-        )
-        if result.all_processes is not None:
-            trl_compat.replace_logged_advantages(self._logs["advantages"], result.all_processes)
-        elif bool(rejected.any()):  # kept in the baseline: only the rejected rows' advantages changed (to 0)
-            logged = torch.tensor(list(self._logs["advantages"])[-rejected.numel():], dtype=torch.float32)
-            if logged.numel() == rejected.numel():
-                trl_compat.replace_logged_advantages(self._logs["advantages"], logged.masked_fill(rejected.cpu(), 0.0))
-        if count_lone_survivors and self.rollout_correction.rs_enabled and not keep_in_baseline:
-            lone = trl_compat.lone_survivors(rejected, has_tokens, num_generations)
-            self.rollout_corr_metrics.add_fraction(
-                self.metrics_mode, "rs_lone_survivor_fraction", int(lone.sum()), int(has_tokens.sum())
-            )
-        return result.local
-
 
 def _reused_forward(reuse: tuple, input_ids, attention_mask, logits_to_keep) -> tuple:
     """The result of a policy forward a mode ran itself (``LossStep.reuse``), for TRL's own call over the same rows.

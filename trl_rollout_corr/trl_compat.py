@@ -14,7 +14,7 @@ here                              TRL 1.16
                                   ``unscorable_mask``, ``sum_then_normalize`` / ``normalize_then_sum``,
                                   ``scale_rewards``, ``nan_to_num``)
 ``advantages_after_rejection``    the same, plus the per-process slice (2813-2818) and ``_logs["advantages"]``
-                                  (2837) through ``replace_logged_advantages``
+                                  (2837, ``logged_advantages``) through ``replace_logged_advantages``
 ``lone_survivors``                which rows ``advantages_after_rejection`` leaves alone in their group (advantage 0)
 ``trl_computes_old_log_probs``    the pi_old rule (2642-2645: ``gradient_accumulation_steps % generate_every``
                                   or vLLM IS)
@@ -213,6 +213,12 @@ def advantages_after_rejection(
     all_advantages = group_advantages(rewards_per_func, rejected, **formula)
     local = all_advantages[start : start + advantages.size(0)].to(advantages.dtype)
     return RejectionAdvantages(local, all_advantages)
+
+
+def logged_advantages(trainer) -> MutableSequence[float]:
+    """TRL's completions-table column of advantages, ``trainer._logs["advantages"]`` (a list or bounded deque that
+    ``_generate_and_score_completions`` extends with ``all_process_advantages.tolist()`` once per batch)."""
+    return trainer._logs["advantages"]
 
 
 def replace_logged_advantages(logged: MutableSequence[float], all_advantages: torch.Tensor) -> None:

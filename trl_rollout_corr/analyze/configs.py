@@ -104,7 +104,8 @@ def yaml_config(path: str | Path) -> NamedConfig:
 
 def check_recomputable(config: RolloutCorrectionConfig, where: str) -> None:
     """Refuse a correction the records cannot reproduce: M2PO (its mask is global over the optimizer step of every
-    rank) and RS on the engine factor (the records hold no pi_train@v).
+    rank) and RS on the engine factor (records 1.1 hold pi_train@v as ``version_log_probs``, but the what-if path
+    does not apply RS to it yet).
 
     Raises:
         ConfigError: naming the setting and ``where`` (a file, a config's label, or the dump of a run trained with it).
@@ -114,9 +115,9 @@ def check_recomputable(config: RolloutCorrectionConfig, where: str) -> None:
                           "recompute the step-global M2PO mask (the optimizer step's rows of every rank together); "
                           "analyse configs without it, and runs trained without it.")
     if config.rs_enabled and config.rollout_rs_on == "engine":
-        raise ConfigError(f"{where}: rollout_rs_on='engine': the records hold no pi_train@v (policy_lag_split's "
-                          "forward at each row's version), so RS on the engine factor cannot be recomputed; analyse "
-                          "with rollout_rs_on='direct', and runs trained with it.")
+        raise ConfigError(f"{where}: rollout_rs_on='engine': analyze does not recompute RS on the engine factor "
+                          "yet (records 1.1 hold pi_train@v in version_log_probs, but the what-if path applies RS "
+                          "to pi_old / mu only); analyse with rollout_rs_on='direct', and runs trained without it.")
 
 
 def _flag_value(value: Any) -> Any:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import trl_compat
+from ..baseline import rows_out_of_baseline
 from ..hooks import Feature, GenerationBatch, LossStep
 from ..lag import drop_stale_rows, lag_keep, policy_lag, row_versions
 
@@ -59,8 +60,8 @@ class PolicyLag(Feature):
             has = trl_compat.loss_mask(batch).sum(dim=1) > 0
             gather = trainer.accelerator.gather
             has_tokens, rejected = gather(has), gather(has & ~gen.keep_rows)
-            batch["advantages"] = trainer.rows_out_of_baseline(
-                batch["advantages"], rejected, has_tokens, gen.rewards, count_lone_survivors=False
+            batch["advantages"] = rows_out_of_baseline(
+                trainer, batch["advantages"], rejected, has_tokens, gen.rewards, count_lone_survivors=False
             )
 
     def before_loss(self, trainer, step: LossStep) -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from .. import old_forward, support, trl_compat
+from ..baseline import rows_out_of_baseline
 from ..correction import make_correction_fn
 from ..features.lag_split import LagSplit
 from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep
@@ -115,7 +116,7 @@ class DecoupledMode(CorrectionMode):
             batch["advantages"]
         if rows is not None:  # the group baselines need generation order (groups are consecutive there)
             has, rejected, advantages = (old_forward.to_generation_order(t, rows) for t in (has, rejected, advantages))
-        advantages = trainer.rows_out_of_baseline(advantages, gather(rejected), gather(has), rewards)
+        advantages = rows_out_of_baseline(trainer, advantages, gather(rejected), gather(has), rewards)
         batch["advantages"] = advantages if rows is None else advantages[rows]
 
     @staticmethod
