@@ -3,7 +3,9 @@
 
 On a constructed stale batch whole-ratio RS rejects the stale rows that engine-factor RS keeps (hand-computed masks);
 at lag 0 both give the same weights, masks and metrics (the RS metrics renamed ``rollout_rs_engine_*``); the trainer
-passes the lag split's log-probs (stale engine, float32 on both sides); bad configs are refused naming the fix."""
+passes the lag split's log-probs (stale engine, float32 on both sides); bad configs are refused naming the fix;
+``analyze`` reproduces an engine-RS run from its records (``version_log_probs``) and applies engine RS as a what-if
+on a whole-ratio RS run (masks computed independently here), and refuses dumps without the column naming the fix."""
 
 from __future__ import annotations
 
@@ -190,12 +192,141 @@ def test_trainer_lag_zero_direct_and_engine_are_identical(llama_dir, tmp_path):
                 assert e[key] == value, key
 
 
-def test_analyze_refuses_it(tmp_path):
-    from trl_rollout_corr.analyze import ConfigError, yaml_config
+# ---------------------------------------------------------------------------------------------- analyze
+OUTLIER = 0.3  # nats: the noisy engine's mu is this much too low on every third token (ratio e^0.3 = 1.35)
+BAND = (0.8, 1.25)  # the token_k1 band of the tests below: the outliers leave it, the rest of the engine factor not
 
+
+class _NoisyEngine(StaleRollout):
+    """``StaleRollout`` (float32, stale on its schedule) whose mu is ``OUTLIER`` nats low at completion positions
+    1, 4, 7, ...: engine outliers that the engine factor pi_train@v / mu sees, next to the staleness it does not."""
+
+    def __call__(self, prompts, trainer):
+        out = super().__call__(prompts, trainer)
+        out["logprobs"] = [[lp - OUTLIER if j % 3 == 1 else lp for j, lp in enumerate(row)] for row in out["logprobs"]]
+        return out
+
+
+def _train_dump(model_dir, tmp_path, rs_on):
+    """4 steps with the noisy engine synced every 3 steps (lags 0, 1, 2, 0), token TIS 2.0 + token_k1 RS ``BAND``,
+    ``policy_lag_split``, every step recorded; returns (the step logs, the dump path)."""
+    from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
+
+    dump = tmp_path / f"dump_{rs_on}"
+    args = RolloutCorrGRPOConfig(
+        output_dir=str(tmp_path / f"out_{rs_on}"), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=8, max_steps=4, logging_steps=1, report_to=[], use_cpu=True, learning_rate=1e-3,
+        save_strategy="no", beta=0.0, seed=0, disable_tqdm=True, bf16=False, rollout_is="token",
+        rollout_is_threshold="2.0", rollout_rs="token_k1", rollout_rs_threshold=f"{BAND[0]}_{BAND[1]}",
+        policy_lag_split=True, rollout_rs_on=rs_on, rollout_dump_dir=str(dump))
+    trainer = RolloutCorrGRPOTrainer(model=model_dir, reward_funcs=reward_len, args=args,
+                                     train_dataset=prompt_dataset(8), rollout_func=_NoisyEngine(3))
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h], dump
+
+
+def _engine_band_keep(rows):
+    """(N, T) bool: the token_k1 band on the engine factor, computed here in float64 from the dump's columns:
+    valid completion tokens with BAND[0] <= exp(version_log_probs - rollout_log_probs) <= BAND[1]."""
+    from trl_rollout_corr.records import padded
+
+    mask = padded(rows.table, "completion_mask", fill=0, dtype=torch.int64) != 0
+    nan = float("nan")
+    version = padded(rows.table, "version_log_probs", fill=nan, dtype=torch.float64)
+    mu = padded(rows.table, "rollout_log_probs", fill=nan, dtype=torch.float64)
+    old = padded(rows.table, "old_log_probs", fill=nan, dtype=torch.float64)
+    valid = mask & torch.isfinite(mu) & torch.isfinite(old)
+    ratio = torch.exp(version - mu)
+    return valid, valid & (ratio >= BAND[0]) & (ratio <= BAND[1])
+
+
+def _strip_column(dump, name):
+    import pyarrow.parquet as pq
+
+    for step_file in dump.glob("**/*.parquet"):
+        table = pq.read_table(step_file)
+        pq.write_table(table.drop_columns([name]).replace_schema_metadata(table.schema.metadata), step_file)
+
+
+@pytest.mark.usefixtures("_silence_trl_experimental")
+def test_analyze_reproduces_an_engine_rs_run(llama_dir, tmp_path):
+    """A run with RS on the engine factor and stale rollouts: analyze recomputes every logged rollout_corr/* value
+    (the rollout_rs_engine_* ones included) from the records' version_log_probs, the recorded RS mask is the band on
+    the engine factor computed here, and the dump without version_log_probs is refused naming the fix."""
+    from trl_rollout_corr.analyze import ConfigError, analyse_dump
+    from trl_rollout_corr.records import open_dump
+
+    logs, dump_dir = _train_dump(llama_dir, tmp_path, "engine")
+    assert [log["rollout_corr/policy_lag_max"] for log in logs] == [0.0, 1.0, 2.0, 0.0]
+    for log in logs[:3]:  # the outliers (about 3 of 8 tokens) are rejected, the stale rest kept (step 4: 1 token)
+        assert 0.2 < log["rollout_corr/rollout_rs_engine_masked_fraction"] < 0.5, log["step"]
+    assert not any("rollout_corr/rollout_rs_masked_fraction" in log for log in logs)
+    check, _, recomputer = analyse_dump(open_dump(dump_dir), [])
+    assert check.ok and not check.not_recomputed and not check.skipped, check.failures[:5]
+    assert check.max_abs_diff <= 1e-5
+    engine_keys = {k for log in logs for k in log if "rs_engine_" in k}  # all compared: none is not recomputed
+    assert {"rollout_corr/rollout_rs_engine_token_k1_masked_fraction", "rollout_corr/rollout_rs_engine_token_k1_min",
+            "rollout_corr/rollout_rs_engine_seq_masked_fraction",
+            "rollout_corr/len_0_64/rs_engine_masked_fraction"} <= engine_keys
+    assert check.compared >= 4 * 90
+    # the trainer's recorded RS mask is the band on the engine factor (not on pi_old / mu)
+    valid, keep = _engine_band_keep(recomputer.rows)
+    recorded = recomputer.rows.full("rollout_rs_mask", dtype=torch.int64)
+    width = min(recorded.shape[1], keep.shape[1])
+    assert torch.equal(recorded[:, :width] != 0, keep[:, :width])
+    assert int((valid & ~keep).sum()) > 0
+    _strip_column(dump_dir, "version_log_probs")
+    with pytest.raises(ConfigError, match=r"rollout_rs_on='engine'.*'version_log_probs'.*this dump has none: "
+                                          r"re-run the training with policy_lag_split: true"):
+        analyse_dump(open_dump(dump_dir), [])
+
+
+@pytest.mark.usefixtures("_silence_trl_experimental")
+def test_what_if_engine_rs_on_a_direct_rs_dump(llama_dir, tmp_path):
+    """``analyze --config`` with rollout_rs_on: engine on a run trained with RS on the whole ratio (policy_lag_split
+    on): the what-if's kept tokens and per-step rollout_rs_engine_masked_fraction are those of the band on the
+    engine factor computed here; IS is the same as the trained run's (it weights the whole ratio either way)."""
+    from trl_rollout_corr.analyze import analyse_dump, yaml_config
+    from trl_rollout_corr.records import open_dump
+
+    logs, dump_dir = _train_dump(llama_dir, tmp_path, "direct")
+    f = tmp_path / "engine.yaml"
+    f.write_text(f"rollout_is: token\nrollout_is_threshold: 2.0\nrollout_rs: token_k1\n"
+                 f"rollout_rs_threshold: {BAND[0]}_{BAND[1]}\nrollout_rs_on: engine\n")
+    check, (trained, what_if), recomputer = analyse_dump(open_dump(dump_dir), [yaml_config(f)])
+    assert check.ok and not check.not_recomputed, check.failures[:5]
+    valid, keep = _engine_band_keep(recomputer.rows)
+    assert what_if.total.counts.valid_tokens == int(valid.sum())
+    assert what_if.total.counts.kept_tokens == int(keep.sum())
+    steps = recomputer.rows.scalar["logged_step"]
+    for w in what_if.windows:  # one use per row (steps_per_generation 1): a step's rows are its generation batch
+        sel = steps == w.logged_step
+        expected = 1.0 - int(keep[sel].sum()) / int(valid[sel].sum())
+        m = what_if.per_window[w.logged_step].metrics()
+        assert m["rollout_corr/rollout_rs_engine_masked_fraction"] == pytest.approx(expected, abs=1e-12)
+        t = trained.per_window[w.logged_step].metrics()
+        assert m["rollout_corr/rollout_is_mean"] == t["rollout_corr/rollout_is_mean"]
+    # whole-ratio RS rejected the stale tokens' lag too: at least as much as the engine factor's band
+    assert trained.total.counts.kept_tokens <= what_if.total.counts.kept_tokens
+
+
+@pytest.mark.unit
+def test_analyze_refuses_engine_rs_without_version_log_probs(tmp_path, capsys):
+    """A what-if with rollout_rs_on: engine on a dump without version_log_probs (the hand dump: records 1.0, no
+    policy_lag_split): a clear error naming the fix, from the library and from the CLI."""
+    from hand_dump import hand_dump
+    from trl_rollout_corr.analyze import ConfigError, analyse_dump, yaml_config
+    from trl_rollout_corr.cli import EXIT_BAD_INPUT, main
+    from trl_rollout_corr.records import open_dump
+
+    dump = hand_dump(tmp_path / "d")
     f = tmp_path / "engine.yaml"
     f.write_text("rollout_rs: seq_mean_k3\nrollout_rs_threshold: 0.01\nrollout_rs_on: engine\n")
-    with pytest.raises(ConfigError, match=r"rollout_rs_on='engine': analyze does not recompute RS"):
-        yaml_config(f)
-    f.write_text("rollout_rs: seq_mean_k3\nrollout_rs_threshold: 0.01\nrollout_rs_on: direct\n")
-    assert yaml_config(f).config.rollout_rs_on == "direct"
+    named = yaml_config(f)  # a valid config: the dump decides
+    assert named.config.rollout_rs_on == "engine"
+    with pytest.raises(ConfigError, match=r"config 'engine' has rollout_rs_on='engine'.*needs column "
+                                          r"'version_log_probs'.*re-run the training with policy_lag_split: true "
+                                          r"\(rollout records schema >= 1.1"):
+        analyse_dump(open_dump(dump), [named])
+    assert main(["analyze", str(dump), "--config", str(f), "--no-plots"]) == EXIT_BAD_INPUT
+    assert "policy_lag_split: true" in capsys.readouterr().err

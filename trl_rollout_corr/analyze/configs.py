@@ -104,8 +104,8 @@ def yaml_config(path: str | Path) -> NamedConfig:
 
 def check_recomputable(config: RolloutCorrectionConfig, where: str) -> None:
     """Refuse a correction the records cannot reproduce: M2PO (its mask is global over the optimizer step of every
-    rank) and RS on the engine factor (records 1.1 hold pi_train@v as ``version_log_probs``, but the what-if path
-    does not apply RS to it yet).
+    rank). RS on the engine factor (``rollout_rs_on="engine"``) is recomputed from ``version_log_probs`` (records
+    1.1, ``policy_lag_split``); ``rows.check_config_fits`` refuses it on a dump without that column.
 
     Raises:
         ConfigError: naming the setting and ``where`` (a file, a config's label, or the dump of a run trained with it).
@@ -114,10 +114,11 @@ def check_recomputable(config: RolloutCorrectionConfig, where: str) -> None:
         raise ConfigError(f"{where}: rollout_m2_threshold={config.rollout_m2_threshold} (M2PO): analyze does not "
                           "recompute the step-global M2PO mask (the optimizer step's rows of every rank together); "
                           "analyse configs without it, and runs trained without it.")
-    if config.rs_enabled and config.rollout_rs_on == "engine":
-        raise ConfigError(f"{where}: rollout_rs_on='engine': analyze does not recompute RS on the engine factor "
-                          "yet (records 1.1 hold pi_train@v in version_log_probs, but the what-if path applies RS "
-                          "to pi_old / mu only); analyse with rollout_rs_on='direct', and runs trained without it.")
+
+
+def rs_on_engine(config: RolloutCorrectionConfig) -> bool:
+    """Whether ``config``'s RS judges the lag split's engine factor pi_train@v / mu (``rollout_rs_on="engine"``)."""
+    return config.rs_enabled and config.rollout_rs_on == "engine"
 
 
 def _flag_value(value: Any) -> Any:

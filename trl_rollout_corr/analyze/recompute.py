@@ -10,7 +10,7 @@ import torch
 from ..config import RolloutCorrectionConfig
 from ..correction import make_correction_fn, ratio_decomposition
 from ..records import RolloutDump, Window
-from .configs import NamedConfig
+from .configs import NamedConfig, rs_on_engine
 from .rows import Part, Rows, _counts, _needed_column, check_config_fits
 
 
@@ -102,7 +102,7 @@ class Recomputer:
         fn = make_correction_fn(named.config, length_buckets=tuple(length_buckets))
         per_window = {w.logged_step: Part() for w in self.windows}
         if named.config.bypass_mode:
-            self._bypass(fn, per_window, length_buckets)
+            self._bypass(fn, per_window, length_buckets, named.config)
         else:
             self._decoupled(fn, per_window, length_buckets, named.config)
         self._lags(per_window)
@@ -112,13 +112,16 @@ class Recomputer:
         by_lag = self._by_lag(fn, named.config, length_buckets)
         return Analysis(named, self.windows, per_window, total, by_lag, tuple(length_buckets))
 
-    def _correct(self, fn, index: torch.Tensor, policy: str, edges,
+    def _correct(self, fn, config: RolloutCorrectionConfig, index: torch.Tensor, policy: str, edges,
                  keep: Optional[torch.Tensor] = None) -> tuple[Any, dict[str, torch.Tensor], Part]:
         """The correction of rows ``index`` (their ``mask`` times ``keep[index]``, the rows ``max_policy_lag``
-        kept, when given) and, with support matching, the support statistics of those rows over the same mask."""
+        kept, when given; with ``rollout_rs_on="engine"`` RS judges their ``version_log_probs`` against mu) and, with
+        support matching, the support statistics of those rows over the same mask."""
         b = self.rows.batch(index, policy=policy)
         mask = b["mask"] if keep is None else b["mask"] * keep[index][:, None].to(b["mask"].dtype)
-        out = fn(b["policy"], b["rollout"], mask)
+        # RS on the engine factor (rollout_rs_on="engine"): log pi_train@v as the trainer passes it
+        extra = {"rs_log_probs": b["rs_version"]} if rs_on_engine(config) else {}
+        out = fn(b["policy"], b["rollout"], mask, **extra)
         part = Part()
         part.add_stats(out.stats)
         part.support = self._support(index, mask)
@@ -146,7 +149,7 @@ class Recomputer:
     def _decoupled(self, fn, per_window: dict[int, Part], edges, config: RolloutCorrectionConfig) -> None:
         kept_of_row: dict[int, torch.Tensor] = {}  # row index of the first use -> that row's kept mask
         for batch, index in self.generations.items():
-            out, b, part = self._correct(fn, index, "old_log_probs", edges, keep=self.kept_at_generation)
+            out, b, part = self._correct(fn, config, index, "old_log_probs", edges, keep=self.kept_at_generation)
             if part.support is not None:  # the pi_old forward's, over the generation batch's loss mask
                 part.support = self._support(index, b["mask"])
             for k, i in enumerate(index.tolist()):
@@ -204,13 +207,13 @@ class Recomputer:
         lone = lone_survivors(rejected, has_tokens, num_generations)
         part.fractions["rs_lone_survivor_fraction"] = [int(lone.sum()), int(has_tokens.sum())]
 
-    def _bypass(self, fn, per_window: dict[int, Part], edges) -> None:
+    def _bypass(self, fn, per_window: dict[int, Part], edges, config: RolloutCorrectionConfig) -> None:
         s = self.rows.scalar
         for w in self.windows:
             in_window = s["logged_step"] == w.logged_step
             for micro_step in torch.unique(s["micro_step"][in_window]).tolist():
                 index = (in_window & (s["micro_step"] == micro_step)).nonzero().flatten()
-                out, b, part = self._correct(fn, index, "log_probs", edges, keep=self.kept_at_use)
+                out, b, part = self._correct(fn, config, index, "log_probs", edges, keep=self.kept_at_use)
                 direct = b["log_probs"].float() - b["rollout"].float()
                 keep = (out.response_mask != 0) & torch.isfinite(direct)
                 part.log_ratios["direct"] = [direct[keep].double()]
@@ -261,6 +264,6 @@ class Recomputer:
         out = {}
         for value in torch.unique(lag).tolist():
             index = (lag == value).nonzero().flatten()
-            _, _, part = self._correct(fn, index, _needed_column(config), edges, keep=self.kept_at_use)
+            _, _, part = self._correct(fn, config, index, _needed_column(config), edges, keep=self.kept_at_use)
             out[int(value)] = part
         return out

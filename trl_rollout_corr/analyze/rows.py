@@ -11,7 +11,7 @@ from ..accumulator import PREFIX, exact_ratio_quantiles
 from ..config import RolloutCorrectionConfig
 from ..correction import SAFETY_BOUND, CorrectionStats
 from ..records import RolloutDump, Window, padded
-from .configs import ConfigError, NamedConfig, check_recomputable
+from .configs import ConfigError, NamedConfig, check_recomputable, rs_on_engine
 
 
 # ---------------------------------------------------------------------------------------------- the rows
@@ -46,7 +46,9 @@ class Rows:
     def batch(self, index: torch.Tensor, *, policy: str) -> dict[str, torch.Tensor]:
         """The (n, T) tensors of rows ``index``: ``mask`` (completion_mask * tool_mask), ``rollout`` (mu), and
         ``policy`` (the named log-prob column, NaN at ``support_miss``: invalid, as in the trainer); ``log_probs``,
-        ``old`` and ``version`` (pi_train@v, ``policy_lag_split``) too when present."""
+        ``old`` and ``version`` (pi_train@v, ``policy_lag_split``) too when present, and then ``rs_version``
+        (``version`` NaN at ``support_miss``: what the trainer passes as ``rs_log_probs`` with
+        ``rollout_rs_on="engine"``)."""
         mask = self.full("completion_mask", dtype=torch.int64)[index]
         if self.has("tool_mask"):
             mask = mask * self.full("tool_mask", dtype=torch.int64, fill=1)[index]
@@ -54,12 +56,15 @@ class Rows:
         nan = float("nan")  # a log-prob missing from a row reads as NaN (an invalid token), never as 0
         out = {"mask": mask[:, :width], "rollout": self.full("rollout_log_probs", fill=nan)[index][:, :width]}
         out["policy"] = self.full(policy, fill=nan)[index][:, :width]
+        miss = None
         if self.has("support_miss"):  # support matching: the missed tokens were invalid in the trainer's correction
             miss = self.full("support_miss", dtype=torch.int64)[index][:, :width] != 0
             out["policy"] = torch.where(miss, nan, out["policy"])
         for name, key in (("log_probs", "log_probs"), ("old_log_probs", "old"), ("version_log_probs", "version")):
             if self.has(name):
                 out[key] = self.full(name, fill=nan)[index][:, :width]
+        if "version" in out:  # RS on the engine factor: as the trainer, NaN (rejected) at support misses
+            out["rs_version"] = out["version"] if miss is None else torch.where(miss, nan, out["version"])
         return out
 
 
@@ -71,11 +76,14 @@ def check_config_fits(rows: Rows, named: NamedConfig, dump: RolloutDump) -> None
     """Raise unless the dump has the log-probs the config's mode needs.
 
     Raises:
-        ConfigError: decoupled config on a bypass dump (no pi_old), bypass config without ``log_probs``, or a
+        ConfigError: decoupled config on a bypass dump (no pi_old), bypass config without ``log_probs``, RS on the
+            engine factor (``rollout_rs_on="engine"``) on a dump without ``version_log_probs`` on every row, or a
             config the records cannot reproduce (``check_recomputable``).
     """
     check_recomputable(named.config, f"config {named.label!r}")
     needed = _needed_column(named.config)
+    if rows.has(needed) and rs_on_engine(named.config):
+        _check_version_column(rows, named)
     if rows.has(needed):
         missing = rows.table.column(needed).null_count
         if missing:
@@ -90,6 +98,23 @@ def check_config_fits(rows: Rows, named: NamedConfig, dump: RolloutDump) -> None
         why = "the run recorded no loss-forward log-probs (liger loss?); analyse it with decoupled configs"
     raise ConfigError(f"config {named.label!r} is {mode} and needs column {needed!r}, which this dump ({trained} "
                       f"mode) does not have: {why}.")
+
+
+def _check_version_column(rows: Rows, named: NamedConfig) -> None:
+    """RS on the engine factor needs log pi_train@v of every row (``version_log_probs``, records 1.1, written with
+    ``policy_lag_split``)."""
+    missing = rows.table.column("version_log_probs").null_count if "version_log_probs" in rows.columns else rows.n
+    if not missing:
+        return
+    fix = ("re-run the training with policy_lag_split: true (rollout records schema >= 1.1 store log pi_train@v "
+           "as version_log_probs), or analyse with rollout_rs_on: direct (RS on pi_old / mu)")
+    if missing == rows.n:
+        raise ConfigError(f"config {named.label!r} has rollout_rs_on='engine': RS judges the engine factor "
+                          "pi_train@v / mu, which needs column 'version_log_probs', and this dump has none: "
+                          f"{fix}.")
+    raise ConfigError(f"config {named.label!r} has rollout_rs_on='engine' and needs column 'version_log_probs', "
+                      f"which {missing} of the {rows.n} rows lack: analyse the steps that have it (--steps), or "
+                      f"{fix}.")
 
 
 # ---------------------------------------------------------------------------------------------- results

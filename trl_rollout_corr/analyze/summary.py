@@ -57,8 +57,7 @@ def analysable_windows(dump: RolloutDump, steps: Optional[tuple[int, int]] = Non
     cannot be recomputed.
 
     Raises:
-        ConfigError: a run trained with M2PO or RS on the engine factor (``check_recomputable``). RecordsError: no
-            stored rows there.
+        ConfigError: a run trained with M2PO (``check_recomputable``). RecordsError: no stored rows there.
     """
     check_recomputable(dump.correction_config(), f"{dump.path} (the run's training config)")
     windows = [w for w in dump.windows if steps is None or steps[0] <= w.logged_step <= steps[1]]
