@@ -17,7 +17,14 @@ on-policy, k = 8 gives lags 0-7), under one method:
 * ``direct_gate``: ours, bypass REINFORCE with the token IcePop band [0.5, 5] on pi_theta / mu and
   ``max_policy_lag=4``;
 * ``trl_slow``: plain TRL at half the learning rate: the effective-step control (RS and IcePop drop tokens under a
-  fixed normaliser and so shrink the step; a method must beat this to count as correcting lag).
+  fixed normaliser and so shrink the step; a method must beat this to count as correcting lag);
+* issue 23's RS arms, the default preset (token TIS 2 + ``seq_mean_k3`` RS 0.01) with ``policy_lag_split`` (which
+  only measures: pi_train@v from one extra forward per stale version; it keeps pi_old's own forward, so pi_old may
+  differ from ``decoupled``'s in the last float bits): ``rs_engine`` judges RS on the split's engine factor
+  pi_train@v / mu (``rollout_rs_on=engine``: numerics only, stale rows weighted by IS, not rejected), ``rs_direct``
+  on the whole ratio pi_old / mu (as ``decoupled``); ``f32_rs_engine`` / ``f32_rs_direct`` are the same with a
+  float32 engine, the control where the engine factor is 1 and engine-factor RS rejects nothing. The no-RS arm is
+  ``tis``.
 
 Design (issue 19): every cell starts from one shared checkpoint past the take-off (cell ``warmstart``: on-policy
 plain TRL from the base model; its weights stay in ``--out`` and are never committed; the runner rebuilds them
@@ -75,6 +82,12 @@ METHODS = {  # method -> (recipe config, extra flags after the common ones)
     "bypass": (NO_CORR, ["--rollout_corr_preset", "bypass_ppo_clip"]),
     "direct_gate": (NO_CORR, ["--rollout_corr_preset", "bypass_pg_token_icepop", "--max_policy_lag", "4"]),
     "trl_slow": (NO_CORR, ["--vllm_importance_sampling_correction", "false"]),  # lr halved in cell_flags
+    # issue 23: RS on the lag split's engine factor vs on the whole ratio; float32 engine: the engine factor is 1
+    "rs_engine": ("cpu_smollm2_decoupled", ["--policy_lag_split", "true", "--rollout_rs_on", "engine"]),
+    "rs_direct": ("cpu_smollm2_decoupled", ["--policy_lag_split", "true"]),
+    "f32_rs_engine": ("cpu_smollm2_decoupled", ["--policy_lag_split", "true", "--rollout_rs_on", "engine",
+                                                "--rollout_dtype", "float32"]),
+    "f32_rs_direct": ("cpu_smollm2_decoupled", ["--policy_lag_split", "true", "--rollout_dtype", "float32"]),
     # top-p 0.9 (sampling-support matching): TRL's own IS vs ours (default preset) without / with matching
     "topp_trl_is": (NO_CORR, ["--vllm_importance_sampling_correction", "true", "--top_p", "0.9"]),
     "topp_decoupled": ("cpu_smollm2_decoupled", ["--top_p", "0.9"]),
@@ -104,9 +117,11 @@ WARMSTART = "warmstart"
 WARMSTART_FLAGS = ["--learning_rate", "3e-5", "--per_device_train_batch_size", "16", "--seed", "42"]
 CALIBRATION = [f"trl_k{k}_s{s}" for s in (1, 2, 3, 4) for k in (1, 8)]
 # The grid at the provisional interval k = 8 (to be replaced by the calibrated k and seed count once CALIBRATION is
-# read), in the issue's priority order, then the top-p comparison at k = 1.
+# read), in the issue's priority order (issue 23's RS arms after ``decoupled``, their float32 control after
+# ``trl_slow``), then the top-p comparison at k = 1.
 GRID = [*(f"{m}_k8_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)),
-        *(f"{m}_k8_s1" for m in ("decoupled", "trl_is", "direct_gate", "trl_slow")), "tis_k1_s1",
+        *(f"{m}_k8_s1" for m in ("decoupled", "rs_engine", "rs_direct", "trl_is", "direct_gate", "trl_slow",
+                                 "f32_rs_engine", "f32_rs_direct")), "tis_k1_s1",
         *(f"{m}_k1_s{s}" for s in (1, 2) for m in ("topp_trl_is", "topp_decoupled", "topp_recompute"))]
 ORDER = [WARMSTART, *CALIBRATION, *GRID]
 KEEP_FILES = ("eval.json", "results.json", "log.jsonl", "curve.jsonl", "cell_meta.json")
@@ -396,7 +411,7 @@ def summarize(results: Path) -> dict:
     icepop = results.name != WARMSTART and parse_cell(results.name)[0] == "direct_gate"  # band: outside = zeroed
 
     def trained(r):  # fraction of completion tokens that carry gradient after RS, IcePop and the lag filter
-        kept = 1.0 - (r.get("rollout_corr/rollout_rs_masked_fraction") or 0.0)
+        kept = 1.0 - rs_masked_fraction(r)
         if icepop:
             kept *= 1.0 - sum(r.get(f"rollout_corr/rollout_is_ratio_fraction_{s}") or 0.0 for s in ("high", "low"))
         return kept * (1.0 - (r.get("rollout_corr/policy_lag_dropped_token_fraction") or 0.0))
@@ -404,6 +419,15 @@ def summarize(results: Path) -> dict:
     return {"steps": steps, "before": res.get("before"), "after": res.get("after"), "meta": meta,
             "curve": _read_jsonl(results / "curve.jsonl"), "trained": [trained(r) for r in steps],
             "series": series}
+
+
+def rs_masked_fraction(r: dict) -> float:
+    """One logged step's RS-rejected token fraction: ``rollout_corr/rollout_rs_masked_fraction``, or
+    ``rollout_rs_engine_masked_fraction`` when RS judged the engine factor (``rollout_rs_on=engine``); 0 without RS."""
+    for key in ("rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_rs_engine_masked_fraction"):
+        if r.get(key) is not None:
+            return r[key]
+    return 0.0
 
 
 def mcnemar(a: list, b: list) -> tuple[int, int, float]:
@@ -471,7 +495,7 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
             f"| {_mean(ser('completions/mean_length')):.1f} | {_mean(ser('completions/clipped_ratio')):.2f} "
             f"| {_mean(ser('frac_reward_zero_std')):.2f} | {_mean(ser('step_time')):.1f} "
             f"| {s['meta'].get('wall_s', 0):.0f} | {'FAILED: ' + '; '.join(check) if check else 'passed'} |")
-    lines += ["", *seed_table(cells)]
+    lines += ["", *seed_table(cells), "", *rs_on_table(cells)]
     missing = [c for c in ORDER if c not in cells]
     if missing:
         lines += ["", f"Not run yet ({len(missing)} of the planned cells): {', '.join(missing)}."]
@@ -506,6 +530,73 @@ def seed_table(cells: dict) -> list[str]:
             diff = (f"{100 * (statistics.fmean(accs) - statistics.fmean(ref)):+.1f} ± {100 * se:.1f} pts "
                     f"(vs {ref_arm[0]}_k{ref_arm[1]})")
         out.append(f"| {method}_k{k} | {len(accs)} | {100 * statistics.fmean(accs):.1f} ± {100 * sd:.1f} % | {diff} |")
+    return out
+
+
+# issue 23: RS on the engine factor vs on the whole ratio vs no RS, at k = 8 and the same seed
+RS_ON_ARMS = {  # method -> (the ratio RS judges, rollout engine dtype)
+    "rs_engine": ("engine factor pi_train@v / mu", "bfloat16"),
+    "rs_direct": ("whole ratio pi_old / mu", "bfloat16"),
+    "tis": ("no RS", "bfloat16"),
+    "f32_rs_engine": ("engine factor pi_train@v / mu", "float32"),
+    "f32_rs_direct": ("whole ratio pi_old / mu", "float32"),
+}
+RS_ON_PAIRS = (("rs_engine", "rs_direct"), ("rs_engine", "tis"), ("rs_direct", "tis"),
+               ("f32_rs_engine", "f32_rs_direct"))
+RS_ON_K = 8
+
+
+def trained_token_fraction(s: dict) -> tuple[float, float, float]:
+    """A cell's trained-token fraction (1 - RS-rejected, IcePop-zeroed and lag-dropped; ``summarize``'s per-step
+    ``trained``) over all its logged steps, its lag-0 steps and its stale steps (``rollout_corr/policy_lag_mean``
+    0 / > 0), each weighted by the step's ``rollout_corr/num_valid_tokens`` (1 where not logged): (all, lag 0,
+    stale), NaN for a group without steps."""
+    def frac(pick):
+        w = [(r.get("rollout_corr/num_valid_tokens") or 1.0, t) for r, t in zip(s["steps"], s["trained"]) if pick(r)]
+        n = sum(x for x, _ in w)
+        return sum(x * t for x, t in w) / n if n else float("nan")
+
+    lag = "rollout_corr/policy_lag_mean"
+    return frac(lambda r: True), frac(lambda r: r.get(lag) == 0), frac(lambda r: (r.get(lag) or 0) > 0)
+
+
+def rs_on_table(cells: dict) -> list[str]:
+    """Issue 23's comparison at k = ``RS_ON_K``: per ``RS_ON_ARMS`` cell, its trained-token fraction
+    (``trained_token_fraction``) and final held-out score; per ``RS_ON_PAIRS`` pair at the same seed, the paired
+    difference (``paired``) and the exact McNemar p (``mcnemar``). Seeds: 1 and every seed an RS arm (not ``tis``)
+    was run at; a cell not committed yet prints as "not run yet"."""
+    def name(method, seed):
+        return f"{method}_k{RS_ON_K}_s{seed}"
+
+    seeds = {1} | {parse_cell(n)[2] for n in cells if n != WARMSTART and parse_cell(n)[0] in RS_ON_ARMS
+                   and parse_cell(n)[0] != "tis" and parse_cell(n)[1] == RS_ON_K}
+    out = [f"Issue 23, rejection on the engine factor (k = {RS_ON_K}): RS (`seq_mean_k3` 0.01, with token TIS 2) "
+           "judging the lag split's engine factor vs the whole ratio vs no RS (`tis`); float32 engine: the control "
+           "where the engine factor is 1. Trained = completion tokens left after RS, weighted by tokens per step; "
+           "lag 0 / stale = the steps right after a sync / the others.", "",
+           "| cell | RS judges | engine dtype | trained: all / lag 0 / stale | held-out after |",
+           "|---|---|---|---|---|"]
+    for seed in sorted(seeds):
+        for method, (ratio, dtype) in RS_ON_ARMS.items():
+            s = cells.get(name(method, seed))
+            if s is None:
+                out.append(f"| {name(method, seed)} | {ratio} | {dtype} | not run yet | — |")
+                continue
+            fr = " / ".join("—" if math.isnan(x) else f"{x:.3f}" for x in trained_token_fraction(s))
+            out.append(f"| {name(method, seed)} | {ratio} | {dtype} | {fr} "
+                       f"| {s['after']['correct']}/{s['after']['total']} |")
+    out += ["", "| comparison (same seed) | minus (paired s.e.) | a only / b only right | McNemar p |",
+            "|---|---|---|---|"]
+    for seed in sorted(seeds):
+        for a, b in RS_ON_PAIRS:
+            sa, sb = cells.get(name(a, seed)), cells.get(name(b, seed))
+            label = f"{name(a, seed)} vs {name(b, seed)}"
+            if sa is None or sb is None:
+                out.append(f"| {label} | not run yet | — | — |")
+                continue
+            m, se = paired(sa["after"]["scores"], sb["after"]["scores"])
+            n10, n01, p = mcnemar(sa["after"]["scores"], sb["after"]["scores"])
+            out.append(f"| {label} | {100 * m:+.1f} ± {100 * se:.1f} pts | {n10} / {n01} | {p:.2g} |")
     return out
 
 

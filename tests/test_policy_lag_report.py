@@ -42,3 +42,90 @@ def test_paired_difference_and_exact_mcnemar_by_hand(exp):
     n10, n01, p = exp.mcnemar(a, b)
     assert (n10, n01) == (3, 1)
     assert p == pytest.approx(2 * (1 + 4) / 16, abs=1e-12)  # two-sided binomial(4, 1/2): P(X<=1)+P(X>=3) = 10/16
+
+
+def test_issue23_methods_parse_and_carry_their_recipe_flags(exp, tmp_path):
+    import argparse
+
+    args = argparse.Namespace(out=str(tmp_path), lr=3e-5, steps=32, prompts=8, warmstart_steps=16)
+
+    def flags(cell):
+        f = exp.cell_flags(cell, tmp_path / cell, args)
+        return f, dict(zip(f[::2], f[1::2])) if len(f) % 2 == 0 else None
+
+    assert exp.parse_cell("rs_engine_k8_s1") == ("rs_engine", 8, 1)
+    assert exp.parse_cell("f32_rs_direct_k8_s3") == ("f32_rs_direct", 8, 3)
+    expected = {  # cell -> (policy_lag_split, rollout_rs_on, rollout_dtype); None: the flag is absent
+        "rs_engine_k8_s1": ("true", "engine", None),
+        "rs_direct_k8_s1": ("true", None, None),
+        "f32_rs_engine_k8_s1": ("true", "engine", "float32"),
+        "f32_rs_direct_k8_s1": ("true", None, "float32"),
+        "decoupled_k8_s1": (None, None, None),  # unchanged: the whole-ratio arm with the split is rs_direct
+    }
+    for cell, (split, rs_on, dtype) in expected.items():
+        f, kv = flags(cell)
+        assert kv is not None, f
+        assert kv["--config"].endswith("cpu_smollm2_decoupled.yaml")
+        assert (kv["--rollout_sync_interval"], kv["--seed"], kv["--learning_rate"]) == ("8", "42", "3e-05")
+        assert (kv.get("--policy_lag_split"), kv.get("--rollout_rs_on"), kv.get("--rollout_dtype")) == \
+            (split, rs_on, dtype), cell
+    assert exp.reference_cell("rs_engine_k8_s1") == "trl_k8_s1"  # the main table's reference stays plain TRL
+
+
+def test_order_keeps_the_existing_cells_and_places_the_issue23_cells(exp):
+    new = ["rs_engine_k8_s1", "rs_direct_k8_s1", "f32_rs_engine_k8_s1", "f32_rs_direct_k8_s1"]
+    before = ["warmstart", *(f"trl_k{k}_s{s}" for s in (1, 2, 3, 4) for k in (1, 8)),
+              *(f"{m}_k8_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)),
+              "decoupled_k8_s1", "trl_is_k8_s1", "direct_gate_k8_s1", "trl_slow_k8_s1", "tis_k1_s1",
+              *(f"{m}_k1_s{s}" for s in (1, 2) for m in ("topp_trl_is", "topp_decoupled", "topp_recompute"))]
+    assert [c for c in exp.ORDER if c not in new] == before
+    i = exp.ORDER.index
+    assert i("rs_engine_k8_s1") == i("decoupled_k8_s1") + 1 and i("rs_direct_k8_s1") == i("decoupled_k8_s1") + 2
+    assert i("f32_rs_engine_k8_s1") == i("trl_slow_k8_s1") + 1 and i("f32_rs_direct_k8_s1") == i("trl_slow_k8_s1") + 2
+    for c in exp.ORDER[1:]:
+        exp.parse_cell(c)
+
+
+def _cell(root, name, steps, scores):
+    """A synthetic committed cell: ``steps`` = [(policy_lag_mean, num_valid_tokens, {rs metric: value})]."""
+    import json
+
+    d = root / name
+    d.mkdir()
+    lines = [{"run_config": {}}]
+    for j, (lag, n_tok, rs) in enumerate(steps, 1):
+        lines.append({"step": j, "loss": 0.1, "step_time": 1.0, "rollout_corr/policy_lag_mean": lag,
+                      "rollout_corr/policy_lag_max": lag, "rollout_corr/k3_kl": 0.001,
+                      "rollout_corr/num_valid_tokens": n_tok, **rs})
+    (d / "log.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    (d / "eval.json").write_text(json.dumps({"after": {"scores": scores, "correct": sum(scores),
+                                                       "total": len(scores), "accuracy": sum(scores) / len(scores)}}))
+
+
+def test_issue23_table_by_hand(exp, tmp_path):
+    eng, dire = "rollout_corr/rollout_rs_engine_masked_fraction", "rollout_corr/rollout_rs_masked_fraction"
+    a = [1, 1, 1, 0, 0, 1, 1, 0]
+    b = [0, 0, 1, 1, 0, 0, 1, 0]  # a - b: +25 points, paired s.e. sqrt(0.5 / 8) = 25 points; 3 vs 1 discordant
+    # rs_engine: kept (90 + 200 + 80) / 400 tokens; lag 0: 90/100; stale (200 + 80) / 300
+    _cell(tmp_path, "rs_engine_k8_s1", [(0, 100, {eng: 0.1}), (1, 200, {eng: 0.0}), (2, 100, {eng: 0.2})], a)
+    # rs_direct: kept (100 + 50 + 0) / 300; lag 0: 1; stale 50 / 200
+    _cell(tmp_path, "rs_direct_k8_s1", [(0, 100, {dire: 0.0}), (1, 100, {dire: 0.5}), (3, 100, {dire: 1.0})], b)
+    _cell(tmp_path, "tis_k8_s1", [(0, 100, {}), (1, 300, {})], a)  # no RS: every token trained
+    _cell(tmp_path, "rs_engine_k8_s2", [(0, 100, {eng: 0.5})], a)  # seed 2 appears once an RS arm ran at it
+    text = exp.report(tmp_path, figure=False)
+    rows = [x for x in text.splitlines() if x.startswith("| ")]
+    assert "| rs_engine_k8_s1 | engine factor pi_train@v / mu | bfloat16 | 0.925 / 0.900 / 0.933 | 5/8 |" in rows
+    assert "| rs_direct_k8_s1 | whole ratio pi_old / mu | bfloat16 | 0.500 / 1.000 / 0.250 | 3/8 |" in rows
+    assert "| tis_k8_s1 | no RS | bfloat16 | 1.000 / 1.000 / 1.000 | 5/8 |" in rows
+    assert "| f32_rs_engine_k8_s1 | engine factor pi_train@v / mu | float32 | not run yet | — |" in rows
+    assert "| rs_engine_k8_s2 | engine factor pi_train@v / mu | bfloat16 | 0.500 / 0.500 / — | 5/8 |" in rows
+    assert "| rs_direct_k8_s2 | whole ratio pi_old / mu | bfloat16 | not run yet | — |" in rows
+    assert "| rs_engine_k8_s1 vs rs_direct_k8_s1 | +25.0 ± 25.0 pts | 3 / 1 | 0.62 |" in rows  # p = 10/16
+    assert "| rs_engine_k8_s1 vs tis_k8_s1 | +0.0 ± 0.0 pts | 0 / 0 | 1 |" in rows
+    assert "| rs_direct_k8_s1 vs tis_k8_s1 | -25.0 ± 25.0 pts | 1 / 3 | 0.62 |" in rows
+    assert "| f32_rs_engine_k8_s1 vs f32_rs_direct_k8_s1 | not run yet | — | — |" in rows
+    assert "| rs_engine_k8_s2 vs tis_k8_s2 | not run yet | — | — |" in rows
+    assert not any("_s3" in x for x in rows)
+    # the main table's trained column reads the engine-factor RS metric too (mean over steps: 0.9, 1.0, 0.8)
+    main = next(x for x in rows if x.startswith("| rs_engine_k8_s1 | 3 |"))
+    assert "| 0.900 |" in main
