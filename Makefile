@@ -36,7 +36,7 @@ test: test-core test-vllm
 test-core: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not vllm"
 
-## Only the pure-math tests (seconds): those marked `unit` (pyproject.toml registers the marker).
+## Only the fast tests (about a minute): those marked `unit` (pyproject.toml registers the marker).
 ## Until test files carry the marker pytest selects nothing (exit 5); that is reported, not failed.
 test-fast: install
 	@$(BIN)/python -m pytest $(PYTEST_ARGS) -m "unit and not slow"; rc=$$?; \

