@@ -84,8 +84,9 @@ CORRECTION_FIELD_TABLE = (
     CorrectionField(
         "bypass_mode", bool, bool, False,
         "bool",
-        "False: decoupled (keep pi_old: one extra forward per generation batch). True: bypass (pi_old := mu, no "
-        "extra forward; the correction runs inside the loss, from pi_theta vs mu).",
+        "False: decoupled (keep pi_old: one extra forward per generation batch, unless rollout_corr_old_forward='auto'"
+        " reads it from the first loss forward). True: bypass (pi_old := mu, no extra forward; the correction runs "
+        "inside the loss, from pi_theta vs mu).",
     ),
     CorrectionField(
         "bypass_loss_type", Literal["ppo_clip", "reinforce"], str, "ppo_clip",
