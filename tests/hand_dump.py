@@ -52,3 +52,48 @@ def quantiles(name: str) -> dict:
     valid = MASK.bool()
     engine = (OLD - MU)[valid].double()
     return exact_ratio_quantiles(engine if name in ("engine", "direct") else torch.zeros_like(engine))
+
+
+def random_dump(path: Path, rows: int = 48, width: int = 24, noise: float = 0.1, seed: int = 0,
+                stale_rows: int = 0) -> Path:
+    """A decoupled dump of one step of ``rows`` random rows (lengths 1..``width``, mu = -Exp(1) per token, pi_old =
+    mu + N(0, ``noise``^2): continuous statistics, so no ties), trained with token TIS 2.0 + seq_mean_k3 0.01 and
+    logged with the values the trainer computes (the ``analyze`` check passes on it). ``stale_rows``: the first rows
+    are of policy version 0 at generation step 2 (lag 2) with ``max_policy_lag`` 1, so the trainer dropped them from
+    the correction; the others are of version 2 (lag 0)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, width + 1, (rows,), generator=g)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    mu = torch.where(mask > 0, -torch.empty(rows, width).exponential_(1.0, generator=g), 0.0)
+    old = torch.where(mask > 0, mu + noise * torch.randn(rows, width, generator=g), 0.0)
+    trained = RolloutCorrectionConfig.from_preset("decoupled_k3_rs_token_tis")
+    w = RolloutRecordWriter(path, eos_token_ids=[1], pad_token_id=0, max_completion_length=width)
+    w.write_run_metadata({
+        "schema": "trl-rollout-corr/rollout-records", "schema_version": "1.0",
+        "correction": {**trained.to_dict(), "mode": "decoupled", "length_buckets": [8, 16],
+                       "rollout_corr_preset": "decoupled_k3_rs_token_tis"},
+        "trainer": {"per_device_train_batch_size": rows, "steps_per_generation": 1,
+                    **({"max_policy_lag": 1} if stale_rows else {})}, "model": {}, "engine": {},
+    })
+    versions = torch.full((rows,), 2 if stale_rows else 0, dtype=torch.int64)
+    versions[:stale_rows] = 0
+    kept_rows = (versions == versions.max()).long()
+    out = compute_rollout_correction(old, mu, mask * kept_rows[:, None], trained, length_buckets=(8, 16))
+    ids = torch.where(mask > 0, torch.randint(2, 50, (rows, width), generator=g), 0)
+    ids[torch.arange(rows), lengths - 1] = 1  # every row ends with EOS
+    step = 2 if stale_rows else 0
+    w.add(MicroBatch(step=step, generation_step=step, generation_batch=0, prompt_ids=torch.full((rows, 1), 2),
+                     prompt_mask=torch.ones(rows, 1), completion_ids=ids, completion_mask=mask,
+                     rollout_log_probs=mu, advantages=torch.zeros(rows), generation_row=torch.arange(rows),
+                     policy_version=versions if stale_rows else None,
+                     per_token=dict(old_log_probs=old, log_probs=old, rollout_is_weights=out.weights,
+                                    rollout_rs_mask=out.response_mask)))
+    kept = out.response_mask > 0
+    engine = (old - mu)[kept].double()
+    metrics = dict(out.metrics)
+    metrics.update({f"rollout_corr/{n}_ratio_{q}": v for n in ("engine", "update", "direct")
+                    for q, v in exact_ratio_quantiles(torch.zeros_like(engine) if n == "update" else engine).items()})
+    if not stale_rows:
+        metrics.update({"rollout_corr/policy_lag_mean": 0.0, "rollout_corr/policy_lag_max": 0.0})
+    w.end_window(step + 1, metrics)
+    return path

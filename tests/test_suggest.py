@@ -11,8 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from hand_dump import hand_dump
+from hand_dump import hand_dump, random_dump
 from trl_rollout_corr.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from trl_rollout_corr.correction.rejection import RS_OPTIONS
 from trl_rollout_corr.suggest import pick_threshold
 
 
@@ -115,3 +116,57 @@ def test_bad_input(tmp_path, capsys):
     ]:
         assert main(["analyze", str(good), *argv, "--no-plots"]) == EXIT_BAD_INPUT, argv
         assert message in capsys.readouterr().err, argv
+
+
+def _kept_count(option: str, config_report: dict) -> tuple[float, float]:
+    """(kept, population) counts of one re-applied config (``analysis.json``'s entry): tokens or rows in the RS mask,
+    or for an IS cap the untruncated weights (per step: (1 - fraction_high) x the valid tokens / rows)."""
+    if option.startswith("is_"):
+        unit = "num_valid_tokens" if option == "is_token" else "num_valid_seqs"
+        steps = [s["metrics"] for s in config_report["per_step"].values()]
+        population = sum(m[f"rollout_corr/{unit}"] for m in steps)
+        return sum((1 - m["rollout_corr/rollout_is_ratio_fraction_high"]) * m[f"rollout_corr/{unit}"]
+                   for m in steps), population
+    total = config_report["total"]
+    unit = "tokens" if option.startswith("token_") else "rows"
+    return total[f"kept_{unit}"] * total[f"valid_{unit}"], total[f"valid_{unit}"]
+
+
+@pytest.mark.unit
+def test_every_reapplied_suggestion_keeps_the_fraction_within_one(tmp_path):
+    """A random dump (continuous statistics: no ties): for every RS option and both IS caps, the threshold
+    ``--suggest --keep 0.9`` writes, re-applied with ``analyze --config``, keeps 90% of the option's population to
+    within one token (token options, is_token) or one row (sequence options, is_sequence)."""
+    dump = random_dump(tmp_path / "d")
+    out = tmp_path / "s"
+    assert main(["analyze", str(dump), "--suggest", "--keep", "0.9", "--out", str(out), "--no-plots"]) == EXIT_OK
+    report = {s["option"]: s for s in json.loads((out / "suggest.json").read_text())["suggestions"]}
+    assert set(report) == {*RS_OPTIONS, "is_token", "is_sequence"}
+    for option, s in report.items():
+        assert not s["note"], option
+        again = _reapplied(dump, out / "suggest_configs" / f"{option}.yaml", tmp_path / option)
+        kept, population = _kept_count(option, again)
+        assert population == s["population"] > 40, option
+        assert kept == pytest.approx(s["kept"] * population, abs=1e-6), option  # the suggestion's own report
+        assert abs(kept - 0.9 * population) <= 1.0, (option, kept, 0.9 * population)
+
+
+@pytest.mark.unit
+def test_rows_over_max_policy_lag_are_not_in_the_population(tmp_path):
+    """12 of 48 rows at lag 2 with max_policy_lag 1 (the trainer dropped them from the correction): the suggestion's
+    population is the other 36 rows' tokens, so its re-application keeps 90% of them to within one token (before
+    the fix the dropped rows' tokens were counted and the kept fraction of the trained tokens was off)."""
+    dump = random_dump(tmp_path / "d", stale_rows=12)
+    out = tmp_path / "s"
+    argv = ["analyze", str(dump), "--suggest", "--keep", "0.9", "--suggest-options", "token_k3,seq_mean_k3,is_token",
+            "--out", str(out), "--no-plots"]
+    assert main(argv) == EXIT_OK
+    report = {s["option"]: s for s in json.loads((out / "suggest.json").read_text())["suggestions"]}
+    table = pq.read_table(next(dump.glob("**/*.parquet")))
+    lengths = [sum(m) for m in table.column("completion_mask").to_pylist()]
+    assert table.column("policy_version").to_pylist()[:13] == [0] * 12 + [2]
+    for option, s in report.items():
+        again = _reapplied(dump, out / "suggest_configs" / f"{option}.yaml", tmp_path / option)
+        kept, population = _kept_count(option, again)
+        assert population == s["population"] == (36 if option.startswith("seq_") else sum(lengths[12:])), option
+        assert abs(kept - 0.9 * population) <= 1.0, (option, kept, 0.9 * population)

@@ -137,7 +137,8 @@ def _groups(recomputer: Recomputer, bypass: bool) -> list[torch.Tensor]:
 
 
 def statistics(recomputer: Recomputer, dump: RolloutDump) -> tuple[dict[str, Statistic], bool]:
-    """Every option's statistic over the rows ``analyze`` corrects; returns (option -> ``Statistic``, bypass).
+    """Every option's statistic over the rows ``analyze`` corrects (rows over ``max_policy_lag`` left out, as the
+    trainer and the re-application leave them); returns (option -> ``Statistic``, bypass).
 
     Raises:
         ConfigError: the dump has no pi_train log-prob column (names the fix).
@@ -151,9 +152,12 @@ def statistics(recomputer: Recomputer, dump: RolloutDump) -> tuple[dict[str, Sta
         entry[0].append(values.double())
         entry[1].append(lags)
 
+    # max_policy_lag: the rows the trainer kept (decoupled: at generation, bypass: at use), as analyze re-applies
+    kept_rows = recomputer.kept_at_use if bypass else recomputer.kept_at_generation
     for index in _groups(recomputer, bypass):
         b = recomputer.rows.batch(index, policy=column)
-        ws = prepare(b["policy"], b["rollout"], b["mask"], _NEEDS)
+        mask = b["mask"] if kept_rows is None else b["mask"] * kept_rows[index][:, None].to(b["mask"].dtype)
+        ws = prepare(b["policy"], b["rollout"], mask, _NEEDS)
         valid = ws.valid > 0
         row_lag = lags_of_rows[index]
         token_lag = row_lag.unsqueeze(1).expand_as(valid)[valid]
