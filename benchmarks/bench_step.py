@@ -25,7 +25,8 @@ completions in every run. Generation and weight sync are outside the comparison;
 
 Timing: CPU seconds of the main thread (``time.thread_time``; one torch thread, so all of torch's work) from the
 Trainer's ``on_step_begin`` to the end of that step's ``log`` call (our records window closes there), per optimizer
-step; step 1 is a warm-up and left out. Rounds interleave the runs, the order rotated by one each round. Per part
+step (with the main thread's user / system split and minor page faults from ``getrusage(RUSAGE_THREAD)``); step 1
+is a warm-up and left out. Rounds interleave the runs, the order rotated by one each round. Per part
 (``--breakdown``, on by default; only ``time.thread_time`` reads are added, so results are unchanged: the
 equality table compares runs with the breakdown on and, with ``--breakdown-rounds``, off): the exclusive CPU time
 of the log-prob forwards (with / without grad: TRL's ``_get_per_token_logps_and_entropies``), the backward, the
@@ -60,6 +61,7 @@ import functools
 import json
 import math
 import os
+import resource
 import shlex
 import shutil
 import statistics
@@ -285,7 +287,8 @@ class PartTimers:
 
     def begin_step(self) -> None:
         self._step = {"t0": time.thread_time(), "p0": time.process_time(), "w0": time.perf_counter(),
-                      "parts": defaultdict(float), "calls": defaultdict(int)}
+                      "r0": resource.getrusage(resource.RUSAGE_THREAD), "parts": defaultdict(float),
+                      "calls": defaultdict(int)}
         self._stack = []
 
     def end_step(self) -> None:
@@ -296,8 +299,11 @@ class PartTimers:
         parts = dict(step["parts"])
         if self.enabled:
             parts["other"] = cpu - sum(parts.values())
+        r0, r1 = step["r0"], resource.getrusage(resource.RUSAGE_THREAD)  # the main thread's user / system split
         self.steps.append({"cpu_s": cpu, "process_s": time.process_time() - step["p0"],
-                           "wall_s": time.perf_counter() - step["w0"], "parts": parts, "calls": dict(step["calls"])})
+                           "wall_s": time.perf_counter() - step["w0"], "user_s": r1.ru_utime - r0.ru_utime,
+                           "sys_s": r1.ru_stime - r0.ru_stime, "minor_faults": r1.ru_minflt - r0.ru_minflt,
+                           "parts": parts, "calls": dict(step["calls"])})
 
     def start(self, name: str) -> None:
         if self.enabled and self._step is not None:
