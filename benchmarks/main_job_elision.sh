@@ -35,6 +35,7 @@ for mode in "${MODES[@]}"; do
   cmd=("$PY" recipes/grpo_rollout_corr.py --config recipes/configs/cpu_smollm2_decoupled.yaml
        --model_name_or_path "$SMOLLM2" --output_dir "$run_dir" --torch_threads 1 --max_steps "$STEPS"
        --eval_size 0 --report_to none --no_plots --rollout_corr_old_forward "$mode")
+  commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- trl_rollout_corr recipes || echo '+changes')"
   load_before="$(cat /proc/loadavg)"
   started="$(date -u +%FT%TZ)"
   t0=$(date +%s)
@@ -44,7 +45,7 @@ for mode in "${MODES[@]}"; do
   load_after="$(cat /proc/loadavg)"
   grep -E '^step [0-9]+/|pi_old|old_forward' "$run_dir.console.log" > "$OUT/${tag}_console.txt" || true
   "$PY" - "$run_dir/log.jsonl" "$OUT/${tag}_steps.json" "$mode" "$rc" "$wall" "$load_before" "$load_after" \
-      "$started" "$(git rev-parse --short HEAD)" "${cmd[*]}" <<'EOF'
+      "$started" "$commit" "${cmd[*]}" <<'EOF'
 import json, sys
 log, out, mode, rc, wall, before, after, started, commit, command = sys.argv[1:]
 steps, cpu_prev = [], 0.0
@@ -53,7 +54,8 @@ try:
         rec = json.loads(line)
         if "step_time" in rec and "loss" in rec:  # cpu_s: this process's CPU s (all threads) since the last log
             steps.append({"step": rec.get("step"), "step_time_s": rec["step_time"], "loss": rec["loss"],
-                          "cpu_s_since_last_log": round(rec["cpu_time"] - cpu_prev, 3)})
+                          "cpu_s_since_last_log": round(rec["cpu_time"] - cpu_prev, 3),
+                          "logged": {k: v for k, v in rec.items() if isinstance(v, (int, float))}})
             cpu_prev = rec["cpu_time"]
 except FileNotFoundError:
     pass
@@ -62,3 +64,4 @@ json.dump({"mode": mode, "rc": int(rc), "wall_s": int(wall), "loadavg_before": b
 print(mode, "rc", rc, "wall", wall, "s;", " ".join(f"{s['step_time_s']:.1f}" for s in steps), "| load", before)
 EOF
 done
+"$PY" "$ROOT/benchmarks/main_job_elision_summary.py" "$OUT"
