@@ -98,7 +98,7 @@ def test_exact_ratio_quantiles_by_hand():
     assert exact_ratio_quantiles(torch.tensor([4.0, 1.0, 2.0]).log())["p01"] == pytest.approx(1.02)
     # clamped at the safety bound before exponentiation
     assert exact_ratio_quantiles(torch.tensor([100.0]))["max"] == pytest.approx(math.exp(20.0))
-    assert exact_ratio_quantiles(torch.zeros(0)) == {"mean": 0.0, "p01": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
+    assert exact_ratio_quantiles(torch.zeros(0)) == {}  # no token: not logged (never 0)
 
 
 def test_log_ratios_accumulate_over_micro_batches_and_names():
@@ -178,5 +178,141 @@ def test_fractions_sum_global_counts_over_calls():
     acc.add_fraction("train", "rs_lone_survivor_fraction", 2, 8)
     acc.add_fraction("eval", "rs_lone_survivor_fraction", 0, 0)
     assert acc.flush("train") == {"rollout_corr/rs_lone_survivor_fraction": 3 / 16}
-    assert acc.flush("eval") == {"eval_rollout_corr/rs_lone_survivor_fraction": 0.0}
+    assert acc.flush("eval") == {}  # a fraction of no row is not logged
     assert acc.flush("train") == {}
+
+
+# ---------------------------------------------------------------------------------------------- steps with no rows
+# Hand values: l = log pi_old - log mu of two rows, token TIS capped at 2: W = [1.5, 0.5, 2, 1], R = [1.5, 0.5, 3, 1]
+L_HAND = torch.tensor([[1.5, 0.5], [3.0, 1.0]]).log()
+TIS = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)
+EMPTY_KEYS = ("rollout_is_mean", "rollout_is_max", "rollout_is_eff_sample_size", "kl", "k3_kl", "chi2_token",
+              "engine_ratio_mean", "engine_ratio_p50", "engine_ratio_max", "invalid_token_fraction",
+              "len_0_64/kl", "len_0_64/is_eff_sample_size")
+
+
+def _add_step(acc, l, mask, lags, keep):
+    """One micro-batch as the decoupled trainer records it: the correction's stats, the trained tokens' engine
+    ratios (mask after the max_policy_lag filter), the per-row lags."""
+    kept = mask * keep[:, None]
+    acc.add_stats("train", compute_rollout_correction(l, torch.zeros_like(l), kept, TIS).stats)
+    acc.add_log_ratios("train", {"engine": l[kept != 0]})
+    acc.add_policy_lag_rows("train", lags, (mask != 0).sum(1), keep)
+
+
+def test_a_fully_dropped_step_logs_counts_but_no_statistic():
+    """Every row over max_policy_lag: the statistics over no token are absent (not 0.0), the counts and the
+    well-defined fractions are there (drop fraction 1.0)."""
+    acc = RolloutCorrAccumulator()
+    _add_step(acc, L_HAND, torch.ones(2, 2), torch.tensor([2, 2]), torch.tensor([False, False]))
+    logged = acc.flush("train")
+    assert logged["rollout_corr/num_valid_tokens"] == 0 and logged["rollout_corr/num_valid_seqs"] == 0
+    assert logged["rollout_corr/policy_lag_dropped_fraction"] == 1.0
+    assert logged["rollout_corr/policy_lag_dropped_token_fraction"] == 1.0
+    assert logged["rollout_corr/policy_lag_mean"] == 2.0 and logged["rollout_corr/policy_lag_max"] == 2.0
+    assert logged["rollout_corr/len_0_64/num_seqs"] == 0
+    assert not [k for k in EMPTY_KEYS if "rollout_corr/" + k in logged]
+    assert all(not k.startswith(("rollout_corr/rollout_is", "rollout_corr/engine_ratio")) for k in logged)
+
+
+def test_an_empty_micro_batch_leaves_the_window_statistics_unchanged():
+    """A fully dropped micro-batch in the same window as a trained one: the window's statistics are those of the
+    trained rows alone (hand values), never pulled towards 0."""
+    acc = RolloutCorrAccumulator()
+    _add_step(acc, L_HAND, torch.ones(2, 2), torch.tensor([2, 2]), torch.tensor([False, False]))
+    _add_step(acc, L_HAND, torch.ones(2, 2), torch.tensor([0, 0]), torch.tensor([True, True]))
+    logged = acc.flush("train")
+    assert logged["rollout_corr/rollout_is_mean"] == pytest.approx(5.0 / 4)
+    assert logged["rollout_corr/rollout_is_max"] == pytest.approx(2.0)
+    assert logged["rollout_corr/engine_ratio_mean"] == pytest.approx(6.0 / 4)
+    assert logged["rollout_corr/engine_ratio_max"] == pytest.approx(3.0)
+    assert logged["rollout_corr/num_valid_tokens"] == 4 and logged["rollout_corr/invalid_token_fraction"] == 0.0
+    assert logged["rollout_corr/policy_lag_dropped_fraction"] == 0.5
+    assert "rollout_corr/len_64_256/kl" not in logged and logged["rollout_corr/len_64_256/num_seqs"] == 0
+
+
+def _twin_of(l, mask):
+    """Fake reducers whose other rank holds rows ``l`` / ``mask`` (its stats vectors and its engine log ratios)."""
+    other = []
+
+    def grab(t):
+        other.append(t.clone())
+        return t
+
+    compute_rollout_correction(l, torch.zeros_like(l), mask, TIS).stats.reduce(grab, grab, grab)
+    return TwinRank(other_stats=other, other_values=l[mask != 0].double())
+
+
+@pytest.mark.parametrize("empty_rank", [0, 1, "both"])
+def test_a_rank_without_rows_adds_nothing_to_the_means(empty_rank):
+    """Two fake ranks, one (or both) holding only dropped rows: the logged values are those of the rows that exist
+    (hand values), the same collectives run in the same order whichever rank is empty (no hang)."""
+    empty, full = torch.zeros(2, 2), torch.ones(2, 2)
+    mine, theirs = (empty, full) if empty_rank == 0 else (full, empty) if empty_rank == 1 else (empty, empty)
+    twin = _twin_of(L_HAND, theirs)
+    acc = RolloutCorrAccumulator(twin.reducers())
+    acc.add_stats("train", compute_rollout_correction(L_HAND, torch.zeros_like(L_HAND), mine, TIS).stats)
+    acc.add_log_ratios("train", {"engine": L_HAND[mine != 0]})
+    logged = acc.flush("train")
+    assert twin.calls == ["sum", "max", "min", "gather", "gather"]
+    if empty_rank == "both":
+        assert logged == {"rollout_corr/num_valid_tokens": 0.0, "rollout_corr/num_valid_seqs": 0.0,
+                          **{f"rollout_corr/len_{a}_{b}/num_seqs": 0.0
+                             for a, b in ((0, 64), (64, 256), (256, 1024), (1024, "inf"))}}
+        return
+    assert logged["rollout_corr/rollout_is_mean"] == pytest.approx(5.0 / 4)
+    assert logged["rollout_corr/rollout_is_seq_mean"] == pytest.approx((1.0 + 1.5) / 2)
+    assert logged["rollout_corr/engine_ratio_mean"] == pytest.approx(6.0 / 4)
+    assert logged["rollout_corr/engine_ratio_p50"] == pytest.approx(1.25)
+    assert logged["rollout_corr/num_valid_seqs"] == 2
+
+
+def _empty_rank_worker(rank, world, port, path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    def reduce(op):
+        def fn(t):
+            t = t.clone()
+            dist.all_reduce(t, op=op)
+            return t
+        return fn
+
+    def gather(t):
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts)
+
+    reducers = Reducers(world, sum=reduce(dist.ReduceOp.SUM), max=reduce(dist.ReduceOp.MAX),
+                        min=reduce(dist.ReduceOp.MIN), gather=gather)
+    acc = RolloutCorrAccumulator(reducers)
+    keep = torch.tensor([rank == 1, rank == 1])  # rank 0: every row over max_policy_lag
+    _add_step(acc, L_HAND, torch.ones(2, 2), torch.tensor([0, 0]) if rank else torch.tensor([3, 3]), keep)
+    torch.save(acc.flush("train"), f"{path}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_two_real_ranks_one_without_rows_equal_one_rank():
+    """Two gloo processes, rank 0's rows all dropped: both ranks finish the flush (no hang) and log what one rank
+    logs for both ranks' rows; the statistics are rank 1's rows alone."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = str(pytest.importorskip("tempfile").mkdtemp()) + "/flush"
+    mp.spawn(_empty_rank_worker, args=(2, port, path), nprocs=2, join=True)
+    single = RolloutCorrAccumulator()
+    _add_step(single, torch.cat([L_HAND, L_HAND]), torch.ones(4, 2), torch.tensor([3, 3, 0, 0]),
+              torch.tensor([False, False, True, True]))
+    reference = single.flush("train")
+    assert reference["rollout_corr/rollout_is_mean"] == pytest.approx(5.0 / 4)
+    assert reference["rollout_corr/policy_lag_dropped_fraction"] == 0.5
+    for rank in range(2):
+        got = torch.load(f"{path}.{rank}")
+        assert set(got) == set(reference), rank
+        for key, value in reference.items():
+            assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-12), (rank, key)

@@ -295,7 +295,19 @@ def test_analyze_reproduces_the_lag_metrics_of_stale_rollouts(llama_dir, tmp_pat
     # with max_policy_lag (records 1.1): step 3's rows are lag 2 > 1, dropped, and analyze reproduces the drops
     bounded = _train(llama_dir, tmp_path / "bounded", StaleRollout(sync_interval=3), max_steps=3, max_policy_lag=1,
                      rollout_dump_dir=str(tmp_path / "bounded_dump"))
-    dropped = [h["rollout_corr/policy_lag_dropped_fraction"] for h in bounded.state.log_history if "loss" in h]
-    assert dropped == [0.0, 0.0, 1.0]
-    check, _, _ = analyse_dump(open_dump(tmp_path / "bounded_dump"), [])
+    bounded_logs = [h for h in bounded.state.log_history if "loss" in h]
+    assert [h["rollout_corr/policy_lag_dropped_fraction"] for h in bounded_logs] == [0.0, 0.0, 1.0]
+    # the fully dropped step logs its counts but no statistic over its (no) rows: absent, never 0.0
+    empty_keys = {f"rollout_corr/{n}_ratio_{q}" for n in ("engine", "update", "direct")
+                  for q in ("mean", "p01", "p50", "p99", "max")}
+    empty_keys |= {"rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/kl",
+                   "rollout_corr/len_0_64/kl"}
+    for log in bounded_logs[:2]:
+        assert empty_keys <= set(log), log["step"]
+    last = bounded_logs[2]
+    assert not empty_keys & set(last) and not [k for k in last if k.startswith("rollout_corr/rollout_is")]
+    assert last["rollout_corr/num_valid_tokens"] == 0 and last["rollout_corr/policy_lag_dropped_token_fraction"] == 1
+    check, analyses, _ = analyse_dump(open_dump(tmp_path / "bounded_dump"), [])
     assert check.ok and not check.not_recomputed and check.max_abs_diff <= 1e-5, check.failures[:3]
+    ours = analyses[0].per_window[3].metrics()  # analyze leaves out the same keys for that step
+    assert set(ours) == {k for k in last if k.startswith("rollout_corr/")}

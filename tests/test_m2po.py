@@ -146,9 +146,10 @@ def test_ties_across_ranks_are_broken_by_global_position():
 
 def test_empty_and_all_masked():
     keep, sel = m2po_mask(torch.zeros(2, 3), torch.zeros(2, 3), 0.04)
-    assert sel.n_valid == 0 and keep.sum() == 0 and sel.metrics()["rollout_corr/m2po_masked_fraction"] == 0.0
+    assert sel.n_valid == 0 and keep.sum() == 0 and sel.metrics() == {"rollout_corr/m2po_masked_tokens": 0.0}
     keep, sel = m2po_mask(torch.full((1, 2), 3.0), torch.ones(1, 2), 0.04)  # every token above tau: all masked
-    assert keep.tolist() == [[0.0, 0.0]] and sel.metrics()["rollout_corr/m2po_second_moment_after"] == 0.0
+    assert keep.tolist() == [[0.0, 0.0]] and "rollout_corr/m2po_second_moment_after" not in sel.metrics()
+    assert sel.metrics()["rollout_corr/m2po_masked_fraction"] == 1.0
 
 
 @pytest.mark.parametrize("tau", [0, -0.04, float("nan"), float("inf")])

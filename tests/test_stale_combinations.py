@@ -129,7 +129,10 @@ def _check_run(mode, features, rollout, logs, shape):
     if "max_policy_lag" in features and "policy_lag_split" not in features:  # the half-fresher engine
         assert any(0.0 < log["rollout_corr/policy_lag_dropped_fraction"] < 1.0 for log in logs), shape
     if "policy_lag_split" in features:
-        # a step whose rows are all dropped logs 0 for the (empty) ratio statistics: only the trained steps count
+        # a step whose rows are all dropped logs no ratio statistic (absent, never 0): only the trained steps have them
+        for log in logs:
+            if log.get("rollout_corr/policy_lag_dropped_fraction", 0.0) == 1.0:
+                assert not any(k in log for k in ENGINE_KEYS), (shape, log["step"])
         trained = [log for log in logs if log.get("rollout_corr/policy_lag_dropped_fraction", 0.0) < 1.0]
         stale = [log for log in trained if log["rollout_corr/policy_lag_max"] > 0]
         assert stale, "no stale step trained"

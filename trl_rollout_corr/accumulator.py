@@ -104,11 +104,11 @@ def exact_ratio_quantiles(log_ratios: torch.Tensor) -> dict[str, float]:
         log_ratios: (N,) log ratios in nats (any float dtype; float64 as the accumulator keeps them).
 
     Returns:
-        ``{"mean", "p01", "p50", "p99", "max"}`` ratio values (unitless), one host transfer; 0.0 for every key when
-        ``N == 0``.
+        ``{"mean", "p01", "p50", "p99", "max"}`` ratio values (unitless), one host transfer; ``{}`` when ``N == 0``
+        (a statistic over no token is not logged, never 0: ``docs/metrics.md``, "Steps with no rows").
     """
     if log_ratios.numel() == 0:
-        return {"mean": 0.0, **{k: 0.0 for k, _ in RATIO_QUANTILES}, "max": 0.0}
+        return {}
     ratio = torch.exp(log_ratios.clamp(-SAFETY_BOUND, SAFETY_BOUND)).sort().values
     n = ratio.numel()
     out = {"mean": ratio.mean()}
@@ -245,7 +245,8 @@ class RolloutCorrAccumulator:
         return {f"{PREFIX}{name}": num / den for name, (num, den) in zip(names, host) if den > 0}
 
     def add_fraction(self, mode: str, name: str, hits: int, total: int) -> None:
-        """Count ``hits`` out of ``total`` towards ``rollout_corr/{name}`` (hits / total over the log window).
+        """Count ``hits`` out of ``total`` towards ``rollout_corr/{name}`` (hits / total over the log window; not
+        logged for a zero total).
 
         The counts must already be global (the same on every rank, e.g. computed from gathered tensors), as the
         policy lag is: they are summed over calls, never across ranks.
@@ -256,7 +257,7 @@ class RolloutCorrAccumulator:
 
     def add_global_ratio(self, mode: str, name: str, num: float, den: float) -> None:
         """Add ``num`` / ``den`` towards ``rollout_corr/{name}`` = (sum of ``num``) / (sum of ``den``) over the log
-        window (0.0 for a zero total): ``add_fraction`` for float numerators (e.g. a sum of squares over a token
+        window (not logged for a zero total): ``add_fraction`` for float numerators (e.g. a sum of squares over a token
         count). Like ``add_fraction``, the values must already be global (the same on every rank)."""
         total = self._buffer(mode).global_fractions.setdefault(name, [0.0, 0.0])
         total[0] += float(num)
@@ -268,9 +269,10 @@ class RolloutCorrAccumulator:
         Returns:
             ``rollout_corr/*`` (``eval_rollout_corr/*`` for ``mode="eval"``) -> float: the finalised
             ``CorrectionStats`` (if any were added), ``{name}_ratio_{mean,p01,p50,p99,max}`` per ratio name (if
-            any), ``policy_lag_{mean,max}`` (if any micro-batch was recorded), ``support_*`` (if any support
-            statistics were added), the ``add_fraction_counts`` fractions (those with a non-zero denominator) and
-            each ``add_fraction`` name (0.0 for a zero total).
+            any token, over all ranks), ``policy_lag_{mean,max}`` (if any micro-batch was recorded), ``support_*``
+            (if any support token), the ``add_fraction_counts`` fractions (those with a non-zero denominator) and
+            each ``add_fraction`` name (those with a non-zero total). A statistic over no row or token is absent,
+            never 0 (``docs/metrics.md``, "Steps with no rows"); every rank still runs the same collectives.
         """
         buffer = self._buffer(mode)
         self._buffers[mode] = _ModeBuffer()
@@ -294,7 +296,8 @@ class RolloutCorrAccumulator:
             if lag_max >= 0:
                 metrics[f"{PREFIX}policy_lag_max"] = float(lag_max)
         for name, (hits, total) in sorted(buffer.global_fractions.items()):
-            metrics[f"{PREFIX}{name}"] = hits / total if total else 0.0
+            if total:
+                metrics[f"{PREFIX}{name}"] = hits / total
         if mode == "eval":
             metrics = {f"{EVAL_PREFIX}{k}": v for k, v in metrics.items()}
         return metrics

@@ -209,7 +209,8 @@ class Part:
         if self.lag_max is not None:
             out[f"{PREFIX}policy_lag_max"] = float(self.lag_max)
         for name, (hits, total) in sorted(self.fractions.items()):
-            out[f"{PREFIX}{name}"] = hits / total if total else 0.0
+            if total:  # as the accumulator: a fraction of no row is not logged
+                out[f"{PREFIX}{name}"] = hits / total
         return out
 
 

@@ -8,7 +8,7 @@ A token is valid when its mask is > 0 and both log-probs are finite; a row is va
 from __future__ import annotations
 
 from .reduce import RowTable
-from .stats import Kind, StatView, div
+from .stats import Kind, StatView
 from .workspace import Workspace
 
 N_TOK = "n_tok"  # valid tokens (also per length bucket)
@@ -24,10 +24,9 @@ def collect(ws: Workspace, rows: RowTable) -> None:
 
 
 def finalize(v: StatView) -> dict[str, float]:
-    """``num_valid_tokens``, ``num_valid_seqs``, ``invalid_token_fraction``."""
-    n_tok = v.sum(N_TOK)
-    return {
-        "num_valid_tokens": n_tok,
-        "num_valid_seqs": v.sum(N_SEQ),
-        "invalid_token_fraction": div(v.sum(N_MASKED) - n_tok, v.sum(N_MASKED)),
-    }
+    """``num_valid_tokens``, ``num_valid_seqs``, and ``invalid_token_fraction`` (absent without a masked token)."""
+    n_tok, n_masked = v.sum(N_TOK), v.sum(N_MASKED)
+    out = {"num_valid_tokens": n_tok, "num_valid_seqs": v.sum(N_SEQ)}
+    if n_masked > 0:
+        out["invalid_token_fraction"] = (n_masked - n_tok) / n_masked
+    return out

@@ -89,16 +89,24 @@ class MetricLayout:
 
     def finalize(self, v: StatView) -> dict[str, float]:
         """Every metric from merged statistics (host side, float64): IS, RS, off-policy (verl's order), the
-        length slices, then the counts. Names without the ``rollout_corr/`` prefix."""
+        length slices, then the counts. Names without the ``rollout_corr/`` prefix.
+
+        A statistic over no valid token is absent, never 0 (``docs/metrics.md``, "Steps with no rows"): with
+        ``num_valid_tokens == 0`` only the counts are returned, and a length slice without a valid token has only
+        its ``num_seqs`` (0); so a mean of a metric over the logged steps is the mean over the steps with rows."""
         n_tok, n_seq = v.sum(counts.N_TOK), v.sum(counts.N_SEQ)
         m: dict[str, float] = {}
-        if self.is_level is not None:
-            m.update(weights.finalize(v, self, n_tok, n_seq))
-        if self.rs_specs:
-            m.update(rejection.finalize(v, self, n_tok, n_seq))
-        m.update(diagnostics.finalize(v, n_tok, n_seq))
+        if n_tok > 0:
+            if self.is_level is not None:
+                m.update(weights.finalize(v, self, n_tok, n_seq))
+            if self.rs_specs:
+                m.update(rejection.finalize(v, self, n_tok, n_seq))
+            m.update(diagnostics.finalize(v, n_tok, n_seq))
         for j, prefix in enumerate(self.bucket_prefixes):
             n_j = v.sum(counts.N_TOK, j)
+            if n_j <= 0:
+                m[prefix + "num_seqs"] = v.sum(counts.N_SEQ, j)
+                continue
             part = diagnostics.finalize_bucket(v, j, n_j)
             if self.rs_specs:
                 part.update(rejection.finalize_bucket(v, j, n_j, self.rs_on))

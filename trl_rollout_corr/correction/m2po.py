@@ -150,14 +150,18 @@ class M2Selection:
 
     def metrics(self) -> dict[str, float]:
         """``rollout_corr/m2po_*``: the second moment (mean ``l^2``, nats^2) before and after, the masked fraction
-        and count (of the step's valid tokens)."""
+        and count (of the step's valid tokens). A mean or fraction over no token is absent, never 0 (``after`` when
+        every valid token is masked; all but the count without a valid token)."""
         kept = self.n_valid - self.n_masked
-        return {
-            PREFIX + "m2po_second_moment_before": self.sum_sq_before / self.n_valid if self.n_valid else 0.0,
-            PREFIX + "m2po_second_moment_after": self.sum_sq_after / kept if kept else 0.0,
-            PREFIX + "m2po_masked_fraction": self.n_masked / self.n_valid if self.n_valid else 0.0,
-            PREFIX + "m2po_masked_tokens": float(self.n_masked),
-        }
+        out = {}
+        if self.n_valid:
+            out[PREFIX + "m2po_second_moment_before"] = self.sum_sq_before / self.n_valid
+        if kept:
+            out[PREFIX + "m2po_second_moment_after"] = self.sum_sq_after / kept
+        if self.n_valid:
+            out[PREFIX + "m2po_masked_fraction"] = self.n_masked / self.n_valid
+        out[PREFIX + "m2po_masked_tokens"] = float(self.n_masked)
+        return out
 
 
 def m2po_select(candidates: M2Candidates, threshold: float) -> M2Selection:

@@ -30,7 +30,7 @@ class SupportStats:
     without matching), ``support_size_mean/p50/p99`` the kept-set sizes (exact quantiles, linear interpolation as
     ``torch.quantile``), ``support_singleton_fraction`` the fraction of one-token supports (ratio 1, zero
     gradient), ``support_miss_fraction`` the fraction of sampled tokens outside the trainer's support (made
-    invalid). Over the valid completion tokens; 0 when there is none.
+    invalid). Over the valid completion tokens; none of them is logged when there is no such token.
     """
 
     sums: torch.Tensor
@@ -57,11 +57,13 @@ class SupportStats:
         return SupportStats(reduce_sum(self.sums), [gather(sizes)])
 
     def finalize(self) -> dict[str, float]:
-        """``rollout_corr/support_*`` -> float (one host transfer)."""
+        """``rollout_corr/support_*`` -> float (one host transfer); ``{}`` over no token."""
+        count, log_mass, size_sum, singletons, misses = self.sums.tolist()
+        if count <= 0:
+            return {}
         sizes = torch.cat(self.sizes) if self.sizes else self.sums.new_zeros(0)
         quantiles = (torch.quantile(sizes, sizes.new_tensor([0.5, 0.99])) if sizes.numel()
                      else sizes.new_zeros(2))
-        count, log_mass, size_sum, singletons, misses = self.sums.tolist()
         p50, p99 = quantiles.tolist()
         denom = max(count, 1.0)
         values = (log_mass / denom, size_sum / denom, p50, p99, singletons / denom, misses / denom)
