@@ -38,6 +38,8 @@ FEATURES = {
     "max_policy_lag": dict(max_policy_lag=1),
     "batch_norm": dict(rollout_is_batch_normalize=True),
     "num_iterations_2": dict(num_iterations=2),
+    "m2po": dict(rollout_m2_threshold=0.01),
+    "rs_engine": dict(rollout_corr_preset="decoupled_k3_rs_token_tis", rollout_rs_on="engine"),
 }
 TRIPLES = [
     ("decoupled", ("policy_lag_split", "support_recompute", "routing_r3")),
@@ -48,6 +50,8 @@ TRIPLES = [
     ("decoupled", ("max_policy_lag", "num_iterations_2", "batch_norm")),
     ("bypass", ("routing_r3", "max_policy_lag", "num_iterations_2")),
     ("decoupled", ("max_policy_lag", "support_recompute", "batch_norm")),
+    ("decoupled", ("m2po", "max_policy_lag", "routing_r3")),
+    ("decoupled", ("rs_engine", "policy_lag_split", "max_policy_lag")),
 ]
 SHAPES = ((8, 1, "auto"), (8, 1, "always"), (4, 2, "auto"))  # micro-batch, accumulation, rollout_corr_old_forward
 
@@ -126,6 +130,11 @@ def _check_run(mode, features, rollout, logs, shape):
             assert log["rollout_corr/policy_lag_dropped_fraction"] == pytest.approx(dropped), (shape, log["step"])
             if dropped == 1.0:  # nothing left to train on
                 assert log["grad_norm"] == 0.0 and log["loss"] == 0.0, (shape, log["step"], log["grad_norm"])
+    if "m2po" in features:  # logged on every step that trained a token; the step-global mask masks some token
+        for log in logs:
+            trained = log["rollout_corr/policy_lag_dropped_fraction"] < 1.0
+            assert ("rollout_corr/m2po_masked_fraction" in log) == trained, (shape, log["step"])
+        assert any(log.get("rollout_corr/m2po_masked_fraction", 0.0) > 0 for log in logs), shape
     if "max_policy_lag" in features and "policy_lag_split" not in features:  # the half-fresher engine
         assert any(0.0 < log["rollout_corr/policy_lag_dropped_fraction"] < 1.0 for log in logs), shape
     if "policy_lag_split" in features:
@@ -159,6 +168,7 @@ def test_stale_triple(mode, features, llama_dir, moe_dir, tmp_path):
     whole, kept, split = (runs[s] for s in SHAPES)
     for a, b, c in zip(whole, kept, split):
         step = a["step"]
+        assert set(a) == set(b) == set(c), ("same logged keys", step, set(a) ^ set(b), set(a) ^ set(c))
         assert c["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5, abs=1e-7), ("4x2 vs 8x1", step)
         # the loss is a sum of zero-mean-advantage terms (cancellation): its float32 noise is ~1e-6 absolute
         assert c["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=2e-6), ("4x2 vs 8x1", step)
