@@ -59,7 +59,7 @@ NOT_RECOMPUTED = {  # policy_lag_split's lag_ratio_* are recomputed from version
                    "rollout_corr/routing_mismatch_fraction/layer_0", "rollout_corr/routing_mismatch_fraction/layer_1"},
 }
 # a dump analyze refuses, and the setting its message must name (support matching and max_policy_lag: recorded)
-ANALYZE_REFUSES = {"m2po": "rollout_m2_threshold=0.04 (M2PO)", "rs_engine": "rollout_rs_on='engine'"}
+ANALYZE_REFUSES = {"m2po": "rollout_m2_threshold=0.04 (M2PO)"}
 DOC = Path(__file__).resolve().parents[1] / "docs" / "combinations.md"
 TABLE_START, TABLE_END = "<!-- refused-combinations:start -->", "<!-- refused-combinations:end -->"
 PAIRS = [(mode, a, b) for mode in MODES for a, b in itertools.combinations(FEATURES, 2)]

