@@ -66,7 +66,8 @@ def test_rollout_corr_keys_reach_tensorboard_and_trackio(tmp_path):
     steps = result["steps"]
     assert [s["step"] for s in steps] == [1, 2]
     keys = sorted(k for k in steps[0] if k.startswith("rollout_corr/"))
-    assert len(keys) > 80 and "rollout_corr/kl" in keys and "rollout_corr/len_0_64/kl" in keys
+    # (fewer than the 80-odd of a run whose length slices all hold tokens: an empty slice logs only its num_seqs)
+    assert len(keys) > 70 and "rollout_corr/kl" in keys and "rollout_corr/len_0_64/kl" in keys
     # tensorboard (event files in output_dir/runs/): the Trainer writes train/<key>, one scalar per step
     for key in keys:
         points = dict(result["tb"][f"train/{key}"])
