@@ -334,3 +334,41 @@ def test_trainer_mask_is_the_greedy_reference_and_micro_batching_does_not_change
         assert small["rollout_corr/m2po_masked_fraction"] == whole["rollout_corr/m2po_masked_fraction"]
         assert small["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-6), small["step"]
         assert small["loss"] == pytest.approx(whole["loss"], rel=1e-6, abs=1e-9), small["step"]
+
+
+def test_m2po_judges_the_whole_ratio_also_with_rs_on_engine(llama_dir, tmp_path, make_trainer):
+    """By design M2PO bounds the second moment of the whole log ratio ``l = log pi_old - log mu`` (staleness
+    included: that is its purpose), also when RS judges the engine factor (``rollout_rs_on="engine"``). A constructed
+    stale batch where the two differ: engine factor e = 0.01 per token except an engine outlier of 0.9 (row 0, token
+    1); rows 2 and 3 are stale by 0.6 nats per token (l = 0.61). tau = 0.1:
+
+    * whole ratio: mean l^2 = (0.81 + 3 x 1e-4 + 6 x 0.3721) / 12 = 0.2536; masking the 0.9 and then k of the six
+      0.61 tokens needs (2.2329 - 0.3721 k) / (11 - k) <= 0.1, k >= 4.16: the outlier and 5 stale tokens (ties at
+      0.61 in row, then position order);
+    * on the engine factor it would mask nothing (mean e^2 = 0.8109 / 12 = 0.0676 <= 0.1).
+
+    The RS band (token_k1 [0.1, 10] on the engine factor) keeps every token, so the trained mask is M2PO's alone."""
+    trainer = make_trainer(llama_dir, tmp_path, rollout_rs="token_k1", rollout_rs_threshold="0.1_10",
+                           rollout_rs_on="engine", policy_lag_split=True, rollout_m2_threshold=0.1,
+                           num_generations=2)
+    trainer.model.train()
+    mu = torch.full((4, 3), -1.0)
+    engine = torch.tensor([[0.0, 0.9, 0.0], [0.01] * 3, [0.01] * 3, [0.01] * 3])
+    lag = torch.tensor([[0.0] * 3, [0.0] * 3, [0.6] * 3, [0.6] * 3])
+    at_version, old = mu + engine, mu + engine + lag
+    batch = dict(completion_mask=torch.ones(4, 3, dtype=torch.long), old_per_token_logps=old,
+                 rollout_log_probs=mu, rollout_version_log_probs=at_version,
+                 advantages=torch.tensor([1.0, -1.0, 1.0, -1.0]), prompt_ids=torch.ones(4, 1, dtype=torch.long),
+                 prompt_mask=torch.ones(4, 1, dtype=torch.long), completion_ids=torch.ones(4, 3, dtype=torch.long))
+    trainer.rollout_corr_mode.apply_correction(trainer, batch, torch.tensor([[1.0], [0.0], [1.0], [0.0]]))
+    expected = [[1.0, 0.0, 1.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 1.0]]
+    assert batch["rollout_rs_mask"].tolist() == expected
+    l, e = (old.double() - mu.double()), (at_version.double() - mu.double())
+    ones = [[1] * 3] * 4
+    assert _reference_keep(l.tolist(), ones, 0.1)[0] == expected  # the greedy on the whole ratio
+    assert _reference_keep(e.tolist(), ones, 0.1)[0] == [[1.0] * 3] * 4  # the engine factor's: nothing masked
+    m = trainer.rollout_corr_metrics.flush("train")
+    assert m["rollout_corr/rollout_rs_engine_masked_fraction"] == 0.0  # RS judged the engine factor
+    assert m["rollout_corr/m2po_second_moment_before"] == pytest.approx(float((l ** 2).mean()), rel=1e-9)
+    assert m["rollout_corr/m2po_second_moment_before"] == pytest.approx(3.0429 / 12, rel=1e-5)
+    assert m["rollout_corr/m2po_masked_fraction"] == pytest.approx(6 / 12)

@@ -71,7 +71,8 @@ CORRECTION_FIELD_TABLE = (
         "pi_theta / mu). `engine`: the engine factor pi_train@v / mu of `policy_lag_split` (numerics only), so that "
         "stale rows are weighted by IS (which still uses pi_old / mu), not rejected for their staleness; the RS "
         "metrics are then named `rollout_rs_engine_*`. `engine` needs `rollout_rs`, decoupled mode and "
-        "`policy_lag_split=True`.",
+        "`policy_lag_split=True`. RS only: M2PO (`rollout_m2_threshold`) judges the whole ratio pi_old / mu either "
+        "way (by design: it bounds staleness).",
     ),
     CorrectionField(
         "rollout_m2_threshold", Optional[float], str, None,
@@ -79,7 +80,9 @@ CORRECTION_FIELD_TABLE = (
         "M2PO (second-moment mask; AReaL's `m2_threshold`, paper 0.04): over the optimizer step's global batch (every "
         "rank), mask the trained tokens with the largest `|l|` (ties: row, then position) until the mean of `l²` over "
         "the remaining ones is `<= tau`; logged as `rollout_corr/m2po_*` (second moment before / after, masked "
-        "fraction). Decoupled mode, `steps_per_generation == gradient_accumulation_steps`; not in `analyze`.",
+        "fraction). `l` is the whole log ratio pi_old / mu, also with `rollout_rs_on=\"engine\"` (by design: M2PO "
+        "bounds how far off-policy the step is, staleness included). Decoupled mode, "
+        "`steps_per_generation == gradient_accumulation_steps`; not in `analyze`.",
     ),
     CorrectionField(
         "bypass_mode", bool, bool, False,

@@ -136,7 +136,8 @@ class DecoupledMode(CorrectionMode):
     def _m2po(self, trainer, old_log_probs, rollout_log_probs, mask, rows) -> torch.Tensor:
         """``mask`` with M2PO's step-global mask applied (``modes.m2po_window``), its metrics recorded: the second
         moment of ``l = log pi_old - log mu`` (nats^2) before / after over the step's trained tokens, and the
-        fraction of them masked (all exact over the log window: sums and counts, already global)."""
+        fraction of them masked (all exact over the log window: sums and counts, already global). ``l`` is the whole
+        ratio also with ``rollout_rs_on="engine"`` (by design: M2PO bounds staleness, not only engine numerics)."""
         log_ratio = old_log_probs.double() - rollout_log_probs.double()
         keep, sel = m2po_step_mask(log_ratio, mask, self.m2_threshold, trainer.rollout_corr_reducers,
                                    trainer.accelerator.process_index, rows)
