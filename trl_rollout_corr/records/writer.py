@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 
 from .metadata import _json_safe
@@ -76,6 +77,10 @@ class MicroBatch:
     num_experts: Optional[int] = None  # E of the MoE layers (the routes' packing: uint8 when E <= 255)
 
 
+_TORCH_FOR = {"int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
+              "float32": torch.float32, "float64": torch.float64}
+
+
 def completion_lengths(completion_ids: torch.Tensor, completion_mask: torch.Tensor,
                        pad_token_id: Optional[int]) -> torch.Tensor:
     """(B,) the number of generated tokens per row of right-padded completions.
@@ -93,19 +98,34 @@ def completion_lengths(completion_ids: torch.Tensor, completion_mask: torch.Tens
     return torch.where(mask_extent > 0, mask_extent, non_pad_extent)
 
 
+def _owned(values: torch.Tensor, value_type: str):
+    """A primitive Arrow array of ``value_type`` (``int8`` ... ``float64``) holding ``values`` (any shape, any device;
+    flattened in C order), copied into a buffer of Arrow's memory pool.
+
+    Never a view of torch memory: ``pa.array`` over a CPU tensor's numpy view is zero-copy, and such an array pins the
+    tensor's whole storage (a micro-batch row slice pins its generation batch's) and aliases memory the trainer still
+    owns until the window is written (issue 21).
+    """
+    pa = _pa()
+    flat = values.detach().to(_TORCH_FOR[value_type]).reshape(-1).cpu()
+    buffer = pa.allocate_buffer(flat.numel() * flat.element_size())
+    if flat.numel():
+        host = flat.numpy()
+        np.frombuffer(buffer, dtype=host.dtype)[:] = host
+    return pa.Array.from_buffers(arrow_type(value_type), flat.numel(), [None, buffer])
+
+
 def _list_array(padded: torch.Tensor, lengths: torch.Tensor, value_type: str, *,
                 keep: Optional[torch.Tensor] = None):
     """An Arrow list array with row i = ``padded[i, :lengths[i]]``, or the entries of ``keep`` (a (B, T) bool mask
-    with ``lengths`` ones per row, in row order) when given."""
+    with ``lengths`` ones per row, in row order) when given; its buffers are Arrow's own (``_owned``)."""
     pa = _pa()
     B, T = padded.shape
     if keep is None:
         keep = torch.arange(T, device=padded.device).expand(B, T) < lengths.unsqueeze(1)
-    values = padded[keep].cpu().numpy()
     offsets = torch.zeros(B + 1, dtype=torch.int32)
     offsets[1:] = torch.cumsum(lengths.cpu().to(torch.int64), 0).to(torch.int32)
-    inner = arrow_type(value_type)
-    return pa.ListArray.from_arrays(pa.array(offsets.numpy(), pa.int32()), pa.array(values, inner))
+    return pa.ListArray.from_arrays(_owned(offsets, "int32"), _owned(padded[keep], value_type))
 
 
 def terminations(completion_ids: torch.Tensor, lengths: torch.Tensor, max_completion_length: Optional[int],
@@ -119,10 +139,6 @@ def terminations(completion_ids: torch.Tensor, lengths: torch.Tensor, max_comple
     is_eos = (lengths > 0) & torch.isin(last, eos)
     full = lengths >= max_completion_length if max_completion_length is not None else torch.zeros_like(is_eos)
     return ["eos" if e else ("length" if f else "other") for e, f in zip(is_eos.tolist(), full.tolist())]
-
-
-_TORCH_FOR = {"int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
-              "float32": torch.float32, "float64": torch.float64}
 
 
 class RolloutRecordWriter:
@@ -289,26 +305,25 @@ class RolloutRecordWriter:
             "rank": pa.array([self.rank] * B, pa.int32()),
             "micro_step": pa.array([self._micro_step] * B, pa.int64()),
             "generation_batch": pa.array([int(b.generation_batch) + self._batch_offset] * B, pa.int64()),
-            "generation_row": pa.array(b.generation_row.reshape(-1).cpu().to(torch.int32).numpy(), pa.int32()),
+            "generation_row": _owned(b.generation_row, "int32"),
             "generation_step": pa.array([int(b.generation_step)] * B, pa.int64()),
             "prompt_ids": _list_array(b.prompt_ids.to(torch.int32), prompt_lengths, "int32",
                                       keep=b.prompt_mask != 0),
             "completion_ids": _list_array(b.completion_ids.to(torch.int32), lengths, "int32"),
             "completion_mask": _list_array(b.completion_mask.to(torch.int8), lengths, "int8"),
             "rollout_log_probs": _list_array(b.rollout_log_probs.detach().float(), lengths, "float32"),
-            "advantage": pa.array(b.advantages.detach().reshape(B, -1)[:, 0].float().cpu().numpy(), pa.float32()),
+            "advantage": _owned(b.advantages.reshape(B, -1)[:, 0], "float32"),
             "termination": pa.array(terminations(b.completion_ids, lengths, self.max_completion_length,
                                                  self.eos_token_ids), pa.string()),
         }
         if b.policy_version is not None:
-            columns["policy_version"] = pa.array(b.policy_version.reshape(-1).cpu().to(torch.int64).numpy(),
-                                                 pa.int64())
+            columns["policy_version"] = _owned(b.policy_version, "int64")
         if b.routes is not None:
             columns["routes_packed"] = self._routes_column(b, lengths)
         times = b.times if b.times is not None else torch.full((B, 2), float("nan"), dtype=torch.float64)
-        times = times.detach().cpu().to(torch.float64).reshape(B, 2)
-        columns["generation_start_time"] = pa.array(times[:, 0].numpy(), pa.float64())
-        columns["generation_end_time"] = pa.array(times[:, 1].numpy(), pa.float64())
+        times = times.reshape(B, 2)
+        columns["generation_start_time"] = _owned(times[:, 0], "float64")
+        columns["generation_end_time"] = _owned(times[:, 1], "float64")
         rewards = b.rewards if b.rewards is not None else torch.zeros(B, 0)
         rewards = rewards.detach().float().reshape(B, -1)
         columns["rewards"] = _list_array(rewards, torch.full((B,), rewards.shape[1]), "float32")
