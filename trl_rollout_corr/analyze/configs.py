@@ -113,7 +113,9 @@ def check_recomputable(config: RolloutCorrectionConfig, where: str) -> None:
     if config.m2_enabled:
         raise ConfigError(f"{where}: rollout_m2_threshold={config.rollout_m2_threshold} (M2PO): analyze does not "
                           "recompute the step-global M2PO mask (the optimizer step's rows of every rank together); "
-                          "analyse configs without it, and runs trained without it.")
+                          "analyse configs without it, and runs trained without it. A run trained with it still "
+                          "has its records: records.open_dump(path).read_table() gives every row, with the mask "
+                          "it trained with (rollout_rs_mask, M2PO's included) and its log-probs.")
 
 
 def rs_on_engine(config: RolloutCorrectionConfig) -> bool:

@@ -32,7 +32,8 @@ class LagSplit(Feature):
 
     Raises:
         ValueError: (``after_score``) a row's version is one whose weights this trainer never held (a version that is
-            not a step at which it generated) or no longer holds (versions going backwards).
+            not a step at which it generated, or one before the checkpoint it resumed from) or no longer holds
+            (versions going backwards).
     """
 
     name = "lag_split"
@@ -83,7 +84,10 @@ class LagSplit(Feature):
                 raise ValueError(
                     f"policy_lag_split: rows of version {version} arrived, but the trainer holds no weights of that "
                     f"version (held: {sorted(self.weights)}); versions must be optimizer steps at which "
-                    "this trainer generated, never going backwards. Unset policy_lag_split."
+                    "this trainer generated, never going backwards. A trainer resumed from a checkpoint holds no "
+                    "weights of the steps before the resume (the checkpoint has the current ones only): restart "
+                    "the engine with the trainer, or resume from a checkpoint at one of its weight syncs. Else "
+                    "unset policy_lag_split."
                 )
             rows = versions == version
             version_log_probs[rows] = self._log_probs_at_version(trainer, weights, {

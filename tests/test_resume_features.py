@@ -1,0 +1,237 @@
+"""Resuming from a checkpoint with the newest features on: RS on the lag split's engine factor with stale rollouts
+and ``max_policy_lag``, M2PO (with the pi_old elision), KPop in bypass mode, each with rollout records.
+
+Each test trains N steps saving a checkpoint, then a fresh trainer (and a fresh engine, as after a crash) resumes
+from it into the same dump. The resumed steps must be the uninterrupted run's: loss, grad norm and every
+``rollout_corr/*`` value, to the tolerance of the recipe's resume test (``test_recipe_tiny``: rel 1e-5, abs 1e-7), and
+the continued dump must hold every step once. The engine's state (its weights and sync schedule) lives in the
+``rollout_func``, not in the checkpoint: the checkpoints here are at weight syncs, where a restarted engine takes
+the same weights as the uninterrupted one (``docs/policy-lag.md``, "Resuming from a checkpoint").
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from stale_rollout import StaleRollout
+from tiny_model import prompt_dataset, reward_len
+
+pytestmark = pytest.mark.slow
+
+REL, ABS = 1e-5, 1e-7  # test_recipe_tiny's resume tolerance
+OUTLIER = 0.3  # nats: the noisy engine's mu is this much too low on completion positions 1, 4, 7, ...
+
+
+@pytest.fixture(autouse=True)
+def _silence_trl_experimental(monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
+
+
+class _NoisyEngine(StaleRollout):
+    """``StaleRollout`` whose mu is ``OUTLIER`` nats low on every third completion token: outliers in the engine
+    factor pi_train@v / mu, next to the staleness that is in the lag factor only."""
+
+    def __call__(self, prompts, trainer):
+        out = super().__call__(prompts, trainer)
+        out["logprobs"] = [[lp - OUTLIER if j % 3 == 1 else lp for j, lp in enumerate(row)] for row in out["logprobs"]]
+        return out
+
+
+def _args(tmp_path, **overrides):
+    from conftest import _make_args
+
+    return _make_args(tmp_path, **{"save_strategy": "steps", "rollout_dump_dir": str(tmp_path / "dump"), **overrides})
+
+
+def _train_and_resume(tmp_path, make, checkpoint):
+    """``make()`` -> a trainer; trains it to the end (saving ``checkpoint-<checkpoint>``), then a second ``make()``
+    resumes from that checkpoint into the same output and dump. Returns (first, resumed)."""
+    first = make()
+    first.train()
+    resumed = make()
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / f"checkpoint-{checkpoint}"))
+    return first, resumed
+
+
+def _assert_same_steps(first, resumed, steps):
+    """The resumed run's log records of ``steps`` equal the uninterrupted run's: the same keys, and loss, grad norm
+    and every rollout_corr/* value to REL/ABS. Returns the uninterrupted run's records of those steps."""
+    full = {h["step"]: h for h in first.state.log_history if "loss" in h}
+    again = {h["step"]: h for h in resumed.state.log_history[-len(steps) - 1:] if "loss" in h}  # and train_runtime
+    assert sorted(again) == list(steps) and resumed.state.global_step == steps[-1]
+    for step in steps:
+        a, b = full[step], again[step]
+        keys = sorted(k for k in a if k.startswith("rollout_corr/"))
+        assert keys == sorted(k for k in b if k.startswith("rollout_corr/")), step
+        assert "rollout_corr/policy_lag_mean" in keys and "rollout_corr/num_valid_tokens" in keys
+        for key in ("loss", "grad_norm", *keys):
+            assert b[key] == pytest.approx(a[key], rel=REL, abs=ABS), (step, key)
+    return [full[s] for s in steps]
+
+
+def _assert_dump_continued(tmp_path, steps, resumed_at):
+    """The continued dump: one window per step, the resumed run's first logs.jsonl line says where it resumed, the
+    interrupted run's later windows moved aside. Returns it, open."""
+    from trl_rollout_corr.records import open_dump
+
+    dump = open_dump(tmp_path / "dump")
+    assert [w.logged_step for w in dump.windows] == list(steps)
+    lines = (tmp_path / "dump" / "logs.jsonl").read_text().splitlines()
+    assert [('"resumed_at_step": %d' % resumed_at) in line for line in lines] == [
+        s == resumed_at + 1 for s in steps]
+    # the resumed run recorded the rows the interrupted run had recorded for the same steps (moved aside)
+    import pyarrow.parquet as pq
+
+    aside = sorted((tmp_path / "dump" / "superseded" / f"resume-at-{resumed_at:08d}").glob("*.parquet"))
+    assert len(aside) == len(steps) - resumed_at
+    for old_file in aside:
+        old, new = pq.read_table(old_file), pq.read_table(tmp_path / "dump" / "steps" / old_file.name)
+        assert new.column_names == old.column_names
+        for column in ("step", "generation_batch", "policy_version", "completion_ids", "rollout_rs_mask"):
+            if column in old.column_names:  # rollout_rs_mask: decoupled mode only
+                assert new.column(column).to_pylist() == old.column(column).to_pylist(), (old_file.name, column)
+        for column in ("rollout_log_probs", "log_probs", "advantage"):
+            assert _flat(new.column(column)) == pytest.approx(_flat(old.column(column)), rel=REL, abs=ABS)
+    return dump
+
+
+def _flat(column):
+    values = column.to_pylist()
+    return [v for row in values for v in row] if isinstance(values[0], list) else values
+
+
+# ---------------------------------------------------------------------------------------------- (a) lag
+def test_engine_rs_lag_split_stale_rollouts_and_max_policy_lag_resume_exactly(llama_dir, tmp_path):
+    """A noisy engine synced every 3 steps (lags 0, 1, 2, 0, 1, 2), token TIS 2 + token_k1 RS on the engine factor,
+    ``policy_lag_split``, ``max_policy_lag=1`` (the lag-2 steps 3 and 6 train nothing), records; checkpoint at 3 (a
+    sync: the restarted engine generates step 4 with the weights the uninterrupted one took). Steps 4-6 after the
+    resume are the uninterrupted run's, the lag-1 step 5 included (its pi_train@v is the weights of step 3, which
+    the resumed trainer holds: it took them when it generated step 4)."""
+    from trl_rollout_corr.analyze import analyse_dump
+    from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
+
+    args = dict(max_steps=6, save_steps=3, rollout_is="token", rollout_is_threshold="2.0", rollout_rs="token_k1",
+                rollout_rs_threshold="0.8_1.25", policy_lag_split=True, rollout_rs_on="engine", max_policy_lag=1)
+
+    def make():
+        return RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, args=_args(tmp_path, **args),
+                                      train_dataset=prompt_dataset(8), rollout_func=_NoisyEngine(3))
+
+    first, resumed = _train_and_resume(tmp_path, make, 3)
+    logs = _assert_same_steps(first, resumed, [4, 5, 6])
+    assert [log["rollout_corr/policy_lag_max"] for log in logs] == [0.0, 1.0, 2.0]
+    assert [log["rollout_corr/policy_lag_dropped_fraction"] for log in logs] == [0.0, 0.0, 1.0]
+    # the engine factor's outliers (about 3 of 8 tokens) are rejected, the staleness of step 5 is not
+    assert 0.2 < logs[1]["rollout_corr/rollout_rs_engine_masked_fraction"] < 0.5
+    assert logs[1]["rollout_corr/lag_ratio_max"] != 1.0  # a real lag factor: pi_train@3 != pi_old at step 5
+    dump = _assert_dump_continued(tmp_path, range(1, 7), 3)
+    check, _, _ = analyse_dump(dump, [])
+    assert check.ok and not check.skipped and not check.not_recomputed, check.failures[:5]
+
+
+def _stop_after(step):
+    """A ``TrainerCallback`` that ends training after optimizer step ``step`` (its checkpoint saved first): the
+    interrupted run, with the uninterrupted run's ``max_steps`` (so the same learning-rate schedule)."""
+    from transformers import TrainerCallback
+
+    class StopAfter(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = control.should_training_stop or state.global_step >= step
+            return control
+
+    return StopAfter()
+
+
+def test_an_engine_kept_through_the_restart_keeps_the_lag_and_the_lag_split_names_the_fix(llama_dir, tmp_path):
+    """An engine that outlived the trainer (the same ``StaleRollout``, synced every 3 steps, last at step 0) and a
+    checkpoint at 2, between syncs (docs/policy-lag.md, "Resuming from a checkpoint"): with ``policy_lag_split`` the
+    resumed trainer holds only the weights of step 2, so the version-0 rows of step 3 are refused, naming the fix;
+    without it, steps 3 (lag 2) and 4 (synced at 3: lag 0) are the uninterrupted run's, ``max_policy_lag=2``
+    included."""
+    from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
+
+    common = dict(save_steps=2, rollout_corr_preset="decoupled_k3_rs_token_tis", rollout_rs_threshold="0.5",
+                  max_policy_lag=2, rollout_dump_dir=None)
+
+    def make(path, engine, max_steps, **extra):
+        return RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8),
+                                      args=_args(path, max_steps=max_steps, **common, **extra), rollout_func=engine)
+
+    full = make(tmp_path / "full", StaleRollout(3), 4)
+    full.train()
+    kept = StaleRollout(3)
+    crashed = make(tmp_path / "part", kept, 4)
+    crashed.add_callback(_stop_after(2))  # the interrupted run: stops after saving checkpoint-2
+    crashed.train()
+    assert crashed.state.global_step == 2 and kept.engine_version == 0
+    checkpoint = str(tmp_path / "part" / "out" / "checkpoint-2")
+    with pytest.raises(ValueError, match=r"rows of version 0 arrived, but the trainer holds no weights of that "
+                                         r"version \(held: \[2\]\).*resumed from a checkpoint.*restart the engine"):
+        make(tmp_path / "part", kept, 4, policy_lag_split=True).train(resume_from_checkpoint=checkpoint)
+    assert kept.engine_version == 0 and kept.calls[-1] == (2, 0)
+    resumed = make(tmp_path / "part", kept, 4)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    logs = _assert_same_steps(full, resumed, [3, 4])
+    assert [log["rollout_corr/policy_lag_max"] for log in logs] == [2.0, 0.0]
+    assert kept.calls[-2:] == [(2, 0), (3, 3)] == full.rollout_func.calls[-2:]
+
+
+# ---------------------------------------------------------------------------------------------- (b) M2PO
+def test_m2po_with_the_pi_old_elision_resumes_exactly_and_analyze_refuses_its_dump(llama_dir, tmp_path, capsys):
+    """M2PO alone (tau 2e-5 against a bf16 rollout copy: it masks tokens every step), pi_old read from the loss
+    forward (the elision), records; checkpoint at 2: steps 3 and 4 after the resume are the uninterrupted run's.
+    ``trl-rollout-corr analyze`` refuses the dump, naming M2PO, why, and what it can analyse."""
+    from conftest import _make_trainer
+    from trl_rollout_corr.cli import EXIT_BAD_INPUT, main
+
+    def make():
+        return _make_trainer(llama_dir, tmp_path, max_steps=4, save_strategy="steps", save_steps=2,
+                             rollout_dump_dir=str(tmp_path / "dump"), rollout_m2_threshold=2e-5,
+                             rollout_generate_dtype="bfloat16", loss_type="grpo",
+                             learning_rate=1e-4)
+
+    first, resumed = _train_and_resume(tmp_path, make, 2)
+    assert resumed.rollout_corr_old_forward_plan.from_loss  # the elision is on
+    logs = _assert_same_steps(first, resumed, [3, 4])
+    for log in logs:
+        assert 0.0 < log["rollout_corr/m2po_masked_fraction"] < 1.0
+        assert log["rollout_corr/m2po_second_moment_after"] <= 2e-5 < log["rollout_corr/m2po_second_moment_before"]
+    dump = _assert_dump_continued(tmp_path, range(1, 5), 2)
+    # the records keep the mask trained with (what the refusal below points to): M2PO's masked tokens are the
+    # valid tokens out of rollout_rs_mask (no RS configured)
+    for window, log in zip(dump.windows[2:], logs):
+        rows = dump.read_table([window])
+        valid = sum(sum(m) for m in rows.column("completion_mask").to_pylist())
+        kept = sum(sum(m) for m in rows.column("rollout_rs_mask").to_pylist())
+        assert (valid - kept) / valid == pytest.approx(log["rollout_corr/m2po_masked_fraction"], abs=1e-12)
+    (tmp_path / "plain.yaml").write_text("rollout_rs: seq_mean_k3\nrollout_rs_threshold: 0.01\n")
+    code = main(["analyze", str(tmp_path / "dump"), "--config", str(tmp_path / "plain.yaml"),
+                 "--out", str(tmp_path / "report"), "--no-plots"])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT
+    assert "(the run's training config): rollout_m2_threshold=2e-05 (M2PO): analyze does not recompute the " \
+           "step-global M2PO mask" in err
+    assert "open_dump" in err  # the fix for a dump trained with it: read its records yourself
+    assert not (tmp_path / "report").exists()
+
+
+# ---------------------------------------------------------------------------------------------- (c) KPop
+def test_kpop_in_bypass_mode_resumes_exactly(llama_dir, tmp_path):
+    """KPop RS (token_binary_kl, phi 1e-5) in bypass PPO-clip against a bf16 rollout copy, records; checkpoint at 2:
+    steps 3 and 4 after the resume are the uninterrupted run's, and analyze reproduces the continued dump."""
+    from conftest import _make_trainer
+    from trl_rollout_corr.analyze import analyse_dump
+
+    def make():
+        return _make_trainer(llama_dir, tmp_path, max_steps=4, save_strategy="steps", save_steps=2,
+                             rollout_dump_dir=str(tmp_path / "dump"), rollout_corr_preset="bypass_ppo_clip_kpop_rs",
+                             rollout_rs_threshold="0.00001", rollout_generate_dtype="bfloat16",
+                             learning_rate=1e-4)
+
+    first, resumed = _train_and_resume(tmp_path, make, 2)
+    assert resumed.rollout_correction.bypass_mode and resumed.rollout_correction.rollout_rs == "token_binary_kl"
+    logs = _assert_same_steps(first, resumed, [3, 4])
+    assert any(log["rollout_corr/rollout_rs_masked_fraction"] > 0 for log in logs)
+    dump = _assert_dump_continued(tmp_path, range(1, 5), 2)
+    check, _, _ = analyse_dump(dump, [])
+    assert check.ok and not check.skipped and not check.not_recomputed, check.failures[:5]
