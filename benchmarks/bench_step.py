@@ -12,6 +12,8 @@ Runs (each in a fresh process, one torch thread, float32 trainer):
 * ``ours_support``: ``ours_decoupled`` with ``rollout_support_matching="recompute"`` (the replayed engine's sampler
   contract: top-p ``--top-p``, top-k off, temperature 1).
 * ``ours_records``: ``ours_decoupled`` with rollout records on (``rollout_dump_dir``).
+* ``ours_records_nowrite``: ``ours_records`` with the writer's ``add`` and ``end_window`` replaced by no-ops (the
+  feature's hooks still tag the rows and build nothing): separates the writer from the rest of records' cost.
 * ``ours_decoupled_always``: ``ours_decoupled`` with ``rollout_corr_old_forward="always"`` (the extra pi_old forward
   kept); offered only where the config has that field.
 * ``ours_none``: ``RolloutCorrGRPOTrainer`` with no correction configured (the equality table compares it with
@@ -25,22 +27,23 @@ completions in every run. Generation and weight sync are outside the comparison;
 
 Timing: CPU seconds of the main thread (``time.thread_time``; one torch thread, so all of torch's work) from the
 Trainer's ``on_step_begin`` to the end of that step's ``log`` call (our records window closes there), per optimizer
-step (with the main thread's user / system split and minor page faults from ``getrusage(RUSAGE_THREAD)``); step 1
-is a warm-up and left out. Rounds interleave the runs, the order rotated by one each round. Per part
-(``--breakdown``, on by default; only ``time.thread_time`` reads are added, so results are unchanged: the
-equality table compares runs with the breakdown on and, with ``--breakdown-rounds``, off): the exclusive CPU time
-of the log-prob forwards (with / without grad: TRL's ``_get_per_token_logps_and_entropies``), the backward, the
-optimizer step, the rewards, the rollout replay, the correction (the trainer's correction function), the metrics
-(accumulator and ratio decomposition), the records writer and support scoring (``support.SupportScorer.score`` and
-its custom backward); "other" is the rest of the step. Nested parts are exclusive (support scoring inside a
-forward counts as support only). ``norm``: each run's step scaled by (mean over runs / its own) CPU time of one
-fixed forward + backward with full-vocabulary scoring of every position, timed at the run's start
-(``--calibrate``): the machine is shared, this normalises for the load a run met.
+step (with the main thread's user / system split and minor page faults from ``getrusage(RUSAGE_THREAD)``); step 1 is
+a warm-up and left out. Rounds interleave the runs, the order rotated by one each round. Per part (``--breakdown``,
+on by default; only ``time.thread_time`` reads are added, so results are unchanged: the equality table compares runs
+with the breakdown on and, with ``--breakdown-rounds``, off): the exclusive CPU time of the log-prob forwards (with /
+without grad: TRL's ``_get_per_token_logps_and_entropies``), the backward, the optimizer step, the rewards, the
+rollout replay, the correction (the trainer's correction function), the metrics (accumulator and ratio
+decomposition), the records writer and support scoring (``support.SupportScorer.score`` and its custom backward),
+Python's cyclic garbage collector (``gc``: ``gc.callbacks``, wherever a collection happens, with the collections per
+generation); "other" is the rest of the step. Nested parts are exclusive (support scoring inside a forward counts as
+support only; a collection inside a forward counts as gc). ``norm``: each run's step scaled by (mean over runs / its
+own) CPU time of one fixed forward + backward with full-vocabulary scoring of every position, timed at the run's
+start (``--calibrate``): the machine is shared, this normalises for the load a run met.
 
 Equality: loss, grad norm, entropy and every ``rollout_corr/*`` metric of every step (those both log), between the
-runs that train the same way by construction (``ours_decoupled``, ``ours_records``, ``ours_decoupled_always``;
-``trl`` and ``ours_none``) and between the rounds of each run (determinism), max |difference| and whether it is
-within 1e-6.
+runs that train the same way by construction (``ours_decoupled``, ``ours_records``, ``ours_records_nowrite``,
+``ours_decoupled_always``; ``trl`` and ``ours_none``) and between the rounds of each run (determinism), max
+|difference| and whether it is within 1e-6.
 
 ``results.json`` in ``--out`` is rewritten after every run (a stopped benchmark keeps what finished); ``--resume``
 skips the (round, run) pairs already there (a benchmark can be run in chunks: ``--rounds 1``, then
@@ -94,6 +97,7 @@ class Run:
     fields: tuple = ()  # RolloutCorrGRPOConfig fields as (name, value)
     support_contract: bool = False  # the replay declares its sampler contract (support matching)
     records: bool = False  # rollout_dump_dir under the run's folder
+    records_writer: bool = True  # False: the records feature's hooks run, its writer's add / end_window do nothing
     needs: tuple = ()  # config fields that must exist for the run to be offered
 
 
@@ -106,6 +110,8 @@ RUNS = (
         fields=(("rollout_corr_preset", DECOUPLED), ("rollout_support_matching", "recompute"))),
     Run("ours_records", "ours, decoupled + rollout records", records=True,
         fields=(("rollout_corr_preset", DECOUPLED),)),
+    Run("ours_records_nowrite", "ours, decoupled + rollout records, the writer's add / end_window no-ops",
+        records=True, records_writer=False, fields=(("rollout_corr_preset", DECOUPLED),)),
     Run("ours_decoupled_always", "ours, decoupled, pi_old forward always run",
         fields=(("rollout_corr_preset", DECOUPLED), ("rollout_corr_old_forward", "always")),
         needs=("rollout_corr_old_forward",)),
@@ -113,18 +119,21 @@ RUNS = (
 )
 BY_NAME = {r.name: r for r in RUNS}
 # Runs that train identically by construction (records and the pi_old elision change no value).
-EQUAL_GROUPS = (("ours_decoupled", "ours_records", "ours_decoupled_always"), ("trl", "ours_none"))
+EQUAL_GROUPS = (("ours_decoupled", "ours_records", "ours_records_nowrite", "ours_decoupled_always"),
+                ("trl", "ours_none"))
 # (numerator, denominator, target ratio of CPU s/step, label)
 TARGETS = (
     ("ours_decoupled", "trl_is", 0.70, "ours decoupled / TRL with its IS"),
     ("ours_bypass", "trl", 0.75, "ours bypass / plain TRL"),
     ("ours_support", "ours_decoupled", 1.05, "support matching: decoupled + recompute / decoupled"),
     ("ours_records", "ours_decoupled", 1.02, "records: decoupled + records / decoupled"),
+    ("ours_records_nowrite", "ours_decoupled", None, "records' hooks without the writer / decoupled"),
+    ("ours_records", "ours_records_nowrite", None, "records / records' hooks without the writer"),
     ("ours_decoupled", "ours_decoupled_always", None, "pi_old elision: decoupled / decoupled with the forward"),
     ("trl_is", "trl", None, "TRL with its IS / plain TRL"),
 )
 PARTS = ("forward (grad)", "forward (no grad)", "backward", "optimizer", "support", "correction", "metrics",
-         "records", "rewards", "rollout replay", "other")
+         "records", "rewards", "rollout replay", "gc", "other")
 
 
 # ---------------------------------------------------------------------------------------------- the workload
@@ -347,6 +356,17 @@ class PartTimers:
         def forward_kind() -> str:
             return "forward (grad)" if torch.is_grad_enabled() else "forward (no grad)"
 
+        import gc
+
+        def collecting(phase: str, info: dict) -> None:  # Python's cyclic collector, inside whatever part it hits
+            if phase == "start":
+                self.start("gc")
+                if self._step is not None:
+                    self._step["calls"][f"gc generation {info['generation']}"] += 1
+            else:
+                self.stop("gc")
+
+        gc.callbacks.append(collecting)
         GRPOTrainer._get_per_token_logps_and_entropies = self.wrap(
             GRPOTrainer._get_per_token_logps_and_entropies, forward_kind)
         GRPOTrainer._calculate_rewards = self.wrap(GRPOTrainer._calculate_rewards, "rewards")
@@ -499,6 +519,10 @@ def run_child(args: argparse.Namespace) -> None:
     load_before = os.getloadavg()[0]
     trainer, saved = build_trainer(run, args, folder, timers)
     timers.install(trainer)
+    if run.records and not run.records_writer:
+        writer = trainer.rollout_records
+        writer.add = lambda batch: None
+        writer.end_window = lambda logged_step, logs: None
     calibration = calibrate(trainer.model, saved) if args.calibrate else None
     t0 = time.perf_counter()
     trainer.train()
@@ -509,6 +533,7 @@ def run_child(args: argparse.Namespace) -> None:
         "forward_counts": dict(getattr(trainer, "rollout_corr_forward_counts", {}) or {}),
         "load_before": load_before, "load_after": os.getloadavg()[0], "train_wall_s": time.perf_counter() - t0,
         "torch_threads": torch.get_num_threads(),
+        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
     }
     (folder.parent / f"r{args.round}_{run.name}.json").write_text(json.dumps(result, indent=1))
 
@@ -541,6 +566,9 @@ def summarise(results: dict) -> dict:
             "wall": statistics.fmean(s["wall_s"] for r in mine for s in _timed_steps(r)), "parts": parts,
             "calls": calls, "forward_counts": mine[0].get("forward_counts", {}),
             "load": [r["load_before"] for r in mine],
+            "gc_collections": [statistics.fmean(s["calls"].get(f"gc generation {g}", 0) for s in with_parts)
+                               for g in range(3)] if with_parts else None,
+            "max_rss_mib": max((r["max_rss_mib"] for r in mine if r.get("max_rss_mib")), default=None),
         }
     ratios = []
     for num, den, target, label in TARGETS:
@@ -635,6 +663,12 @@ def render(results: dict, summary: dict) -> str:
                   "|---|" + "---|" * len(with_parts)]
         for p in PARTS:
             lines.append(f"| {p} | " + " | ".join(_f(per_run[n]["parts"].get(p), 3) for n in with_parts) + " |")
+        collections = {n: per_run[n]["gc_collections"] for n in with_parts}
+        lines.append("| gc collections per step (generation 0 / 1 / 2) | " + " | ".join(
+            "-" if collections[n] is None else " / ".join(f"{c:.1f}" for c in collections[n]) for n in with_parts)
+            + " |")
+        lines.append("| peak RSS of the run (MiB) | "
+                     + " | ".join(_f(per_run[n]["max_rss_mib"], 0) for n in with_parts) + " |")
         lines.append("| correction share of the step | " + " | ".join(
             f"{100 * per_run[n]['parts'].get('correction', 0.0) / per_run[n]['cpu']:.2f}%" for n in with_parts)
             + " |")
