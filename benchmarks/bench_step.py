@@ -13,7 +13,8 @@ Runs (each in a fresh process, one torch thread, float32 trainer):
   contract: top-p ``--top-p``, top-k off, temperature 1).
 * ``ours_records``: ``ours_decoupled`` with rollout records on (``rollout_dump_dir``).
 * ``ours_records_nowrite``: ``ours_records`` with the writer's ``add`` and ``end_window`` replaced by no-ops (the
-  feature's hooks still tag the rows and build nothing): separates the writer from the rest of records' cost.
+  feature's hooks still tag the rows and assemble each micro-batch; nothing is converted or written): separates the
+  writer from the rest of records' cost.
 * ``ours_decoupled_always``: ``ours_decoupled`` with ``rollout_corr_old_forward="always"`` (the extra pi_old forward
   kept); offered only where the config has that field.
 * ``ours_none``: ``RolloutCorrGRPOTrainer`` with no correction configured (the equality table compares it with
@@ -669,10 +670,8 @@ def render(results: dict, summary: dict) -> str:
                   "|---|" + "---|" * len(with_parts)]
         for p in PARTS:
             lines.append(f"| {p} | " + " | ".join(_f(per_run[n]["parts"].get(p), 3) for n in with_parts) + " |")
-        collections = {n: per_run[n]["gc_collections"] for n in with_parts}
         lines.append("| gc collections per step (generation 0 / 1 / 2) | " + " | ".join(
-            "-" if collections[n] is None else " / ".join(f"{c:.1f}" for c in collections[n]) for n in with_parts)
-            + " |")
+            " / ".join(f"{c:.1f}" for c in per_run[n]["gc_collections"]) for n in with_parts) + " |")
         lines.append("| peak RSS of the run (MiB) | "
                      + " | ".join(_f(per_run[n]["max_rss_mib"], 0) for n in with_parts) + " |")
         lines.append("| correction share of the step | " + " | ".join(
