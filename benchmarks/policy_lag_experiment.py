@@ -116,14 +116,18 @@ def reference_cell(name: str) -> str | None:
 WARMSTART = "warmstart"
 WARMSTART_FLAGS = ["--learning_rate", "3e-5", "--per_device_train_batch_size", "16", "--seed", "42"]
 CALIBRATION = [f"trl_k{k}_s{s}" for s in (1, 2, 3, 4) for k in (1, 8)]
-# The grid at the provisional interval k = 8 (to be replaced by the calibrated k and seed count once CALIBRATION is
-# read), in the issue's priority order (issue 23's RS arms after ``decoupled``, their float32 control after
+# The 4 seeds at k = 8 did not establish a lag effect on plain TRL (paired by seed -8.2, -0.2, -9.2, +12.7 points:
+# the seed spread is as large as any effect), so the calibration goes on at the largest lag the design allows: k = 32
+# = no sync in the 32 steps, every rollout from the shared checkpoint's weights (lags 0-31; issue 19's third option).
+CALIBRATION_MAX_LAG = [f"trl_k32_s{s}" for s in (1, 2, 3, 4)]
+# The grid at the provisional interval k = 8 (to be replaced by the calibrated k and seed count once the
+# calibration is read), in the issue's priority order (issue 23's RS arms after ``decoupled``, their float32 control after
 # ``trl_slow``), then the top-p comparison at k = 1.
 GRID = [*(f"{m}_k8_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)),
         *(f"{m}_k8_s1" for m in ("decoupled", "rs_engine", "rs_direct", "trl_is", "direct_gate", "trl_slow",
                                  "f32_rs_engine", "f32_rs_direct")), "tis_k1_s1",
         *(f"{m}_k1_s{s}" for s in (1, 2) for m in ("topp_trl_is", "topp_decoupled", "topp_recompute"))]
-ORDER = [WARMSTART, *CALIBRATION, *GRID]
+ORDER = [WARMSTART, *CALIBRATION, *CALIBRATION_MAX_LAG, *GRID]
 KEEP_FILES = ("eval.json", "results.json", "log.jsonl", "curve.jsonl", "cell_meta.json")
 
 

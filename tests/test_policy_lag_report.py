@@ -75,6 +75,7 @@ def test_issue23_methods_parse_and_carry_their_recipe_flags(exp, tmp_path):
 def test_order_keeps_the_existing_cells_and_places_the_issue23_cells(exp):
     new = ["rs_engine_k8_s1", "rs_direct_k8_s1", "f32_rs_engine_k8_s1", "f32_rs_direct_k8_s1"]
     before = ["warmstart", *(f"trl_k{k}_s{s}" for s in (1, 2, 3, 4) for k in (1, 8)),
+              *(f"trl_k32_s{s}" for s in (1, 2, 3, 4)),  # the max-lag calibration, right after the k = 8 one
               *(f"{m}_k8_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)),
               "decoupled_k8_s1", "trl_is_k8_s1", "direct_gate_k8_s1", "trl_slow_k8_s1", "tis_k1_s1",
               *(f"{m}_k1_s{s}" for s in (1, 2) for m in ("topp_trl_is", "topp_decoupled", "topp_recompute"))]
