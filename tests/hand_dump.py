@@ -97,3 +97,44 @@ def random_dump(path: Path, rows: int = 48, width: int = 24, noise: float = 0.1,
         metrics.update({"rollout_corr/policy_lag_mean": 0.0, "rollout_corr/policy_lag_max": 0.0})
     w.end_window(step + 1, metrics)
     return path
+
+
+# A stale decoupled step for RS on the engine factor (records 1.1 with version_log_probs): mu = -1 everywhere, the
+# engine factor e = log pi_train@v - log mu and the lag factor g = log pi_old - log pi_train@v per token. Rows 0 and
+# 1 are of the current version 2 (lag 0: pi_train@v = pi_old), row 2 of version 1 (lag 1, stale by 1 nat per token),
+# row 3 of version 0 (lag 2 > max_policy_lag 1: the trainer dropped it from the correction).
+LAG_ENGINE = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.0], [0.05, 0.15, 0.25], [2.0, 2.0, 2.0]])
+LAG_LAG = torch.tensor([[0.0] * 3, [0.0] * 3, [1.0] * 3, [3.0] * 3])
+LAG_MASK = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
+LAG_VERSIONS = torch.tensor([2, 2, 1, 0])
+
+
+def lag_dump(path: Path, trained: RolloutCorrectionConfig = TRAINED) -> Path:
+    """A decoupled dump (records 1.1) of one step at generation step 2 with the rows above and their
+    ``version_log_probs`` (policy_lag_split), ``max_policy_lag`` 1, trained with ``trained`` (default TRAINED; RS on
+    the engine factor gets pi_train@v as ``rs_log_probs``) on the rows within the bound and logged with the values
+    the trainer computes (the ``analyze`` check passes on it)."""
+    mu = torch.full((4, 3), -1.0)
+    version = mu + LAG_ENGINE
+    old = version + LAG_LAG
+    w = RolloutRecordWriter(path, eos_token_ids=[1], pad_token_id=0, max_completion_length=3)
+    w.write_run_metadata({
+        "schema": "trl-rollout-corr/rollout-records", "schema_version": "1.1",
+        "correction": {**trained.to_dict(), "mode": "decoupled", "length_buckets": [2, 3],
+                       "rollout_corr_preset": "decoupled_token_is" if trained == TRAINED else None},
+        "trainer": {"per_device_train_batch_size": 4, "steps_per_generation": 1, "max_policy_lag": 1,
+                    "policy_lag_split": True}, "model": {}, "engine": {},
+    })
+    kept_rows = (LAG_VERSIONS >= 1).long()
+    engine = trained.rs_enabled and trained.rollout_rs_on == "engine"
+    out = compute_rollout_correction(old, mu, LAG_MASK * kept_rows[:, None], trained, length_buckets=(2, 3),
+                                     rs_log_probs=version if engine else None)
+    w.add(MicroBatch(step=2, generation_step=2, generation_batch=0, prompt_ids=torch.full((4, 1), 2),
+                     prompt_mask=torch.ones(4, 1), completion_ids=torch.tensor([[5, 6, 1], [7, 1, 0], [5, 5, 1],
+                                                                                [6, 6, 1]]),
+                     completion_mask=LAG_MASK, rollout_log_probs=mu, advantages=torch.zeros(4),
+                     generation_row=torch.arange(4), policy_version=LAG_VERSIONS,
+                     per_token=dict(old_log_probs=old, log_probs=old, version_log_probs=version,
+                                    rollout_is_weights=out.weights, rollout_rs_mask=out.response_mask)))
+    w.end_window(3, dict(out.metrics))
+    return path

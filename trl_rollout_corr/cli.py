@@ -42,8 +42,9 @@ def run_analyze(args: argparse.Namespace) -> int:
     code."""
     if args.suggest:
         return run_suggest(args)
-    if args.keep is not None or args.quantile is not None or args.suggest_options:
-        raise UsageError("--keep, --quantile and --suggest-options belong to --suggest: add --suggest (e.g. "
+    if args.keep is not None or args.quantile is not None or args.suggest_options or args.suggest_engine:
+        raise UsageError("--keep, --quantile, --suggest-options and --suggest-engine belong to --suggest: add "
+                         "--suggest (e.g. "
                          "analyze DUMP --suggest --keep 0.99).")
     from .analyze import analyse_dump, check_tolerance, preset_config, yaml_config
     from .records import open_dump
@@ -144,8 +145,9 @@ def run_suggest(args: argparse.Namespace) -> int:
         require_matplotlib()
     check_outputs(out, (*SUGGEST_OUTPUTS, "suggest_configs"), args.overwrite)
     dump = open_dump(args.dump_dir)
-    suggestions = suggest(dump, keep=args.keep, quantile=args.quantile, options=options, steps=steps,
-                          length_buckets=buckets)
+    result = suggest(dump, keep=args.keep, quantile=args.quantile, options=options, steps=steps,
+                     length_buckets=buckets, engine=True if args.suggest_engine else None)
+    suggestions = result.direct
     by_keep = args.keep is not None
     how = (f"keeps {100 * args.keep:g}% of the valid tokens (token_*, is_token) or rows (seq_*, is_sequence)"
            if by_keep else f"sits at the {args.quantile:g} quantile of the statistic on the uses at policy lag 0")
@@ -154,15 +156,22 @@ def run_suggest(args: argparse.Namespace) -> int:
           "options: the TIS cap U, kept = untruncated (R <= U). RS suggestions keep the trained IS settings, IS "
           "suggestions its RS settings.")
     _print_suggestion_tables(suggestions)
+    if result.engine:
+        print("\nRS on the engine factor pi_train@v / mu (rollout_rs_on: engine; the records' version_log_probs): "
+              "each RS option's threshold by the same rule, over the same rows, re-applied with rollout_rs_on: "
+              "engine (IS still weights pi_old / mu):")
+        _print_suggestion_tables(result.engine)
+    elif result.engine_left_out:
+        print(f"\nRS on the engine factor (rollout_rs_on: engine): no suggestions: {result.engine_left_out}.")
     out.mkdir(parents=True, exist_ok=True)
     configs_dir = out / "suggest_configs"
     configs_dir.mkdir(exist_ok=True)
     print("\nYAML to paste into the recipe config (one option; also written to " + str(configs_dir) + "):")
-    for s in suggestions:
+    for s in result.all:
         text = yaml_text(s, by_keep)
-        (configs_dir / f"{s.option}.yaml").write_text(text)
+        (configs_dir / f"{s.name}.yaml").write_text(text)
         print(text)
-    (out / "suggest.json").write_text(json.dumps(report(suggestions), indent=2) + "\n")
+    (out / "suggest.json").write_text(json.dumps(report(result), indent=2) + "\n")
     written = [out / "suggest.json", configs_dir]
     if not args.no_plots and suggestions:
         meta = dump.metadata
@@ -171,7 +180,7 @@ def run_suggest(args: argparse.Namespace) -> int:
                     "rollout dtype": meta.get("engine", {}).get("rollout_dtype"),
                     "train dtype": meta.get("model", {}).get("dtype"), "dump": str(dump.path),
                     "rule": f"--keep {args.keep:g}" if by_keep else f"--quantile {args.quantile:g} (lag 0)"}
-        written.append(figure(suggestions, out, identity))
+        written.append(figure(suggestions, out, identity, result.engine))
     print("Wrote " + ", ".join(str(p) for p in written))
     return EXIT_OK
 
@@ -184,7 +193,7 @@ def _print_suggestion_tables(suggestions) -> None:
     rows = []
     for s in suggestions:
         row = summary_row_of(s)
-        rows.append([s.option, f"{s.threshold:.6g}", s.unit, _fmt(s.kept(), "%"), _fmt(row["kept_tokens"], "%"),
+        rows.append([s.name, f"{s.threshold:.6g}", s.unit, _fmt(s.kept(), "%"), _fmt(row["kept_tokens"], "%"),
                      _fmt(row["kept_rows"], "%"), _fmt(row["ess"], "f"), _fmt(row["kl"]), _fmt(row["kept_k3"]),
                      s.note])
     print(format_table(header, rows))
@@ -192,7 +201,7 @@ def _print_suggestion_tables(suggestions) -> None:
     lags = sorted({lag for s in suggestions for lag in s.analysis.by_lag})
     rows = []
     for s in suggestions:
-        cells = [s.option]
+        cells = [s.name]
         for lag in lags:
             part = s.analysis.by_lag.get(lag)
             r = summary_row_of(s, part) if part is not None else None
@@ -205,7 +214,7 @@ def _print_suggestion_tables(suggestions) -> None:
     rows = []
     for s in suggestions:
         by = {r["bucket"]: r for r in length_slices(s.analysis)}
-        rows.append([s.option, *(f"{_fmt(by[b]['kept_tokens'], '%')} / {_fmt(by[b]['ess'], 'f')} / "
+        rows.append([s.name, *(f"{_fmt(by[b]['kept_tokens'], '%')} / {_fmt(by[b]['ess'], 'f')} / "
                                  f"{_fmt(by[b]['kept_k3'])}" for b in buckets_seen)])
     print(format_table(["option", *buckets_seen], rows))
 
@@ -348,6 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the engine mismatch alone), e.g. 0.99")
     a.add_argument("--suggest-options", metavar="O1,O2,...",
                    help="--suggest: only these options (RS option names, is_token, is_sequence; default all)")
+    a.add_argument("--suggest-engine", action="store_true",
+                   help="--suggest: require the RS thresholds on the engine factor pi_train@v / mu (rollout_rs_on: "
+                        "engine), an error when the dump cannot give them (no version_log_probs: trained without "
+                        "policy_lag_split, or bypass rows); by default they are given when it can, else left out "
+                        "with the reason")
     a.set_defaults(func=run_analyze)
 
     from .probe import add_arguments
