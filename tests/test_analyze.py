@@ -187,7 +187,7 @@ def test_a_run_resumed_from_a_checkpoint_continues_its_dump(llama_dir, tmp_path,
     check, _, _ = analyse_dump(dump, [])
     assert check.ok and not check.skipped, check.failures[:5]
     assert sorted(p.name for p in (tmp_path / "dump" / "superseded" / "resume-at-00000002").iterdir()) == [
-        "logs.jsonl", "step-00000003.rank-00000.parquet", "step-00000004.rank-00000.parquet"]
+        "logs.jsonl", "resume.rank-00000.json", "step-00000003.rank-00000.parquet", "step-00000004.rank-00000.parquet"]
 
 
 def test_records_do_not_change_training_and_are_off_by_default(llama_dir, tmp_path, make_trainer):

@@ -306,8 +306,14 @@ def test_a_resumed_run_continues_the_dump(tmp_path):
     assert [(r["logged_step"], r["generation_batch"]) for r in rows] == [(1, 0), (1, 0), (2, 1), (2, 1), (3, 2),
                                                                          (3, 2), (4, 3), (4, 3)]
     aside = d / "superseded" / "resume-at-00000002"
-    assert sorted(p.name for p in aside.iterdir()) == ["logs.jsonl", "step-00000003.rank-00000.parquet",
+    assert sorted(p.name for p in aside.iterdir()) == ["logs.jsonl", "resume.rank-00000.json",
+                                                       "step-00000003.rank-00000.parquet",
                                                        "step-00000004.rank-00000.parquet"]
+    report = json.loads((aside / "resume.rank-00000.json").read_text())  # the moved rows, counted
+    assert (report["superseded_rows"], report["restored_rows"], report["restored_from"]) == (4, 0, None)
+    assert [(m["file"], m["rows"], m["rows_after_checkpoint"]) for m in report["moved"]] == [
+        ("superseded/resume-at-00000002/step-00000003.rank-00000.parquet", 2, 2),
+        ("superseded/resume-at-00000002/step-00000004.rank-00000.parquet", 2, 2)]
     assert [json.loads(line)["logged_step"] for line in (aside / "logs.jsonl").read_text().splitlines()] == [3, 4]
     assert json.loads((d / "logs.jsonl").read_text().splitlines()[2])["resumed_at_step"] == 2
     # another run's settings are refused, naming the field; so is another schema version
@@ -336,3 +342,87 @@ def test_dump_every_counts_on_across_a_resume(tmp_path):
         resumed.end_window(step + 1, {"rollout_corr/kl": 1.0})
     assert [(w.logged_step, w.dumped) for w in open_dump(d).windows] == [(1, True), (2, False), (3, True),
                                                                          (4, False)]
+
+
+def _logging_every_2(writer, steps, save_at=3, stop_after=None):
+    """Train ``steps`` (0-based learner steps at use, one 2-row micro-batch each) with logging_steps 2 and a checkpoint
+    after update ``save_at``; the run dies right after the checkpoint when ``stop_after == save_at``."""
+    for step in steps:
+        writer.add(_batch(step=step, generation_batch=step - steps[0]))
+        if (step + 1) % 2 == 0:
+            writer.end_window(step + 1, {"rollout_corr/kl": float(step)})
+        if step + 1 == save_at:
+            writer.save_open_window(save_at)
+        if stop_after is not None and step + 1 >= stop_after:
+            return
+
+
+@pytest.mark.parametrize("died", ["inside_the_window", "after_the_window"])
+def test_a_resume_inside_a_logging_window_keeps_the_steps_before_the_checkpoint(tmp_path, died):
+    """logging_steps 2, save_steps 3: checkpoint-3 falls inside the window of steps 3..4 (updates, 1-based). The
+    interrupted run dies right after the checkpoint (its update-3 rows only in the open-window file) or after update
+    5 (window 4 written). Resumed from checkpoint-3, the dump's rows equal the uninterrupted run's: window 4 holds
+    updates 3 (restored) and 4 (trained again); the interrupted run's window 4 is moved aside and counted."""
+    full = _writer(tmp_path / "full")
+    full.write_run_metadata(_metadata())
+    _logging_every_2(full, range(4))
+    d = tmp_path / "d"
+    first = _writer(d)
+    first.write_run_metadata(_metadata())
+    _logging_every_2(first, range(5), stop_after=3 if died == "inside_the_window" else 5)
+    open_window = d / "open-window" / "checkpoint-00000003.rank-00000.parquet"
+    if died == "inside_the_window":  # the buffered update-3 rows (step column 2) of the still open window 3..4
+        assert pq.read_table(open_window).column("step").to_pylist() == [2, 2]
+        assert sorted(p.name for p in (d / "steps").iterdir()) == ["step-00000002.rank-00000.parquet"]
+    else:  # removed once window 4 was written: its step file holds the rows
+        assert not open_window.exists()
+    resumed = _writer(d)
+    resumed.write_run_metadata(_metadata())
+    _logging_every_2(resumed, range(3, 4), save_at=None)
+    assert not open_window.exists()  # window 4 written: the copy removed
+    dump, expected = open_dump(d), open_dump(tmp_path / "full")
+    assert [(w.logged_step, w.first_step, w.logged_first_step) for w in dump.windows] == [(2, 1, 1), (4, 3, 4)]
+    assert [(w.logged_step, w.first_step) for w in expected.windows] == [(2, 1), (4, 3)]
+    rows = dump.read_table()
+    assert [(r["logged_step"], r["step"], r["generation_batch"], r["micro_step"]) for r in rows.to_pylist()] == [
+        (2, 0, 0, 0), (2, 0, 0, 0), (2, 1, 1, 1), (2, 1, 1, 1), (4, 2, 2, 2), (4, 2, 2, 2), (4, 3, 3, 3), (4, 3, 3, 3)]
+    assert rows.schema.equals(expected.read_table().schema)  # every column and value (repr: NaN == NaN here)
+    assert repr(rows.to_pylist()) == repr(expected.read_table().to_pylist())
+    aside = d / "superseded" / "resume-at-00000003"
+    report = json.loads((aside / "resume.rank-00000.json").read_text())
+    assert report["restored_rows"] == 2 and report["open_window_first_step"] == 3
+    if died == "inside_the_window":
+        assert report["restored_from"] == "open-window/checkpoint-00000003.rank-00000.parquet"
+        assert report["moved"] == [] and report["superseded_rows"] == 0
+    else:  # the interrupted run's window 4 (updates 3 and 4: 2 rows taken back, 2 of update 4 superseded)
+        assert report["restored_from"] == "superseded/resume-at-00000003/step-00000004.rank-00000.parquet"
+        assert report["moved"] == [{"file": report["restored_from"], "rows": 4, "rows_after_checkpoint": 2}]
+        assert report["superseded_rows"] == 2
+        assert pq.read_table(aside / "step-00000004.rank-00000.parquet").column("step").to_pylist() == [2, 2, 3, 3]
+        assert json.loads((aside / "logs.jsonl").read_text())["logged_step"] == 4
+    assert json.loads((d / "logs.jsonl").read_text().splitlines()[1])["resumed_at_step"] == 3
+
+
+def test_a_resume_inside_a_window_whose_rows_are_in_no_file_names_the_fix(tmp_path):
+    """The open window's rows lost (the interrupted run died between its checkpoint and the open-window file, or a
+    dump of a writer without them): refused at the resumed run's first step, naming the steps and the fix; a window
+    that rollout_dump_every does not keep needs no rows."""
+    d = tmp_path / "d"
+    first = _writer(d)
+    first.write_run_metadata(_metadata())
+    _logging_every_2(first, range(3), stop_after=3)
+    (d / "open-window" / "checkpoint-00000003.rank-00000.parquet").unlink()
+    resumed = _writer(d)
+    resumed.write_run_metadata(_metadata())
+    with pytest.raises(RecordsError, match=r"resuming at step 3, the rows rank 0 trained at steps 3\.\.3 .* are in "
+                                           r"no file of the dump.*save_steps a multiple of logging_steps"):
+        resumed.add(_batch(step=3))
+    skipped = _writer(tmp_path / "e", every=2)  # window 2 kept, window 4 (the open one) not: nothing saved
+    skipped.write_run_metadata(_metadata())
+    _logging_every_2(skipped, range(3), stop_after=3)
+    assert not (tmp_path / "e" / "open-window").exists()
+    again = _writer(tmp_path / "e", every=2)
+    again.write_run_metadata(_metadata())
+    _logging_every_2(again, range(3, 4), save_at=None)
+    assert [(w.logged_step, w.first_step, w.dumped) for w in open_dump(tmp_path / "e").windows] == [
+        (2, 1, True), (4, 3, False)]

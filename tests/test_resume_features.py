@@ -11,6 +11,8 @@ the same weights as the uninterrupted one (``docs/policy-lag.md``, "Resuming fro
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from stale_rollout import StaleRollout
@@ -233,5 +235,97 @@ def test_kpop_in_bypass_mode_resumes_exactly(llama_dir, tmp_path):
     logs = _assert_same_steps(first, resumed, [3, 4])
     assert any(log["rollout_corr/rollout_rs_masked_fraction"] > 0 for log in logs)
     dump = _assert_dump_continued(tmp_path, range(1, 5), 2)
+    check, _, _ = analyse_dump(dump, [])
+    assert check.ok and not check.skipped and not check.not_recomputed, check.failures[:5]
+
+
+# ---------------------------------------------------------------------------------------------- (d) windows
+class _CrashAt(Exception):
+    pass
+
+
+def _crash_after_saving(step):
+    """A ``TrainerCallback`` that kills training right after ``checkpoint-<step>`` was saved (and the records'
+    ``on_save`` ran: callbacks run in the order added), as a crash would: no closing log."""
+    from transformers import TrainerCallback
+
+    class CrashAfterSaving(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                raise _CrashAt(step)
+
+    return CrashAfterSaving()
+
+
+def _assert_same_rows(dump, expected):
+    """Every row of ``dump`` equals ``expected``'s, column by column (integers exactly, floats to REL/ABS), but the
+    generation wall-clock times."""
+    import pyarrow as pa
+
+    a, b = dump.read_table(), expected.read_table()
+    assert a.column_names == b.column_names and a.num_rows == b.num_rows
+    for name in a.column_names:
+        if name in ("generation_start_time", "generation_end_time"):
+            continue
+        kind = a.schema.field(name).type
+        if pa.types.is_floating(kind) or (pa.types.is_list(kind) and pa.types.is_floating(kind.value_type)):
+            assert _flat(a.column(name)) == pytest.approx(_flat(b.column(name)), rel=REL, abs=ABS, nan_ok=True), name
+        else:
+            assert a.column(name).to_pylist() == b.column(name).to_pylist(), name
+
+
+@pytest.mark.parametrize("died", ["right_after_the_checkpoint", "after_the_window"])
+def test_a_checkpoint_inside_a_logging_window_resumes_to_the_uninterrupted_records(llama_dir, tmp_path, died):
+    """logging_steps 2, save_steps 3, max_steps 4: checkpoint-3 falls inside the window of steps 3..4. The
+    interrupted run crashes right after saving it (step 3's rows only in ``open-window/``) or runs to the end (window
+    4 written). Resumed from checkpoint-3, the dump's windows and rows are the uninterrupted run's: window 4 holds the
+    rows of step 3 (taken back) and step 4 (trained again); its logged values are the resumed run's step 4 only
+    (``logged_first_step`` 4), and analyze reproduces them."""
+    import pyarrow.parquet as pq
+
+    from conftest import _make_trainer
+    from trl_rollout_corr.analyze import analyse_dump
+    from trl_rollout_corr.records import open_dump
+
+    def make(path):
+        return _make_trainer(llama_dir, path, max_steps=4, logging_steps=2, save_strategy="steps", save_steps=3,
+                             rollout_dump_dir=str(path / "dump"), rollout_corr_preset="decoupled_k3_rs_token_tis")
+
+    full = make(tmp_path / "full")
+    full.train()
+    part = tmp_path / ("part" if died == "right_after_the_checkpoint" else "full")
+    if died == "right_after_the_checkpoint":
+        crashed = make(part)
+        crashed.add_callback(_crash_after_saving(3))
+        with pytest.raises(_CrashAt):
+            crashed.train()
+        open_window = pq.read_table(part / "dump" / "open-window" / "checkpoint-00000003.rank-00000.parquet")
+        assert set(open_window.column("step").to_pylist()) == {2}  # update 3 (learner step 2 at use)
+        expected = open_dump(tmp_path / "full" / "dump")
+    else:  # the uninterrupted run is the interrupted one: its dump, copied before the resume moves window 4
+        import shutil
+
+        shutil.copytree(part / "dump", tmp_path / "expected")
+        expected = open_dump(tmp_path / "expected")
+    rows_per_step = expected.read_table().num_rows // 4
+    assert rows_per_step == 4 and [(w.logged_step, w.first_step) for w in expected.windows] == [(2, 1), (4, 3)]
+    resumed = make(part)
+    resumed.train(resume_from_checkpoint=str(part / "out" / "checkpoint-3"))
+    dump = open_dump(part / "dump")
+    assert [(w.logged_step, w.first_step, w.logged_first_step) for w in dump.windows] == [(2, 1, 1), (4, 3, 4)]
+    window_4 = dump.read_table(dump.windows[1:])
+    assert window_4.column("step").to_pylist() == [2] * rows_per_step + [3] * rows_per_step
+    _assert_same_rows(dump, expected)
+    assert not (part / "dump" / "open-window" / "checkpoint-00000003.rank-00000.parquet").exists()
+    logged = {h["step"]: h for h in resumed.state.log_history if "loss" in h}
+    assert dump.windows[1].metrics["rollout_corr/kl"] == logged[4]["rollout_corr/kl"]
+    report = json.loads((part / "dump" / "superseded" / "resume-at-00000003" / "resume.rank-00000.json").read_text())
+    assert report["restored_rows"] == rows_per_step
+    if died == "right_after_the_checkpoint":
+        assert report["superseded_rows"] == 0 and report["moved"] == []
+        assert report["restored_from"] == "open-window/checkpoint-00000003.rank-00000.parquet"
+    else:  # the interrupted run's window 4 moved aside whole; its step-4 rows superseded, its step-3 rows restored
+        assert report["superseded_rows"] == rows_per_step
+        assert report["restored_from"] == "superseded/resume-at-00000003/step-00000004.rank-00000.parquet"
     check, _, _ = analyse_dump(dump, [])
     assert check.ok and not check.skipped and not check.not_recomputed, check.failures[:5]

@@ -88,9 +88,15 @@ class Recomputer:
         """The logged step whose window holds the update that generated ``batch`` (``generation_step + 1``)."""
         update = self.generation_step[batch] + 1
         for w in self.dump.windows:
-            if w.contains(update):
+            if w.logged_values_cover(update):
                 return w.logged_step
         return None
+
+    def rows_logged_in(self, w) -> torch.Tensor:
+        """(N,) bool: the rows of window ``w`` its logged values count (a resumed run's first window holds rows of
+        steps before its checkpoint that it did not log: ``Window.logged_first_step``)."""
+        s = self.rows.scalar
+        return (s["logged_step"] == w.logged_step) & (s["step"] + 1 >= w.logged_first_step)
 
     def analyse(self, named: NamedConfig, length_buckets: Sequence[int]) -> Analysis:
         """Every window's metrics, the merged total and the lag slices for ``named``.
@@ -164,7 +170,7 @@ class Recomputer:
         if not self.rows.has("log_probs"):
             return
         for w in self.windows:
-            uses = (s["logged_step"] == w.logged_step).nonzero().flatten()
+            uses = self.rows_logged_in(w).nonzero().flatten()
             if not len(uses):
                 continue
             b = self.rows.batch(uses, policy="old_log_probs")
@@ -210,7 +216,7 @@ class Recomputer:
     def _bypass(self, fn, per_window: dict[int, Part], edges, config: RolloutCorrectionConfig) -> None:
         s = self.rows.scalar
         for w in self.windows:
-            in_window = s["logged_step"] == w.logged_step
+            in_window = self.rows_logged_in(w)
             for micro_step in torch.unique(s["micro_step"][in_window]).tolist():
                 index = (in_window & (s["micro_step"] == micro_step)).nonzero().flatten()
                 out, b, part = self._correct(fn, config, index, "log_probs", edges, keep=self.kept_at_use)
@@ -240,14 +246,13 @@ class Recomputer:
 
         if not self.rows.n:
             return
-        s = self.rows.scalar
         lags = self._row_lags()
         mask = self.rows.full("completion_mask", dtype=torch.int64)
         if self.rows.has("tool_mask"):
             mask = mask * self.rows.full("tool_mask", dtype=torch.int64, fill=1)
         tokens = (mask != 0).sum(1)
         for w in self.windows:
-            sel = s["logged_step"] == w.logged_step
+            sel = self.rows_logged_in(w)
             if not bool(sel.any()):
                 continue
             keep = None if self.kept_at_use is None else self.kept_at_use[sel]

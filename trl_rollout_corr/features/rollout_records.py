@@ -1,6 +1,8 @@
 """Rollout records (``rollout_dump_dir``; ``records/``, spec 10): the writer's lifecycle in the trainer.
 
-Four hooks, training only: ``__init__`` opens the writer and writes ``run.json`` once; ``on_batch`` tags each
+Four hooks and a callback, training only: ``__init__`` opens the writer, writes ``run.json`` once and adds a
+``TrainerCallback`` whose ``on_save`` hands each checkpoint to the writer (``save_open_window``: the rows of a window
+still open at the checkpoint, so a run resumed from it continues the window exactly); ``on_batch`` tags each
 generated row (row index, batch index, local rewards, generation times), which TRL's shuffle and split carry to the
 loss; ``after_loss`` hands each trained micro-batch (as TRL passed it: ``LossStep.original``) and its pi_theta
 (``LossStep.policy_log_probs``) to the writer; ``after_log`` closes the window of the logged step, after TRL's
@@ -83,6 +85,7 @@ class RolloutRecords(Feature):
             trainer={name: getattr(args, name, None) for name in RECORDED_TRAINER_FIELDS},
             rewards=dict(names=list(trainer.reward_func_names), weights=trainer.reward_weights.tolist()),
         ))
+        trainer.add_callback(_save_open_window_callback(self.writer))
 
     def on_batch(self, trainer, gen: GenerationBatch, batch: dict) -> None:
         """Per-row fields the records need that TRL does not carry to the loss: (B,) row index, 0-d batch index,
@@ -110,6 +113,18 @@ class RolloutRecords(Feature):
         """Close the logged step's window with TRL's logged values (training only)."""
         if trainer.metrics_mode == "train":
             self.writer.end_window(trainer.state.global_step, record)
+
+
+def _save_open_window_callback(writer: "RolloutRecordWriter"):
+    """A ``TrainerCallback`` whose ``on_save`` (every rank, after the Trainer wrote ``checkpoint-<global_step>``)
+    calls ``writer.save_open_window(global_step)``."""
+    from transformers import TrainerCallback
+
+    class SaveOpenWindow(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            writer.save_open_window(state.global_step)
+
+    return SaveOpenWindow()
 
 
 def micro_batch(step: int, inputs: dict, log_probs: Optional[torch.Tensor], *, trained: Optional[dict] = None,

@@ -30,10 +30,15 @@ Writing never overwrites: each Parquet file is written to a temporary name and r
 no half-written ``.parquet``), and an existing step file is an error. A folder that already holds ``run.json`` is
 continued by a run resumed from a checkpoint (first trained step k > 0) whose ``run.json`` content is the same
 (schema version, model, tokenizer, engine, sampling, correction, trainer settings but ``max_steps``, rewards, world
-size, ``rollout_dump_every``; the ``run_id`` stays): the windows logged after step k by the interrupted run (its
-steps after the checkpoint, trained again now) are moved to ``superseded/resume-at-<k>/`` (never deleted), so no
-step is in the dump twice, and the resumed run's generation batches are numbered after the kept ones. A run from
-step 0 into a folder with a dump, or a different run's settings, is refused.
+size, ``rollout_dump_every``; the ``run_id`` stays). Resuming: at every checkpoint inside a window each rank writes
+the rows it holds to ``open-window/checkpoint-<k>.rank-<r>.parquet`` (removed once the window is written); on
+resume at k the windows logged after k (the interrupted run's steps after the checkpoint, trained again now) are
+moved to ``superseded/resume-at-<k>/`` (never deleted; ``resume.rank-<r>.json`` counts the rows), the rows of the
+window open at k are taken back (from that open-window file, or the interrupted run's later file of the window), and
+window, micro-batch and generation batch numbers continue after the kept ones, so the dump is the uninterrupted
+run's and no step is in it twice; where those rows are in no file the resume is refused, naming the fix. A run from
+step 0 into a folder with a dump, or a different run's settings, is refused. ``docs/rollout-records.md``,
+"Resuming from a checkpoint".
 
 Reading validates everything (schema version, Parquet integrity, column types, per-token lengths) before
 any result is produced. Needs ``pyarrow`` (installed with ``datasets``: the ``trl`` extra).

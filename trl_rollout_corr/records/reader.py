@@ -49,6 +49,9 @@ class Window:
         files: its step files (one per rank that trained rows).
         writer: the main process's writer cost up to this step (``seconds``, ``cpu_seconds``, ``bytes``, ``rows``,
             cumulative), when recorded.
+        resumed_at_step: k for the first window of a run resumed from ``checkpoint-k`` (else None): its rows are
+            those of steps ``first_step..logged_step``, its logged values those of ``k + 1..logged_step`` only
+            (``logged_first_step``; the interrupted run logged nothing for the steps before k).
     """
 
     logged_step: int
@@ -57,10 +60,20 @@ class Window:
     dumped: bool
     files: tuple[Path, ...]
     writer: dict = field(default_factory=dict)
+    resumed_at_step: Optional[int] = None
 
     def contains(self, step_of_update: int) -> bool:
         """Whether the optimizer update number ``step_of_update`` (1-based) falls in this window."""
         return self.first_step <= step_of_update <= self.logged_step
+
+    @property
+    def logged_first_step(self) -> int:
+        """The first update (1-based) the logged values cover: ``first_step``, or ``resumed_at_step + 1``."""
+        return self.first_step if self.resumed_at_step is None else max(self.first_step, self.resumed_at_step + 1)
+
+    def logged_values_cover(self, step_of_update: int) -> bool:
+        """Whether the logged values of this window count the update ``step_of_update`` (1-based)."""
+        return self.logged_first_step <= step_of_update <= self.logged_step
 
 
 def _version_tuple(text: Any, where: Path) -> tuple[int, int]:
@@ -138,9 +151,10 @@ class RolloutDump:
                 try:
                     entry = json.loads(line)
                     step = int(entry["logged_step"])
+                    resumed = entry.get("resumed_at_step")
                     windows.append(Window(step, int(entry["first_step"]), dict(entry.get("metrics", {})),
                                           bool(entry.get("dumped", True)), tuple(files.pop(step, ())),
-                                          dict(entry.get("writer", {}))))
+                                          dict(entry.get("writer", {})), None if resumed is None else int(resumed)))
                 except (ValueError, KeyError, TypeError) as e:
                     raise RecordsError(f"{logs_file}:{lineno}: not a logs.jsonl line of a rollout dump ({e}). Restore "
                                        "the line from the run or delete it (that step is then not analysed).") from e

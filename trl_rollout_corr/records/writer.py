@@ -15,14 +15,16 @@ import torch
 
 from .metadata import _json_safe
 from .reader import _read_json
-from .routes import ROUTES_FIELD_META, pack_routes, routes_encoding
+from .routes import ROUTES_FIELD_META, pack_routes, routes_encoding, routes_layout
 from .schema import (
     _META_SCHEMA,
     _META_VERSION,
+    _OPEN_WINDOW_FILE,
     _STEP_FILE,
     COLUMNS,
     COLUMNS_BY_NAME,
     LOGS_FILE,
+    OPEN_WINDOW_DIR,
     PER_TOKEN_COLUMNS,
     RUN_FILE,
     SCHEMA_NAME,
@@ -245,31 +247,95 @@ class RolloutRecordWriter:
         self._continue_at(int(step))
 
     def _continue_at(self, k: int) -> None:
+        """Continue the dump at checkpoint ``k`` (the resumed run's first trained step; ``records`` docstring,
+        "Resuming"): the windows logged after ``k`` and this rank's step files and open-window files after ``k`` move
+        to ``superseded/resume-at-<k>/``; the rows of the window still open at ``k`` (steps ``previous + 1..k``,
+        trained before the checkpoint) are taken back into the buffer from the first file of the interrupted run
+        that holds them (``open-window/checkpoint-<k>``, else the later step or open-window file); the window, row
+        and micro-batch counts continue after the kept ones. What moved and what was taken back is counted in
+        ``resume.rank-<r>.json`` there.
+
+        Raises:
+            RecordsError: the open window's rows are in no file of the dump (module docstring, the fix named).
+        """
+        import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
         aside = self.dump_dir / "superseded" / f"resume-at-{k:08d}"
-        kept_batches = []
-        for p in sorted((self.dump_dir / STEPS_DIR).iterdir()):
-            match = _STEP_FILE.match(p.name)
-            if not match or int(match.group(2)) != self.rank:
-                continue
-            if int(match.group(1)) > k:  # trained again by this run: the interrupted run's rows move aside
-                aside.mkdir(parents=True, exist_ok=True)
-                os.replace(p, _free_name(aside / p.name))
-            else:
-                column = pq.read_table(p, columns=["generation_batch"]).column("generation_batch").to_pylist()
-                kept_batches.extend(int(b) for b in column if b is not None)
-        self._batch_offset = max(kept_batches, default=-1) + 1
         logs = self.dump_dir / LOGS_FILE
         lines = logs.read_text(encoding="utf-8").splitlines(keepends=True) if logs.is_file() else []
         keep, later = [], []
+        previous = 0  # the last logged step at or before k: the open window is previous + 1..
         for line in lines:
             try:
-                (keep if int(json.loads(line)["logged_step"]) <= k else later).append(line)
+                logged = int(json.loads(line)["logged_step"])
             except (ValueError, KeyError, TypeError):
                 keep.append(line)  # the reader names a bad line; it is not this writer's to drop
+                continue
+            if logged <= k:
+                keep.append(line)
+                previous = max(previous, logged)
+            else:
+                later.append(line)
         self._windows = sum(1 for line in keep if line.strip())
-        self._previous_logged_step = k
+        kept_files, later_files = _rank_files(self.dump_dir / STEPS_DIR, _STEP_FILE, self.rank, k)
+        open_files = _rank_files(self.dump_dir / OPEN_WINDOW_DIR, _OPEN_WINDOW_FILE, self.rank, k - 1)[1]
+        # the open window's rows (step column previous..k-1): the open-window file of checkpoint k, else the first
+        # later file (a step file of the window, or an open-window file of a later checkpoint in it)
+        exact = [path for step, path in open_files if step == k]
+        source = exact[0] if exact else min(later_files + open_files, default=(None, None))[1]
+        restored = None
+        if source is not None:
+            table = pq.read_table(source)
+            steps = table.column("step")
+            restored = table.filter(pc.and_(pc.greater_equal(steps, previous), pc.less(steps, k)))
+        window_kept = self._windows % self.every == 0
+        if (restored is None or not restored.num_rows) and window_kept and k > previous and (
+                kept_files or later_files or open_files):
+            raise RecordsError(
+                f"{self.dump_dir}: resuming at step {k}, the rows rank {self.rank} trained at steps "
+                f"{previous + 1}..{k} (before checkpoint-{k}, in a window not logged by then) are in no file of the "
+                f"dump (no {OPEN_WINDOW_DIR}/checkpoint-{k:08d}.rank-{self.rank:05d}.parquet, no later step file): "
+                "the interrupted run stopped before writing them. Resume from a checkpoint at a logged step "
+                "(save_steps a multiple of logging_steps), or continue into a new rollout_dump_dir."
+            )
+        kept_batches, kept_micro = [], []
+        for _, path in kept_files:
+            columns = pq.read_table(path, columns=["generation_batch", "micro_step"])
+            kept_batches.extend(columns.column("generation_batch").to_pylist())
+            kept_micro.extend(columns.column("micro_step").to_pylist())
+        report = {"resumed_at_step": k, "open_window_first_step": previous + 1, "restored_rows": 0,
+                  "restored_from": None, "superseded_rows": 0, "moved": []}
+        if restored is not None and restored.num_rows:
+            self._batches = restored.to_batches()
+            self._routes_layout = routes_layout(restored)
+            kept_batches.extend(restored.column("generation_batch").to_pylist())
+            kept_micro.extend(restored.column("micro_step").to_pylist())
+            report["restored_rows"] = restored.num_rows
+        self._batch_offset = max((b for b in kept_batches if b is not None), default=-1) + 1
+        self._micro_step = max((m for m in kept_micro if m is not None), default=-1) + 1
+        for folder, files in (("", later_files), (OPEN_WINDOW_DIR, [f for f in open_files if f[0] > k])):
+            for _, path in files:  # trained again by this run: the interrupted run's rows move aside
+                (aside / folder).mkdir(parents=True, exist_ok=True)
+                target = _free_name(aside / folder / path.name)
+                after = pq.read_table(path, columns=["step"]).column("step")
+                rows_after = int(pc.sum(pc.greater_equal(after, k)).as_py() or 0)
+                os.replace(path, target)
+                if path == source:
+                    source = target
+                report["moved"].append({"file": str(target.relative_to(self.dump_dir)), "rows": len(after),
+                                        "rows_after_checkpoint": rows_after})
+                if not folder:  # open-window files are copies of rows a step file holds or a run never logged
+                    report["superseded_rows"] += rows_after
+        if report["restored_rows"]:
+            report["restored_from"] = str(source.relative_to(self.dump_dir))
+        if report["moved"] or report["restored_rows"]:
+            aside.mkdir(parents=True, exist_ok=True)
+            _write_new(_free_name(aside / f"resume.rank-{self.rank:05d}.json"),
+                       (json.dumps(report, indent=2, sort_keys=True) + "\n").encode())
+        if report["restored_rows"] and not exact:  # the open window at k, as checkpoint k's file holds it
+            self._write_open_window(k)
+        self._previous_logged_step = previous
         self._resumed_at = k
         if self.is_main_process and later:
             aside.mkdir(parents=True, exist_ok=True)
@@ -277,6 +343,45 @@ class RolloutRecordWriter:
             tmp = logs.with_name(logs.name + f".tmp-{os.getpid()}")
             tmp.write_text("".join(keep), encoding="utf-8")
             os.replace(tmp, logs)
+
+    # ------------------------------------------------------------------ every checkpoint
+    def save_open_window(self, step: int) -> Optional[Path]:
+        """At checkpoint ``step`` (the Trainer saved ``checkpoint-<step>``; called on every rank): write this rank's
+        rows buffered since the last logged step (a window still open: ``save_steps`` not a multiple of
+        ``logging_steps``) to ``open-window/checkpoint-<step>.rank-<r>.parquet``, so a run resumed from that
+        checkpoint continues the window with them; this rank's older open-window files (subsets of it) are removed.
+        Nothing is written with nothing buffered or for a window ``rollout_dump_every`` does not keep. The file is a
+        copy: ``end_window`` removes it once the window's step file is written.
+
+        Returns:
+            The path written, or None.
+        """
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            if not self._batches or self._windows % self.every != 0:
+                return None
+            return self._write_open_window(int(step))
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.cpu_seconds += time.process_time() - c0
+
+    def _write_open_window(self, step: int) -> Path:
+        import pyarrow.parquet as pq
+
+        folder = self.dump_dir / OPEN_WINDOW_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"checkpoint-{step:08d}.rank-{self.rank:05d}.parquet"
+        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+        pq.write_table(self._table(-1), tmp, compression="zstd")
+        os.replace(tmp, path)  # a copy of buffered rows, not records: the latest checkpoint at step wins
+        self._remove_open_windows(before=step)
+        return path
+
+    def _remove_open_windows(self, before: int) -> None:
+        """Remove this rank's open-window files of checkpoints before step ``before`` (copies of rows now in a
+        newer open-window file or in a step file, or of a window not kept)."""
+        for step, path in _rank_files(self.dump_dir / OPEN_WINDOW_DIR, _OPEN_WINDOW_FILE, self.rank, before - 1)[0]:
+            path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ every micro-batch
     def add(self, batch: MicroBatch) -> None:
@@ -389,6 +494,7 @@ class RolloutRecordWriter:
             self._windows += 1
             path = self._write_rows(int(logged_step)) if keep else None
             self._batches = []
+            self._remove_open_windows(before=int(logged_step))  # their rows are in the step file now (or not kept)
             if self.is_main_process:
                 line = {"logged_step": int(logged_step), "first_step": self._previous_logged_step + 1,
                         "dumped": keep, "metrics": _json_safe(_numeric(logs)),
@@ -405,12 +511,9 @@ class RolloutRecordWriter:
             self.seconds += time.perf_counter() - t0
             self.cpu_seconds += time.process_time() - c0
 
-    def _write_rows(self, logged_step: int) -> Optional[Path]:
-        if not self._batches:
-            return None
+    def _table(self, logged_step: int):
+        """The buffered rows as one Arrow table, ``logged_step`` set, with the schema and routes metadata."""
         pa = _pa()
-        import pyarrow.parquet as pq
-
         table = pa.Table.from_batches(_unify(self._batches))
         table = table.set_column(table.schema.get_field_index("logged_step"), "logged_step",
                                  pa.array([logged_step] * table.num_rows, pa.int64()))
@@ -418,8 +521,15 @@ class RolloutRecordWriter:
             i = table.schema.get_field_index("routes_packed")
             table = table.set_column(i, table.schema.field(i).with_metadata(
                 {ROUTES_FIELD_META: json.dumps(self._routes_layout, sort_keys=True).encode()}), table.column(i))
-        table = table.replace_schema_metadata({_META_SCHEMA: SCHEMA_NAME.encode(),
-                                               _META_VERSION: SCHEMA_VERSION.encode()})
+        return table.replace_schema_metadata({_META_SCHEMA: SCHEMA_NAME.encode(),
+                                              _META_VERSION: SCHEMA_VERSION.encode()})
+
+    def _write_rows(self, logged_step: int) -> Optional[Path]:
+        if not self._batches:
+            return None
+        import pyarrow.parquet as pq
+
+        table = self._table(logged_step)
         path = self.dump_dir / STEPS_DIR / f"step-{logged_step:08d}.rank-{self.rank:05d}.parquet"
         if path.exists():
             raise RecordsError(f"{path} already exists; records are never overwritten (a second run into the same "
@@ -430,6 +540,17 @@ class RolloutRecordWriter:
         self.bytes_written += path.stat().st_size
         self.rows_written += table.num_rows
         return path
+
+
+def _rank_files(folder: Path, pattern, rank: int, k: int) -> tuple[list, list]:
+    """``rank``'s files in ``folder`` whose names match ``pattern`` (step number, rank), as sorted (step, path) lists:
+    those at or before step ``k`` and those after it."""
+    at_or_before, after = [], []
+    for p in sorted(folder.iterdir()) if folder.is_dir() else ():
+        match = pattern.match(p.name)
+        if match and int(match.group(2)) == rank:
+            (at_or_before if int(match.group(1)) <= k else after).append((int(match.group(1)), p))
+    return at_or_before, after
 
 
 def _column_order(columns: Mapping[str, Any]) -> list[str]:
