@@ -162,7 +162,8 @@ class RolloutRecordWriter:
     Raises:
         RecordsError: a step file would be overwritten; ``dump_dir`` already holds a dump (``run.json``) of other
             settings (``write_run_metadata``), or of which this run is no continuation (its first trained step is
-            0: ``add``). See the ``records`` docstring, "Writing never overwrites".
+            0: ``add``); a resume inside a logging window whose rows before the checkpoint are in no file of the
+            dump (``add``). See the ``records`` docstring, "Writing never overwrites" and "Resuming".
     """
 
     def __init__(self, dump_dir: os.PathLike | str, *, rank: int = 0, world_size: int = 1,
@@ -388,7 +389,8 @@ class RolloutRecordWriter:
         """Buffer one trained micro-batch until the next ``end_window``; copies its rows to the host.
 
         Raises:
-            RecordsError: a per-token column does not have the completions' (B, T) shape, or an unknown column.
+            RecordsError: a per-token column does not have the completions' (B, T) shape, or an unknown column; at a
+                resumed run's first step, the open window's rows are in no file of the dump (``_continue_at``).
         """
         self._begin(int(batch.step))
         t0, c0 = time.perf_counter(), time.process_time()
