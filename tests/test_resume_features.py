@@ -55,9 +55,10 @@ def _train_and_resume(tmp_path, make, checkpoint):
     return first, resumed
 
 
-def _assert_same_steps(first, resumed, steps):
+def _assert_same_steps(first, resumed, steps, generated=None):
     """The resumed run's log records of ``steps`` equal the uninterrupted run's: the same keys, and loss, grad norm
-    and every rollout_corr/* value to REL/ABS. Returns the uninterrupted run's records of those steps."""
+    and every rollout_corr/* value to REL/ABS (the generation-time ones at the steps in ``generated``, default all,
+    that generated). Returns the uninterrupted run's records of those steps."""
     full = {h["step"]: h for h in first.state.log_history if "loss" in h}
     again = {h["step"]: h for h in resumed.state.log_history[-len(steps) - 1:] if "loss" in h}  # and train_runtime
     assert sorted(again) == list(steps) and resumed.state.global_step == steps[-1]
@@ -65,7 +66,10 @@ def _assert_same_steps(first, resumed, steps):
         a, b = full[step], again[step]
         keys = sorted(k for k in a if k.startswith("rollout_corr/"))
         assert keys == sorted(k for k in b if k.startswith("rollout_corr/")), step
-        assert "rollout_corr/policy_lag_mean" in keys and "rollout_corr/num_valid_tokens" in keys
+        if generated is None or step in generated:
+            assert "rollout_corr/policy_lag_mean" in keys and "rollout_corr/num_valid_tokens" in keys
+        else:  # a second iteration: no generation, no correction call; the ratios of its loss forward
+            assert "rollout_corr/num_valid_tokens" not in keys and "rollout_corr/update_ratio_max" in keys
         for key in ("loss", "grad_norm", *keys):
             assert b[key] == pytest.approx(a[key], rel=REL, abs=ABS), (step, key)
     return [full[s] for s in steps]
@@ -327,5 +331,54 @@ def test_a_checkpoint_inside_a_logging_window_resumes_to_the_uninterrupted_recor
     else:  # the interrupted run's window 4 moved aside whole; its step-4 rows superseded, its step-3 rows restored
         assert report["superseded_rows"] == rows_per_step
         assert report["restored_from"] == "superseded/resume-at-00000003/step-00000004.rank-00000.parquet"
+    check, _, _ = analyse_dump(dump, [])
+    assert check.ok and not check.skipped and not check.not_recomputed, check.failures[:5]
+
+
+# ---------------------------------------------------------------------------------------------- (e) num_iterations
+def test_two_iterations_with_the_pi_old_elision_resume_exactly_at_a_generation_and_regenerate_inside_one(
+        llama_dir, tmp_path):
+    """``num_iterations=2`` with pi_old read from the first iteration's loss forward (the elision; TRL trains each
+    generation batch at two optimizer steps). Resumed at checkpoint-2 (a generation boundary), steps 3 and 4 are the
+    uninterrupted run's and so is the dump. Resumed at checkpoint-3 (between a batch's two iterations), TRL keeps no
+    generation batch in the checkpoint (``_buffered_inputs`` is None) and generates a new one at step 4: its rows are
+    a new generation batch (generation_step 3, not the uninterrupted run's second use of batch 1), trained at its
+    first iteration, where the elided pi_old makes the update ratio exactly 1; analyze reproduces both dumps."""
+    from conftest import _make_trainer
+    from trl_rollout_corr.analyze import analyse_dump
+    from trl_rollout_corr.records import open_dump
+
+    def make(path, save_steps):
+        return _make_trainer(llama_dir, path, max_steps=4, save_strategy="steps", save_steps=save_steps,
+                             num_iterations=2, rollout_dump_dir=str(path / "dump"),
+                             rollout_corr_preset="decoupled_k3_rs_token_tis")
+
+    first, resumed = _train_and_resume(tmp_path, lambda: make(tmp_path, 2), 2)
+    assert resumed.rollout_corr_old_forward_plan.from_loss  # the elision is on
+    logs = _assert_same_steps(first, resumed, [3, 4], generated=[3])
+    assert [log["rollout_corr/update_ratio_max"] == 1.0 for log in logs] == [True, False]  # iterations 1, 2
+    dump = _assert_dump_continued(tmp_path, range(1, 5), 2)
+    rows = dump.read_table()
+    assert sorted(set(zip(rows.column("step").to_pylist(), rows.column("generation_batch").to_pylist(),
+                          rows.column("generation_step").to_pylist()))) == [(0, 0, 0), (1, 0, 0), (2, 1, 2),
+                                                                             (3, 1, 2)]
+    check, _, _ = analyse_dump(dump, [])
+    assert check.ok and not check.skipped and not check.not_recomputed, check.failures[:5]
+
+    inside = tmp_path / "inside"
+    full = make(inside, 3)
+    full.train()
+    again = make(inside, 3)
+    again.train(resume_from_checkpoint=str(inside / "out" / "checkpoint-3"))
+    assert again.state.global_step == 4
+    step_4 = {h["step"]: h for h in again.state.log_history if "loss" in h}[4]
+    assert step_4["rollout_corr/update_ratio_max"] == 1.0  # a first iteration: pi_theta / pi_old(elided) = 1
+    assert {h["step"]: h for h in full.state.log_history if "loss" in h}[4]["rollout_corr/update_ratio_max"] != 1.0
+    dump = open_dump(inside / "dump")
+    rows = dump.read_table(dump.windows[3:])
+    assert set(zip(rows.column("step").to_pylist(), rows.column("generation_batch").to_pylist(),
+                   rows.column("generation_step").to_pylist())) == {(3, 2, 3)}  # new batch 2, generated at step 4
+    old = open_dump(inside / "dump").read_table(dump.windows[:3])
+    assert sorted(set(old.column("generation_batch").to_pylist())) == [0, 1]
     check, _, _ = analyse_dump(dump, [])
     assert check.ok and not check.skipped and not check.not_recomputed, check.failures[:5]
