@@ -121,8 +121,8 @@ CALIBRATION = [f"trl_k{k}_s{s}" for s in (1, 2, 3, 4) for k in (1, 8)]
 # = no sync in the 32 steps, every rollout from the shared checkpoint's weights (lags 0-31; issue 19's third option).
 CALIBRATION_MAX_LAG = [f"trl_k32_s{s}" for s in (1, 2, 3, 4)]
 # The grid at the provisional interval k = 8 (to be replaced by the calibrated k and seed count once the
-# calibration is read), in the issue's priority order (issue 23's RS arms after ``decoupled``, their float32 control after
-# ``trl_slow``), then the top-p comparison at k = 1.
+# calibration is read), in the issue's priority order (issue 23's RS arms after ``decoupled``, their float32
+# control after ``trl_slow``), then the top-p comparison at k = 1.
 GRID = [*(f"{m}_k8_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)),
         *(f"{m}_k8_s1" for m in ("decoupled", "rs_engine", "rs_direct", "trl_is", "direct_gate", "trl_slow",
                                  "f32_rs_engine", "f32_rs_direct")), "tis_k1_s1",
@@ -512,28 +512,36 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
 
 
 def seed_table(cells: dict) -> list[str]:
-    """Each (method, k) arm over its seeds: mean and standard deviation of the final accuracy, and the difference
-    of arm means with its reference arm (``reference_cell``'s rule; standard error over seeds, Welch)."""
-    arms: dict[tuple[str, int], list[float]] = {}
+    """Each (method, k) arm over its seeds: mean and standard deviation of the final accuracy, the difference of arm
+    means with its reference arm (``reference_cell``'s rule; standard error over seeds, Welch), and the same
+    difference paired by seed (the mean of the same-seed differences, s.e. = their s.d. / sqrt(seeds in both))."""
+    arms: dict[tuple[str, int], dict[int, float]] = {}
     for name, s in cells.items():
         if name != WARMSTART and s.get("after"):
-            method, k, _ = parse_cell(name)
-            arms.setdefault((method, k), []).append(s["after"]["accuracy"])
+            method, k, seed = parse_cell(name)
+            arms.setdefault((method, k), {})[seed] = s["after"]["accuracy"]
     if not arms:
         return []
-    out = ["| arm | seeds | final accuracy mean ± sd | minus its reference arm (s.e. over seeds) |",
-           "|---|---|---|---|"]
-    for (method, k), accs in sorted(arms.items()):
+    out = ["| arm | seeds | final accuracy mean ± sd | minus its reference arm (s.e. over seeds) "
+           "| paired by seed: mean ± s.e. (seeds) |", "|---|---|---|---|---|"]
+    for (method, k), by_seed in sorted(arms.items()):
+        accs = list(by_seed.values())
         sd = statistics.stdev(accs) if len(accs) > 1 else float("nan")
         # the reference arm, as reference_cell: trl (topp_trl_is) at the same k; trl at k = 1 for trl at k > 1
         ref_arm = (method, 1) if method == reference(method) else (reference(method), k)
         ref = arms.get(ref_arm) if ref_arm != (method, k) else None
-        diff = "—"
+        diff = paired_diff = "—"
         if ref and len(ref) > 1 and len(accs) > 1:
-            se = math.sqrt(statistics.variance(accs) / len(accs) + statistics.variance(ref) / len(ref))
-            diff = (f"{100 * (statistics.fmean(accs) - statistics.fmean(ref)):+.1f} ± {100 * se:.1f} pts "
+            se = math.sqrt(statistics.variance(accs) / len(accs) + statistics.variance(list(ref.values())) / len(ref))
+            diff = (f"{100 * (statistics.fmean(accs) - statistics.fmean(ref.values())):+.1f} ± {100 * se:.1f} pts "
                     f"(vs {ref_arm[0]}_k{ref_arm[1]})")
-        out.append(f"| {method}_k{k} | {len(accs)} | {100 * statistics.fmean(accs):.1f} ± {100 * sd:.1f} % | {diff} |")
+        both = [by_seed[s] - ref[s] for s in sorted(by_seed) if ref and s in ref]
+        if len(both) > 1:
+            sd_both = statistics.stdev(both)
+            paired_diff = (f"{100 * statistics.fmean(both):+.1f} ± {100 * sd_both / math.sqrt(len(both)):.1f} pts "
+                           f"({len(both)}; sd {100 * sd_both:.1f})")
+        out.append(f"| {method}_k{k} | {len(accs)} | {100 * statistics.fmean(accs):.1f} ± {100 * sd:.1f} % | {diff} "
+                   f"| {paired_diff} |")
     return out
 
 

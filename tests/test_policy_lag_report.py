@@ -130,3 +130,16 @@ def test_issue23_table_by_hand(exp, tmp_path):
     # the main table's trained column reads the engine-factor RS metric too (mean over steps: 0.9, 1.0, 0.8)
     main = next(x for x in rows if x.startswith("| rs_engine_k8_s1 | 3 |"))
     assert "| 0.900 |" in main
+
+
+def test_seed_table_pairs_arms_by_seed(exp):
+    # trl_k1 seeds 1-3: 0.40, 0.50, 0.30; trl_k8 seeds 1, 2, 4: 0.30, 0.52, 0.9 (seed 4 has no on-policy partner)
+    acc = {"trl_k1_s1": 0.40, "trl_k1_s2": 0.50, "trl_k1_s3": 0.30, "trl_k8_s1": 0.30, "trl_k8_s2": 0.52,
+           "trl_k8_s4": 0.90}
+    rows = exp.seed_table({n: {"after": {"accuracy": a}} for n, a in acc.items()})
+    k8 = next(r for r in rows if r.startswith("| trl_k8 |"))
+    # unpaired: means 0.5733 - 0.40 = +17.3 pts; s.e. sqrt(var(k8)/3 + var(k1)/3) = sqrt(0.09213/3 + 0.01/3) = 0.1845
+    assert "+17.3 ± 18.5 pts (vs trl_k1)" in k8
+    # paired by seed (seeds 1, 2 only): differences -0.10, +0.02 -> mean -4.0 pts, sd 0.0849, s.e. 0.06
+    assert k8.endswith("| -4.0 ± 6.0 pts (2; sd 8.5) |")
+    assert next(r for r in rows if r.startswith("| trl_k1 |")).endswith("| — | — |")
