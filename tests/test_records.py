@@ -426,3 +426,31 @@ def test_a_resume_inside_a_window_whose_rows_are_in_no_file_names_the_fix(tmp_pa
     _logging_every_2(again, range(3, 4), save_at=None)
     assert [(w.logged_step, w.first_step, w.dumped) for w in open_dump(tmp_path / "e").windows] == [
         (2, 1, True), (4, 3, False)]
+
+
+def test_a_resume_moves_the_open_window_of_a_later_checkpoint_aside_and_counts_its_rows(tmp_path):
+    """The interrupted run went on to checkpoint-9 (inside window 9..10) and died: resumed from checkpoint-3, its
+    windows 4, 6, 8 and its open-window file of checkpoint 9 move aside; the superseded rows are those of updates 4..9
+    (2 rows each), the open-window file's counted once (no step file holds them)."""
+    d = tmp_path / "d"
+    first = _writer(d)
+    first.write_run_metadata(_metadata())
+    for step in range(9):
+        first.add(_batch(step=step, generation_batch=step))
+        if (step + 1) % 2 == 0:
+            first.end_window(step + 1, {"rollout_corr/kl": 0.0})
+        if (step + 1) % 3 == 0:
+            first.save_open_window(step + 1)
+    assert sorted(p.name for p in (d / "open-window").iterdir()) == ["checkpoint-00000009.rank-00000.parquet"]
+    resumed = _writer(d)
+    resumed.write_run_metadata(_metadata())
+    resumed.add(_batch(step=3, generation_batch=0))
+    report = json.loads((d / "superseded" / "resume-at-00000003" / "resume.rank-00000.json").read_text())
+    assert [(m["file"].split("/", 2)[2], m["rows"], m["rows_after_checkpoint"]) for m in report["moved"]] == [
+        ("step-00000004.rank-00000.parquet", 4, 2), ("step-00000006.rank-00000.parquet", 4, 4),
+        ("step-00000008.rank-00000.parquet", 4, 4), ("open-window/checkpoint-00000009.rank-00000.parquet", 2, 2)]
+    assert (report["restored_rows"], report["superseded_rows"]) == (2, 12)  # update 3 back; updates 4..9 aside
+    assert report["restored_from"] == "superseded/resume-at-00000003/step-00000004.rank-00000.parquet"
+    # the open window as checkpoint-3 held it, written again (a second crash before window 4 keeps it)
+    assert pq.read_table(d / "open-window" / "checkpoint-00000003.rank-00000.parquet").column("step").to_pylist() == [
+        2, 2]

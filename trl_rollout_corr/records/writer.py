@@ -315,8 +315,9 @@ class RolloutRecordWriter:
             report["restored_rows"] = restored.num_rows
         self._batch_offset = max((b for b in kept_batches if b is not None), default=-1) + 1
         self._micro_step = max((m for m in kept_micro if m is not None), default=-1) + 1
+        last_written = max((step for step, _ in later_files), default=0)
         for folder, files in (("", later_files), (OPEN_WINDOW_DIR, [f for f in open_files if f[0] > k])):
-            for _, path in files:  # trained again by this run: the interrupted run's rows move aside
+            for step, path in files:  # trained again by this run: the interrupted run's rows move aside
                 (aside / folder).mkdir(parents=True, exist_ok=True)
                 target = _free_name(aside / folder / path.name)
                 after = pq.read_table(path, columns=["step"]).column("step")
@@ -326,7 +327,7 @@ class RolloutRecordWriter:
                     source = target
                 report["moved"].append({"file": str(target.relative_to(self.dump_dir)), "rows": len(after),
                                         "rows_after_checkpoint": rows_after})
-                if not folder:  # open-window files are copies of rows a step file holds or a run never logged
+                if not folder or step > last_written:  # an open-window file of a window no step file holds
                     report["superseded_rows"] += rows_after
         if report["restored_rows"]:
             report["restored_from"] = str(source.relative_to(self.dump_dir))
