@@ -454,3 +454,40 @@ def test_a_resume_moves_the_open_window_of_a_later_checkpoint_aside_and_counts_i
     # the open window as checkpoint-3 held it, written again (a second crash before window 4 keeps it)
     assert pq.read_table(d / "open-window" / "checkpoint-00000003.rank-00000.parquet").column("step").to_pylist() == [
         2, 2]
+
+
+@pytest.mark.parametrize("bypass", [False, True])
+def test_analyze_and_suggest_count_the_restored_rows_of_a_resumed_window(tmp_path, bypass):
+    """The resumed dump of ``test_a_resume_inside_a_logging_window_keeps_the_steps_before_the_checkpoint`` holds the
+    uninterrupted run's 8 rows (4 steps x 2 rows, 3 valid tokens each: row 1's mu is NaN at one token), so analyze's
+    total and ``--suggest``'s population are the uninterrupted dump's: 24 tokens, 8 rows, equal to the sum over the
+    lag slices. Only the check against the logged values leaves update 3 out of window 4 (its logged values cover
+    update 4 only): per step, 12 and 6 tokens. Failed before: the total left the restored rows out (18 tokens, 6 rows,
+    while by lag counted 24) and bypass --suggest read its threshold off 24 tokens but re-applied it to 18."""
+    from trl_rollout_corr.analyze import NamedConfig, Recomputer, summary_row
+    from trl_rollout_corr.suggest import suggest
+
+    metadata = _metadata(bypass_mode=bypass, rollout_is="token", rollout_is_threshold=2.0)
+    full = _writer(tmp_path / "full")
+    full.write_run_metadata(metadata)
+    _logging_every_2(full, range(4))
+    d = tmp_path / "d"
+    first = _writer(d)
+    first.write_run_metadata(metadata)
+    _logging_every_2(first, range(5), stop_after=3)
+    resumed = _writer(d)
+    resumed.write_run_metadata(metadata)
+    _logging_every_2(resumed, range(3, 4), save_at=None)
+    expected = None
+    for path in (tmp_path / "full", d):
+        dump = open_dump(path)
+        analysis = Recomputer(dump).analyse(NamedConfig("trained", dump.correction_config()), dump.length_buckets)
+        total = summary_row(analysis.total)
+        assert (total["valid_tokens"], total["valid_rows"]) == (24, 8), path.name
+        assert sum(summary_row(p)["valid_tokens"] for p in analysis.by_lag.values()) == 24
+        per_step = [summary_row(analysis.per_window[w.logged_step])["valid_tokens"] for w in analysis.windows]
+        assert per_step == ([12, 12] if path.name == "full" else [12, 6]), path.name
+        expected = expected or analysis.total.metrics()  # every total value: the uninterrupted dump's
+        assert analysis.total.metrics() == pytest.approx(expected, abs=1e-7), path.name
+        (s,) = suggest(dump, keep=1.0, options=["token_k2"]).direct
+        assert s.population == 24 and summary_row(s.analysis.total)["valid_tokens"] == 24, path.name

@@ -147,11 +147,11 @@ def _policy_column(recomputer: Recomputer, dump: RolloutDump) -> tuple[str, bool
 
 
 def _groups(recomputer: Recomputer, bypass: bool) -> list[torch.Tensor]:
-    """Row indices of each correction call ``Recomputer.analyse`` makes (the same shapes, so the same floats)."""
-    analysed = {w.logged_step for w in recomputer.windows}
+    """Row indices of each correction call ``Recomputer.analyse`` makes (the same shapes, so the same floats; a
+    resumed window's rows before its checkpoint included, as in its total)."""
     if not bypass:
         return [index for batch, index in recomputer.generations.items()
-                if recomputer.window_of_generation(batch) in analysed]
+                if recomputer.window_holding_generation(batch) is not None]
     s = recomputer.rows.scalar
     groups = []
     for w in recomputer.windows:

@@ -92,6 +92,13 @@ class Recomputer:
                 return w.logged_step
         return None
 
+    def window_holding_generation(self, batch: int) -> Optional[int]:
+        """The logged step of the analysed window whose steps hold the update that generated ``batch`` (``contains``:
+        also the steps of a resumed run's first window before its checkpoint, which its logged values do not
+        cover), or None."""
+        update = self.generation_step[batch] + 1
+        return next((w.logged_step for w in self.windows if w.contains(update)), None)
+
     def rows_logged_in(self, w) -> torch.Tensor:
         """(N,) bool: the rows of window ``w`` its logged values count (a resumed run's first window holds rows of
         steps before its checkpoint that it did not log: ``Window.logged_first_step``)."""
@@ -101,20 +108,27 @@ class Recomputer:
     def analyse(self, named: NamedConfig, length_buckets: Sequence[int]) -> Analysis:
         """Every window's metrics, the merged total and the lag slices for ``named``.
 
+        ``per_window`` holds what each window's logged values count (``rows_logged_in``); the total and the lag slices
+        hold every analysed row, also those of a resumed run's first window before its checkpoint (``restored``
+        below: rows of the uninterrupted run that no logged value counts), so a resumed dump analyses as the
+        uninterrupted one.
+
         Raises:
             ConfigError: the dump lacks the log-probs the config's mode needs (``check_config_fits``).
         """
         check_config_fits(self.rows, named, self.dump)
         fn = make_correction_fn(named.config, length_buckets=tuple(length_buckets))
         per_window = {w.logged_step: Part() for w in self.windows}
+        restored = Part()  # resumed windows' rows before the checkpoint: in the total, in no window's logged values
         if named.config.bypass_mode:
-            self._bypass(fn, per_window, length_buckets, named.config)
+            self._bypass(fn, per_window, restored, length_buckets, named.config)
         else:
-            self._decoupled(fn, per_window, length_buckets, named.config)
-        self._lags(per_window)
+            self._decoupled(fn, per_window, restored, length_buckets, named.config)
+        self._lags(per_window, restored)
         total = Part()
         for w in self.windows:
             total.merge(per_window[w.logged_step])
+        total.merge(restored)
         by_lag = self._by_lag(fn, named.config, length_buckets)
         return Analysis(named, self.windows, per_window, total, by_lag, tuple(length_buckets))
 
@@ -152,7 +166,8 @@ class Recomputer:
                             (sizes == 1).sum().double(), miss[tokens].sum().double()])
         return SupportStats(sums, [sizes])
 
-    def _decoupled(self, fn, per_window: dict[int, Part], edges, config: RolloutCorrectionConfig) -> None:
+    def _decoupled(self, fn, per_window: dict[int, Part], restored: Part, edges,
+                   config: RolloutCorrectionConfig) -> None:
         kept_of_row: dict[int, torch.Tensor] = {}  # row index of the first use -> that row's kept mask
         for batch, index in self.generations.items():
             out, b, part = self._correct(fn, config, index, "old_log_probs", edges, keep=self.kept_at_generation)
@@ -164,15 +179,14 @@ class Recomputer:
             window = self.window_of_generation(batch)
             if window in per_window:
                 per_window[window].merge(part)
+            elif self.window_holding_generation(batch) is not None:
+                restored.merge(part)
         s = self.rows.scalar
         first = {(int(s["generation_batch"][i]), int(s["rank"][i]), int(s["generation_row"][i])): i
                  for batch, index in self.generations.items() for i in index.tolist()}
         if not self.rows.has("log_probs"):
             return
-        for w in self.windows:
-            uses = self.rows_logged_in(w).nonzero().flatten()
-            if not len(uses):
-                continue
+        for part, uses in self._uses(per_window, restored):
             b = self.rows.batch(uses, policy="old_log_probs")
             keep = torch.zeros_like(b["mask"])
             for k, i in enumerate(uses.tolist()):
@@ -189,7 +203,6 @@ class Recomputer:
                 ratios = {"engine": (b["version"] - b["rollout"].float())[valid],
                           "lag": (b["old"].float() - b["version"])[valid], "update": d.update[valid],
                           "direct": d.direct[valid]}
-            part = per_window[w.logged_step]
             for name, values in ratios.items():
                 part.log_ratios.setdefault(name, []).append(values.double())
 
@@ -213,17 +226,28 @@ class Recomputer:
         lone = lone_survivors(rejected, has_tokens, num_generations)
         part.fractions["rs_lone_survivor_fraction"] = [int(lone.sum()), int(has_tokens.sum())]
 
-    def _bypass(self, fn, per_window: dict[int, Part], edges, config: RolloutCorrectionConfig) -> None:
+    def _uses(self, per_window: dict[int, Part], restored: Part):
+        """(Part, (n,) row indices) of each analysed window: the rows its logged values count into its ``per_window``
+        part, then its rows before a resume's checkpoint (if any) into ``restored``."""
         s = self.rows.scalar
         for w in self.windows:
-            in_window = self.rows_logged_in(w)
-            for micro_step in torch.unique(s["micro_step"][in_window]).tolist():
-                index = (in_window & (s["micro_step"] == micro_step)).nonzero().flatten()
+            logged = self.rows_logged_in(w)
+            before = (s["logged_step"] == w.logged_step) & ~logged
+            for part, sel in ((per_window[w.logged_step], logged), (restored, before)):
+                if bool(sel.any()):
+                    yield part, sel.nonzero().flatten()
+
+    def _bypass(self, fn, per_window: dict[int, Part], restored: Part, edges,
+                config: RolloutCorrectionConfig) -> None:
+        s = self.rows.scalar
+        for target, uses in self._uses(per_window, restored):
+            for micro_step in torch.unique(s["micro_step"][uses]).tolist():
+                index = uses[s["micro_step"][uses] == micro_step]
                 out, b, part = self._correct(fn, config, index, "log_probs", edges, keep=self.kept_at_use)
                 direct = b["log_probs"].float() - b["rollout"].float()
                 keep = (out.response_mask != 0) & torch.isfinite(direct)
                 part.log_ratios["direct"] = [direct[keep].double()]
-                per_window[w.logged_step].merge(part)
+                target.merge(part)
 
     def _row_lags(self) -> torch.Tensor:
         """(N,) lag of every row in optimizer steps: ``step - policy_version`` (``generation_step`` for rows without
@@ -239,7 +263,7 @@ class Recomputer:
         return torch.tensor([g if v is None else v for v, g in zip(column, s["generation_step"].tolist())],
                             dtype=torch.int64)
 
-    def _lags(self, per_window: dict[int, Part]) -> None:
+    def _lags(self, per_window: dict[int, Part], restored: Part) -> None:
         """``policy_lag_*``: every trained row of the window (all ranks), as the trainer's ``lag.lag_counts`` over
         its loss tokens."""
         from ..lag import lag_counts
@@ -251,12 +275,8 @@ class Recomputer:
         if self.rows.has("tool_mask"):
             mask = mask * self.rows.full("tool_mask", dtype=torch.int64, fill=1)
         tokens = (mask != 0).sum(1)
-        for w in self.windows:
-            sel = self.rows_logged_in(w)
-            if not bool(sel.any()):
-                continue
+        for part, sel in self._uses(per_window, restored):
             keep = None if self.kept_at_use is None else self.kept_at_use[sel]
-            part = per_window[w.logged_step]
             for name, (num, den) in lag_counts(lags[sel], tokens[sel], keep).items():
                 counts = part.lag_counts.setdefault(name, [0, 0])
                 counts[0] += int(num)
