@@ -382,3 +382,56 @@ def test_two_iterations_with_the_pi_old_elision_resume_exactly_at_a_generation_a
     assert sorted(set(old.column("generation_batch").to_pylist())) == [0, 1]
     check, _, _ = analyse_dump(dump, [])
     assert check.ok and not check.skipped and not check.not_recomputed, check.failures[:5]
+
+
+def test_two_crashes_inside_one_logging_window_with_save_total_limit_resume_to_the_uninterrupted_records(
+        llama_dir, tmp_path):
+    """logging_steps 4, save_steps 1, save_total_limit 1, max_steps 4: the run crashes right after checkpoint-2, its
+    resumption right after checkpoint-3 (checkpoint-2 rotated away), and a second resumption from checkpoint-3
+    finishes. The one window 1..4 holds every step once, row for row the uninterrupted run's; its logged values are
+    the last run's (step 4 only: ``logged_first_step`` 4), which analyze reproduces, and its total counts all 4 steps.
+    Each resume's report counts what it took back: 2 steps from checkpoint-2's file, then 3 from checkpoint-3's."""
+    from conftest import _make_trainer
+    from trl_rollout_corr.analyze import NamedConfig, Recomputer, analyse_dump, summary_row
+    from trl_rollout_corr.records import open_dump
+
+    def make(path):
+        return _make_trainer(llama_dir, path, max_steps=4, logging_steps=4, save_strategy="steps", save_steps=1,
+                             save_total_limit=1, rollout_dump_dir=str(path / "dump"),
+                             rollout_corr_preset="decoupled_k3_rs_token_tis")
+
+    full = make(tmp_path / "full")
+    full.train()
+    expected = open_dump(tmp_path / "full" / "dump")
+    part = tmp_path / "part"
+    crashed = make(part)
+    crashed.add_callback(_crash_after_saving(2))
+    with pytest.raises(_CrashAt):
+        crashed.train()
+    again = make(part)
+    again.add_callback(_crash_after_saving(3))
+    with pytest.raises(_CrashAt):
+        again.train(resume_from_checkpoint=str(part / "out" / "checkpoint-2"))
+    assert sorted(p.name for p in (part / "out").iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-3"]
+    assert sorted(p.name for p in (part / "dump" / "open-window").iterdir()) == [
+        "checkpoint-00000003.rank-00000.parquet"]
+    resumed = make(part)
+    resumed.train(resume_from_checkpoint=True)  # the latest: checkpoint-3
+    dump = open_dump(part / "dump")
+    assert [(w.logged_step, w.first_step, w.logged_first_step) for w in dump.windows] == [(4, 1, 4)]
+    _assert_same_rows(dump, expected)
+    assert not list((part / "dump" / "open-window").iterdir())
+    rows_per_step = expected.read_table().num_rows // 4
+    reports = [json.loads((part / "dump" / "superseded" / f"resume-at-0000000{k}" / "resume.rank-00000.json")
+                          .read_text()) for k in (2, 3)]
+    assert [(r["restored_rows"], r["superseded_rows"], r["restored_from"]) for r in reports] == [
+        (2 * rows_per_step, 0, "open-window/checkpoint-00000002.rank-00000.parquet"),
+        (3 * rows_per_step, 0, "open-window/checkpoint-00000003.rank-00000.parquet")]
+    logged = {h["step"]: h for h in resumed.state.log_history if "loss" in h}
+    assert dump.windows[0].metrics["rollout_corr/kl"] == logged[4]["rollout_corr/kl"]
+    check, _, _ = analyse_dump(dump, [])
+    assert check.ok and not check.skipped and not check.not_recomputed, check.failures[:5]
+    named = NamedConfig("trained", dump.correction_config())
+    totals = [summary_row(Recomputer(d).analyse(named, d.length_buckets).total) for d in (dump, expected)]
+    assert totals[0]["valid_rows"] == 4 * rows_per_step
+    assert totals[0] == pytest.approx(totals[1], rel=REL, abs=ABS)
