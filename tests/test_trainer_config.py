@@ -132,6 +132,16 @@ def test_trainer_config_inherits_the_flat_correction_fields(tmp_path, make_args)
         assert {k: getattr(again, k) for k in CORRECTION_FIELDS} == {k: getattr(args, k) for k in CORRECTION_FIELDS}
 
 
+def test_rollout_dump_every_without_rollout_dump_dir_is_refused(tmp_path, make_args):
+    """rollout_dump_every thins the records; without rollout_dump_dir none are written, so the setting would be
+    silently ignored: refused, naming both fixes (accepted before)."""
+    with pytest.raises(ValueError, match=r"rollout_dump_every=5 .* rollout_dump_dir is unset .* set rollout_dump_dir, "
+                                         r"or unset rollout_dump_every"):
+        make_args(tmp_path, rollout_corr_preset="decoupled_token_is", rollout_dump_every=5)
+    assert make_args(tmp_path, rollout_dump_every=5, rollout_dump_dir=str(tmp_path / "d")).rollout_dump_every == 5
+    assert make_args(tmp_path).rollout_dump_every == 1  # the default, without a dump
+
+
 def test_rollout_generate_dtype_is_validated(tmp_path, make_args):
     assert make_args(tmp_path, rollout_generate_dtype="bfloat16").rollout_generate_dtype == "bfloat16"
     with pytest.raises(ValueError, match="rollout_generate_dtype must be one of"):

@@ -83,7 +83,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             that already holds a dump is refused.
         rollout_dump_every (`int`, defaults to `1`):
             Keep the rows of one logged window in N (every window's logged values are still written): bounds the
-            size of a long run's dump.
+            size of a long run's dump. Needs ``rollout_dump_dir`` (a value other than 1 without it is refused).
         rollout_corr_compact_scoring (`bool`, defaults to `True`):
             Score only the trained (completion, non-padding) positions through the LM head in every log-prob
             forward (pi_old, pi_theta, pi_ref) on CPU, as TRL already does on Triton devices
@@ -264,6 +264,10 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         self._check_routing_replay()
         if not isinstance(self.rollout_dump_every, int) or self.rollout_dump_every < 1:
             _refuse(f"rollout_dump_every must be an integer >= 1, got {self.rollout_dump_every!r}.")
+        if self.rollout_dump_every != 1 and self.rollout_dump_dir is None:
+            _refuse(f"rollout_dump_every={self.rollout_dump_every} keeps one logged window in N of the rollout "
+                    "records, but rollout_dump_dir is unset (no records are written), so it would be ignored: set "
+                    "rollout_dump_dir, or unset rollout_dump_every.")
         self._check_policy_lag(correction)
         if correction.enabled:
             self._check_compatibility(correction)
