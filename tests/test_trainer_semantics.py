@@ -54,6 +54,41 @@ def test_bypass_sequence_is_with_batch_norm_trains_the_same_for_any_micro_batchi
     assert windows == {(1, 4): 2, (4, 1): 0}  # one no-grad scoring of the step's rows per step, only when needed
 
 
+def test_bypass_batch_norm_over_a_step_of_a_buffered_generation(llama_dir, tmp_path, make_trainer, step_logs):
+    """steps_per_generation 8 x accumulation 4 (micro-batch 2): each generation feeds two optimizer steps, the second
+    one from TRL's buffer at lag 1, where W is not 1. The no-grad scoring at a step's first micro-batch must take
+    that step's 4 micro-batches of the buffer (micro-steps 4..7 at the second), so the weights each step applies
+    average to exactly 1 over its 8 rows, and the logged factor is the one applied (it is logged from the loss
+    calls' statistics, so a factor scored over the wrong rows would not show in the logs or in analyze)."""
+    trainer = make_trainer(llama_dir, tmp_path / "o", rollout_corr_preset="bypass_pg_is", rollout_is="sequence",
+                           rollout_is_batch_normalize=True, steps_per_generation=8, gradient_accumulation_steps=4,
+                           per_device_train_batch_size=2, num_generations=4, max_steps=4, learning_rate=1e-2,
+                           loss_type="grpo")
+    calls, totals = [], []
+    correction_fn = trainer.rollout_corr_mode.correction_fn
+
+    def spy(log_probs, rollout_log_probs, mask, all_reduce=None):
+        out = correction_fn(log_probs, rollout_log_probs, mask, all_reduce=all_reduce)
+        if log_probs.size(0) == 2:  # a loss micro-batch
+            calls.append(out.weights[:, 0].tolist())  # sequence IS: one weight per row
+            totals.append(all_reduce(None))  # the step's (sum, count) the window scored
+        return out
+
+    trainer.rollout_corr_mode.correction_fn = spy
+    trainer.train()
+    logs = step_logs(trainer)
+    assert trainer.rollout_corr_forward_counts["batch_norm_window"] == 4
+    for step, log in enumerate(logs):
+        weights = [w for call in calls[4 * step: 4 * step + 4] for w in call]
+        assert len(weights) == 8 and sum(weights) / 8 == pytest.approx(1.0, abs=1e-5), step
+        total = totals[4 * step]
+        assert float(total[0] / total[1]) == pytest.approx(log["rollout_corr/rollout_is_batch_norm_factor"],
+                                                            rel=1e-6), step
+    factors = [log["rollout_corr/rollout_is_batch_norm_factor"] for log in logs]
+    assert factors[0] == pytest.approx(1.0, abs=1e-5) and factors[2] == pytest.approx(1.0, abs=1e-5)  # lag 0
+    assert max(abs(factors[1] - 1.0), abs(factors[3] - 1.0)) > 1e-2  # lag 1: the normalisation acts
+
+
 def test_batch_norm_combinations_that_cannot_be_exact_are_refused(tmp_path, make_args):
     # decoupled: weights are normalised once per generation batch, which here spans two optimizer steps
     with pytest.raises(ValueError, match="rollout_is_batch_normalize=True in decoupled mode .* steps_per_generation"):
