@@ -393,7 +393,8 @@ class PartTimers:
 
         original = correction.ratio_decomposition
         timed = self.wrap(original, "metrics")
-        for module in [m for k, m in sys.modules.items() if k.startswith("trl_rollout_corr") and m is not None]:
+        # a snapshot: another thread may import while this runs (one run failed with "dictionary changed size")
+        for module in [m for k, m in list(sys.modules.items()) if k.startswith("trl_rollout_corr") and m is not None]:
             if getattr(module, "ratio_decomposition", None) is original:
                 module.ratio_decomposition = timed
         for name in ("add", "end_window"):
