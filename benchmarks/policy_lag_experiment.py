@@ -468,8 +468,10 @@ tokens left after RS, IcePop zeroing and the lag filter. Generated from the comm
 
 
 def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03) -> str:
-    cells = {c.name: summarize(c) for c in sorted(results_root.iterdir()) if (c / "eval.json").exists()} \
-        if results_root.exists() else {}
+    found = [c for c in results_root.iterdir() if (c / "eval.json").exists()] if results_root.exists() else []
+    # numeric order (trl_k8 before trl_k32); the warm start, not a <method>_k<k> name, last as before
+    found.sort(key=lambda c: (1, c.name, 0, 0) if c.name == WARMSTART else (0, *parse_cell(c.name)))
+    cells = {c.name: summarize(c) for c in found}
     lines = [BEGIN, "", "### Policy lag: stale vLLM CPU rollouts, with and without correction "
              "(`benchmarks/policy_lag_experiment.py`)", "",
              INTRO.format(flags=" ".join(WARMSTART_FLAGS)), "",
