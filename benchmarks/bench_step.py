@@ -47,9 +47,10 @@ runs that train the same way by construction (``ours_decoupled``, ``ours_records
 |difference| and whether it is within 1e-6.
 
 ``results.json`` in ``--out`` is rewritten after every run (a stopped benchmark keeps what finished); ``--resume``
-skips the (round, run) pairs already there (a benchmark can be run in chunks: ``--rounds 1``, then
-``--rounds 2 --resume``; the runs listed are the union over the chunks). ``--write-results PATH`` replaces this
-script's section of a RESULTS.md (``results_md.replace_section``); ``--report-only`` re-renders from ``results.json``.
+skips the (round, run) pairs that finished there and runs the failed ones again (a benchmark can be run in chunks:
+``--rounds 1``, then ``--rounds 2 --resume``; the runs listed are the union over the chunks). ``--write-results PATH``
+replaces this script's section of a RESULTS.md (``results_md.replace_section``); ``--report-only`` re-renders from
+``results.json``.
 
     .venv/bin/python benchmarks/bench_step.py --model tiny --rounds 1        # quick check (about a minute)
     .venv/bin/python benchmarks/bench_step.py --lock /tmp/cpu.lock --rounds 2 --steps 3 \\
@@ -797,7 +798,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         done = _subprocess(args, ["--sample"], out / "sample.log")
         if done.returncode:
             raise SystemExit(f"sampling failed (rc {done.returncode}): {_tail(out / 'sample.log')}")
-    have = {(r["round"], r["run"]) for r in results["runs"]}
+    have = {(r["round"], r["run"]) for r in results["runs"] if "error" not in r}  # a failed pair runs again
     failures = 0
     for rnd in range(args.rounds):
         order = runs[rnd % len(runs):] + runs[:rnd % len(runs)]
