@@ -171,7 +171,7 @@ def test_nothing_is_overwritten(tmp_path):
     run_json = (tmp_path / "d" / "run.json").read_bytes()
     again = _writer(tmp_path / "d")  # a second run into the folder: refused at its first step, 0 (not a resume)
     again.write_run_metadata(_metadata())
-    with pytest.raises(RecordsError, match="already holds a rollout dump.*starts at step 0.*Choose another"):
+    with pytest.raises(RecordsError, match="holds a rollout dump.*step 0.*resume_from_checkpoint=True.*choose"):
         again.add(_batch())
     other_rank = _writer(tmp_path / "d", is_main_process=False)  # another rank of the same run: no check
     other_rank.add(_batch())

@@ -241,7 +241,9 @@ class RolloutRecordWriter:
             if self._existing:
                 raise RecordsError(
                     f"{self.dump_dir} already holds a rollout dump ({RUN_FILE}) and this run starts at step 0; "
-                    "records are never overwritten (only a run resumed from a checkpoint continues a dump). Choose "
+                    "records are never overwritten (only a run resumed from a checkpoint continues a dump). To "
+                    "continue that run after a crash, resume it (trainer.train(resume_from_checkpoint=True), or the "
+                    "recipe's --resume_from_checkpoint <output_dir>/checkpoint-<step>); to start a new run, choose "
                     "another rollout_dump_dir, or move the old dump away."
                 )
             return
