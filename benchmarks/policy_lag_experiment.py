@@ -542,7 +542,8 @@ def seed_table(cells: dict) -> list[str]:
             sd_both = statistics.stdev(both)
             paired_diff = (f"{100 * statistics.fmean(both):+.1f} ± {100 * sd_both / math.sqrt(len(both)):.1f} pts "
                            f"({len(both)}; sd {100 * sd_both:.1f})")
-        out.append(f"| {method}_k{k} | {len(accs)} | {100 * statistics.fmean(accs):.1f} ± {100 * sd:.1f} % | {diff} "
+        spread = f" ± {100 * sd:.1f}" if len(accs) > 1 else " (one seed: no sd)"
+        out.append(f"| {method}_k{k} | {len(accs)} | {100 * statistics.fmean(accs):.1f}{spread} % | {diff} "
                    f"| {paired_diff} |")
     return out
 

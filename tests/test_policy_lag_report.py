@@ -143,3 +143,5 @@ def test_seed_table_pairs_arms_by_seed(exp):
     # paired by seed (seeds 1, 2 only): differences -0.10, +0.02 -> mean -4.0 pts, sd 0.0849, s.e. 0.06
     assert k8.endswith("| -4.0 ± 6.0 pts (2; sd 8.5) |")
     assert next(r for r in rows if r.startswith("| trl_k1 |")).endswith("| — | — |")
+    one = exp.seed_table({"trl_k32_s1": {"after": {"accuracy": 0.166}}})
+    assert one[-1] == "| trl_k32 | 1 | 16.6 (one seed: no sd) % | — | — |"
