@@ -44,8 +44,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         return run_suggest(args)
     if args.keep is not None or args.quantile is not None or args.suggest_options or args.suggest_engine:
         raise UsageError("--keep, --quantile, --suggest-options and --suggest-engine belong to --suggest: add "
-                         "--suggest (e.g. "
-                         "analyze DUMP --suggest --keep 0.99).")
+                         "--suggest (e.g. analyze DUMP --suggest --keep 0.99).")
     from .analyze import analyse_dump, check_tolerance, preset_config, yaml_config
     from .records import open_dump
 

@@ -52,6 +52,11 @@ from .records import RolloutDump
 
 IS_OPTIONS = ("is_token", "is_sequence")  # TIS caps (rollout_is = token / sequence)
 ENGINE_SUFFIX = "_engine"  # the name (YAML file, table, JSON) of an RS option's suggestion on the engine factor
+
+
+def _name(option: str, rs_on: str) -> str:
+    """``option``, or ``option + ENGINE_SUFFIX`` when the RS option judges the engine factor."""
+    return option + (ENGINE_SUFFIX if rs_on == "engine" else "")
 SUGGEST_OUTPUTS = ("suggest.json", "suggest_kept_vs_threshold.png")
 _NEEDS = Needs(x_range=False, k2_tokens=True, k3_tokens=True, k1_row_sum=True, k2_row_sum=True, binary_kl_tokens=True)
 
@@ -108,7 +113,7 @@ class Suggestion:
     @property
     def name(self) -> str:
         """The option, or ``OPTION_engine`` for a threshold on the engine factor (file name, table row)."""
-        return self.option + (ENGINE_SUFFIX if self.rs_on == "engine" else "")
+        return _name(self.option, self.rs_on)
 
     @property
     def yaml(self) -> dict[str, Any]:
@@ -382,8 +387,7 @@ def suggest(dump: RolloutDump, *, keep: Optional[float] = None, quantile: Option
                               "has none in the analysed steps: use --keep, or widen --steps.")
         threshold, note = pick_threshold(values, float(target), st.log_space)
         config = _config_for(st.option, threshold, trained, bypass, st.rs_on)
-        label = st.option + (ENGINE_SUFFIX if st.rs_on == "engine" else "")
-        analysis = recomputer.analyse(NamedConfig(f"suggest {label}", config), edges)
+        analysis = recomputer.analyse(NamedConfig(f"suggest {_name(st.option, st.rs_on)}", config), edges)
         return Suggestion(st.option, st.unit, float(target), int(values.numel()), threshold, config, analysis, note,
                           st, st.rs_on)
 
