@@ -248,6 +248,25 @@ def test_transformers_contract_neutral_values_and_errors():
         spec.report("sometimes")
 
 
+def test_matches_trl_scoring_only_without_any_processor_beyond_the_trainer_temperature():
+    """Support matching is a no-op (the trainer warns once) exactly when the sampler applies nothing TRL's head does
+    not: no truncation, no penalty, the trainer's temperature."""
+    neutral = {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    assert S.sampler_from_generation_config(neutral, trainer_temperature=0.7).matches_trl_scoring
+    assert S.sampler_from_vllm_params({"temperature": 0.7, "top_k": -1, "top_p": 1.0, "min_p": 0.0},
+                                      trainer_temperature=0.7).matches_trl_scoring
+    changed = [
+        (dict(neutral, top_p=0.9), 0.7),                 # truncation
+        (dict(neutral, top_k=20), 0.7),
+        (dict(neutral, repetition_penalty=1.1), 0.7),    # nothing truncated, but a penalty matching reproduces
+        (dict(neutral, no_repeat_ngram_size=2), 0.7),    # a set processor replay covers
+        (neutral, 1.0),                                  # the engine's temperature is not the trainer's
+    ]
+    for config, trainer_temperature in changed:
+        spec = S.sampler_from_generation_config(config, trainer_temperature=trainer_temperature)
+        assert not spec.matches_trl_scoring, config
+
+
 def test_vllm_contract_order_and_unknown_fields():
     params = {"n": 1, "temperature": 0.8, "top_p": 0.9, "top_k": 50, "min_p": 0.1, "repetition_penalty": 1.2,
               "presence_penalty": 0.5, "frequency_penalty": 0.0, "max_tokens": 32, "logprobs": 0,

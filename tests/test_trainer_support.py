@@ -70,14 +70,32 @@ def test_engine_ratio_at_kept_mass_without_matching_and_one_with_it(sampler, mat
         assert metrics[f"eval_{SUPPORT}size_p50"] == 20.0 and metrics[f"eval_{SUPPORT}size_mean"] == 20.0
 
 
-def test_no_truncation_scores_exactly_as_trls_fused_head(llama_dir, tmp_path, make_trainer):
+def test_no_truncation_scores_exactly_as_trls_fused_head(llama_dir, tmp_path, make_trainer, caplog):
     """Pins the LM-head semantics the support computation reproduces (TRL's add_fused_lm_head: last hidden state
-    times the head, divided by the temperature): with nothing truncated, matched = TRL's log-probs."""
-    trainer = make_trainer(llama_dir, tmp_path, rollout_support_matching="recompute", temperature=0.7)
+    times the head, divided by the temperature): with nothing truncated, matched = TRL's log-probs. Accepted (this
+    test needs it), with one start-up warning that the matching changes nothing and naming the fix."""
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer"):
+        trainer = make_trainer(llama_dir, tmp_path, rollout_support_matching="recompute", temperature=0.7)
+    noop = [r.getMessage() for r in caplog.records if "changes nothing here" in r.getMessage()]
+    assert len(noop) == 1 and "\n" not in noop[0]
+    assert noop[0].startswith("rollout_support_matching='recompute' changes nothing here: the engine truncates "
+                              "nothing")
+    assert "Set rollout_support_matching='off', or set the top_p / top_k / min_p" in noop[0]
     out, full, _ = _generation_batch(trainer)
     valid = out["completion_mask"].bool()
     torch.testing.assert_close(out["old_per_token_logps"][valid], full[valid], atol=2e-6, rtol=0)
     assert trainer.rollout_sampler.steps[0].name == "temperature" and not trainer.rollout_sampler.truncates
+
+
+@pytest.mark.parametrize("sampler", [dict(top_p=0.8), dict(repetition_penalty=1.1)], ids=str)
+def test_matching_that_changes_the_log_probs_gives_no_noop_warning(sampler, llama_dir, tmp_path, make_trainer,
+                                                                   caplog):
+    """The valid neighbours of the no-op warning: a truncation, or a penalty without truncation (matching applies it
+    to the trainer's logits), start without it."""
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer"):
+        trainer = make_trainer(llama_dir, tmp_path, rollout_support_matching="recompute", **sampler)
+    assert trainer.rollout_sampler.steps and not trainer.rollout_sampler.matches_trl_scoring
+    assert "changes nothing here" not in caplog.text
 
 
 def test_startup_report_names_parameters_and_their_sources(tmp_path, make_trainer, caplog):

@@ -82,6 +82,12 @@ class SupportMatching(Feature):
         if matching == "off":
             return
         check_deliverable(trainer, spec, matching)
+        if spec.matches_trl_scoring:
+            logger.warning(
+                "rollout_support_matching=%r changes nothing here: the engine truncates nothing and applies nothing "
+                "that TRL's log-probs do not (%s), so the support-scored log-probs equal TRL's and only cost the "
+                "support scorer in every policy forward. Set rollout_support_matching='off', or set the top_p / "
+                "top_k / min_p the engine samples with (GRPOConfig or generation_kwargs).", matching, spec.describe())
         self.scorer = support.SupportScorer(spec, matching)
 
     # ------------------------------------------------------------------ generation

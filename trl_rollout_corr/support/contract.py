@@ -87,6 +87,13 @@ class SamplerSpec:
         """True when the engine samples from a truncated support (a set processor, reproducible or not)."""
         return any(p.kind == "set" for p in self.steps + self.unsupported)
 
+    @property
+    def matches_trl_scoring(self) -> bool:
+        """True when the engine samples exactly what TRL's log-prob head scores: no processor but a temperature equal
+        to the trainer's (``report("off")`` is empty). Support matching then changes no log-prob and only costs the
+        support scorer in every policy forward (``features.support_matching`` warns once at start-up)."""
+        return not self.report("off")
+
     def describe(self) -> str:
         """One line: the engine's processors in order and what the trainer scores with when matching is off."""
         applied = ", ".join(str(p) for p in self.steps + self.unsupported) or "none"
