@@ -142,6 +142,27 @@ def test_rollout_dump_every_without_rollout_dump_dir_is_refused(tmp_path, make_a
     assert make_args(tmp_path).rollout_dump_every == 1  # the default, without a dump
 
 
+def test_rs_keep_rejected_in_baseline_where_no_row_can_leave_the_baseline_is_refused(tmp_path, make_args):
+    """True without a correction, or in bypass mode without max_policy_lag, would be ignored (no row ever leaves its
+    group's baseline there): refused, naming the fix. Where a row can leave it, accepted (the previous bypass
+    warning said "no effect" also with max_policy_lag, whose stale rows it does keep in the baseline)."""
+    with pytest.raises(ValueError, match=r"rs_keep_rejected_in_baseline=True .* no correction is configured .* "
+                                         r"configure one \(e\.g\. rollout_rs .* or unset "
+                                         r"rs_keep_rejected_in_baseline"):
+        make_args(tmp_path, rs_keep_rejected_in_baseline=True)
+    with pytest.raises(ValueError, match=r"no effect in bypass mode without max_policy_lag: RS runs in the loss.* "
+                                         r"Unset rs_keep_rejected_in_baseline, set max_policy_lag, or use decoupled "
+                                         r"mode \(bypass_mode=False\)"):
+        make_args(tmp_path, rollout_corr_preset="bypass_ppo_clip_k3_rs", rs_keep_rejected_in_baseline=True)
+    accepted = [dict(rollout_corr_preset="bypass_ppo_clip_k3_rs", max_policy_lag=1),  # the stale rows stay in
+                dict(rollout_corr_preset="decoupled_k3_rs_token_tis"),  # RS-rejected rows stay in
+                dict(rollout_corr_preset="decoupled_token_is")]  # rows left with only invalid tokens stay in
+    for fields in accepted:
+        assert make_args(tmp_path, rs_keep_rejected_in_baseline=True, **fields).rs_keep_rejected_in_baseline
+    make_args(tmp_path, rollout_corr_preset="bypass_ppo_clip_k3_rs")  # the default (False) everywhere
+    make_args(tmp_path)
+
+
 def test_rollout_generate_dtype_is_validated(tmp_path, make_args):
     assert make_args(tmp_path, rollout_generate_dtype="bfloat16").rollout_generate_dtype == "bfloat16"
     with pytest.raises(ValueError, match="rollout_generate_dtype must be one of"):

@@ -142,7 +142,7 @@ def test_every_trl_flag_is_accepted_and_booleans_are_bare(tmp_path):
     assert unset.vllm_importance_sampling_correction is False  # unset: switched off by the correction
     (flags,) = ours.parse_args_into_dataclasses(base + [
         "--rollout_is", "sequence", "--rollout_is_batch_normalize", "--bypass_mode", "--rs_keep_rejected_in_baseline",
-        "--bypass_loss_type", "reinforce"])
+        "--bypass_loss_type", "reinforce", "--max_policy_lag", "1"])  # bypass: the flag needs max_policy_lag
     cfg = flags.rollout_correction()
     assert cfg.bypass_mode is True and cfg.rollout_is_batch_normalize is True and flags.rs_keep_rejected_in_baseline
     (explicit,) = ours.parse_args_into_dataclasses(base + ["--rollout_corr_preset", "bypass_pg_is", "--bypass_mode",

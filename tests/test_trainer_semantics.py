@@ -219,3 +219,26 @@ def test_rejected_rows_their_group_mates_and_a_rejected_last_token(keep_in_basel
     assert metrics.get("rollout_corr/rs_lone_survivor_fraction") == (None if keep_in_baseline else 0.25)
     assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(0.5)  # rows with a masked token
     assert int(output["num_items_in_batch"]) == 8
+
+
+@pytest.mark.parametrize("keep_in_baseline", [False, True])
+def test_a_row_of_invalid_tokens_leaves_the_baseline_without_rs_unless_kept(keep_in_baseline, llama_dir, tmp_path,
+                                                                           make_trainer):
+    """Decoupled IS only (no RS): a row whose every mu is NaN has no valid token left, so it is emptied like a fully
+    RS-rejected row, and ``rs_keep_rejected_in_baseline`` decides its group's baseline here too (why the config
+    accepts the flag without RS in decoupled mode): out, its group-mate is alone (advantage 0); kept, the mate keeps
+    TRL's -0.707."""
+    trainer = make_trainer(llama_dir, tmp_path, rollout_is="token", rollout_is_threshold=2.0, num_generations=2,
+                           rs_keep_rejected_in_baseline=keep_in_baseline)
+    trainer.model.train()
+    output, rewards, _ = _scored_batch(trainer)
+    output["rollout_log_probs"] = output["old_per_token_logps"].clone()  # ratio 1 everywhere ...
+    output["rollout_log_probs"][0] = float("nan")  # ... but row 0's mu is NaN: every token invalid
+    trainer.rollout_corr_mode.apply_correction(trainer, output, rewards)
+    assert output["rollout_rs_mask"].tolist() == [[0, 0, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]]
+    mate = -TRL_ADVANTAGE_OF_A_PAIR if keep_in_baseline else 0.0
+    assert output["advantages"].tolist() == pytest.approx([0.0, mate, TRL_ADVANTAGE_OF_A_PAIR,
+                                                           -TRL_ADVANTAGE_OF_A_PAIR], abs=1e-6)
+    metrics = trainer.rollout_corr_metrics.flush("train")
+    assert metrics["rollout_corr/invalid_token_fraction"] == pytest.approx(0.25)
+    assert "rollout_corr/rs_lone_survivor_fraction" not in metrics  # RS off: not counted as an RS survivor

@@ -2,9 +2,9 @@
 
 The checks run in one fixed order (``RolloutCorrGRPOConfig.__post_init__``), so that a config with two faults
 reports the same first error whatever module owns each check: support mode, matching without a correction, TRL's own
-vLLM IS, ``GRPOConfig.__post_init__``, generate dtype, routing, dump-every, policy lag, the compatibility of a
-configured correction with TRL's options, the CPU-autocast warning. ``trl_rollout_corr.trainer`` re-exports the class
-(its public import path).
+vLLM IS, ``GRPOConfig.__post_init__``, generate dtype, routing, dump-every, policy lag, rs_keep_rejected_in_baseline,
+the compatibility of a configured correction with TRL's options, the CPU-autocast warning.
+``trl_rollout_corr.trainer`` re-exports the class (its public import path).
 """
 
 from __future__ import annotations
@@ -70,9 +70,14 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
 
     Parameters:
         rs_keep_rejected_in_baseline (`bool`, defaults to `False`):
-            Decoupled mode: keep rows that RS rejects entirely in their group's reward mean/std (verl's
-            behaviour). Default False: they leave the baseline (a row whose every group-mate is rejected then has
-            advantage 0; counted in ``rollout_corr/rs_lone_survivor_fraction``). Their own advantage is 0 either way.
+            Keep the rows the correction empties in their group's reward mean/std (verl's behaviour). Default
+            False: they leave the baseline (a row whose every group-mate is rejected then has advantage 0; with RS
+            counted in ``rollout_corr/rs_lone_survivor_fraction``). Their own advantage is 0 either way. The rows it
+            governs: decoupled mode, rows left without a loss token by RS, M2PO, ``max_policy_lag`` (stale at
+            generation) or invalid tokens (NaN/inf log-probs, support misses); bypass mode, only the rows
+            ``max_policy_lag`` drops at generation (RS runs in the loss there, after the advantages, so its rows
+            always stay in). True where no row can leave the baseline (no correction, or bypass mode without
+            ``max_policy_lag``) is refused.
         rollout_corr_compile (`bool`, defaults to `False`):
             Run the correction math through ``torch.compile`` (``correction.make_correction_fn(..., compile=True)``):
             same values, faster on large batches; the first step pays the compile. Used in both modes.
@@ -146,7 +151,10 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
 
     rs_keep_rejected_in_baseline: bool = field(
         default=False,
-        metadata={"help": "Keep fully RS-rejected rows in their GRPO group's mean/std (verl). Default: excluded."},
+        metadata={
+            "help": "Keep the rows the correction empties (RS, M2PO, max_policy_lag, invalid tokens) in their GRPO "
+            "group's mean/std (verl). Default: excluded. Bypass mode: only max_policy_lag's rows (refused without it)."
+        },
     )
     rollout_corr_compile: bool = field(
         default=False,
@@ -269,6 +277,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                     "records, but rollout_dump_dir is unset (no records are written), so it would be ignored: set "
                     "rollout_dump_dir, or unset rollout_dump_every.")
         self._check_policy_lag(correction)
+        self._check_keep_rejected(correction)
         if correction.enabled:
             self._check_compatibility(correction)
         self._warn_cpu_autocast()
@@ -327,6 +336,25 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 "rollout_rs_on='engine' computes every RS statistic on the engine factor pi_train@v / mu, which "
                 "needs the weights of each row's policy version and one forward at them: set policy_lag_split=True, "
                 "or rollout_rs_on='direct' (RS on pi_old / mu, staleness included)."
+            )
+
+    def _check_keep_rejected(self, correction: RolloutCorrectionConfig) -> None:
+        """``rs_keep_rejected_in_baseline=True`` only where a row can leave its group's baseline (its docstring)."""
+        if not self.rs_keep_rejected_in_baseline:
+            return
+        if not correction.enabled:
+            _refuse(
+                "rs_keep_rejected_in_baseline=True keeps the rows the correction rejects in their group's baseline, "
+                "but no correction is configured (TRL's GRPO runs unchanged and rejects nothing), so it would be "
+                "ignored: configure one (e.g. rollout_rs with rollout_rs_threshold, or a rollout_corr_preset), or "
+                "unset rs_keep_rejected_in_baseline."
+            )
+        if correction.bypass_mode and self.max_policy_lag is None:
+            _refuse(
+                "rs_keep_rejected_in_baseline=True has no effect in bypass mode without max_policy_lag: RS runs in "
+                "the loss, after the advantages, so the rows it rejects always stay in their group's baseline; only "
+                "rows that max_policy_lag drops at generation leave it. Unset rs_keep_rejected_in_baseline, set "
+                "max_policy_lag, or use decoupled mode (bypass_mode=False), where RS-rejected rows leave the baseline."
             )
 
     def _warn_cpu_autocast(self) -> None:
@@ -430,11 +458,6 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
 
     def _check_bypass(self, correction: RolloutCorrectionConfig) -> None:
         """Bypass mode: our loss replaces TRL's, so only what it reproduces exactly is allowed."""
-        if self.rs_keep_rejected_in_baseline:
-            logger.warning(
-                "rs_keep_rejected_in_baseline has no effect in bypass mode: RS runs in the loss, after the "
-                "advantages, so rejected rows always stay in their group's baseline."
-            )
         unsupported = {
             "importance_sampling_level": (self.importance_sampling_level != "token", "'token'"),
             "top_entropy_quantile": (self.top_entropy_quantile < 1.0, "1.0"),
