@@ -5,6 +5,7 @@ rows left alone in their GRPO group by rejection sampling."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -139,6 +140,21 @@ def test_delta_in_bypass_is_checked_when_the_config_is_built(tmp_path, make_args
     with pytest.raises(ValueError, match="has no ratio in its loss"):
         make_args(tmp_path, rollout_corr_preset="bypass_pg_is", delta=2.0)
     assert make_args(tmp_path, rollout_corr_preset="bypass_ppo_clip", delta=2.0).delta == 2.0
+
+
+def test_epsilon_with_bypass_reinforce_is_refused_it_has_no_clip(tmp_path, make_args):
+    """REINFORCE (-A w log pi_theta) has no ratio to clip: a changed epsilon / epsilon_high would be ignored."""
+    for clip in (dict(epsilon=0.1), dict(epsilon_high=0.28), dict(epsilon=0.1, epsilon_high=0.28)):
+        named = ", ".join(f"{k}={v!r}" for k, v in clip.items())
+        with pytest.raises(ValueError, match=re.escape(named) + r" set the PPO clip range, but "
+                           r"bypass_loss_type='reinforce' has no ratio in its loss, so it would be ignored; leave "
+                           r"epsilon / epsilon_high at TRL's defaults \(0\.2 / None\) or use "
+                           r"bypass_loss_type='ppo_clip'"):
+            make_args(tmp_path, rollout_corr_preset="bypass_pg_is", **clip)
+        # the valid neighbours: PPO-clip uses them (bypass and decoupled), REINFORCE at TRL's defaults
+        assert make_args(tmp_path, rollout_corr_preset="bypass_ppo_clip", **clip).epsilon == clip.get("epsilon", 0.2)
+        make_args(tmp_path, rollout_corr_preset="decoupled_token_is", **clip)
+    assert make_args(tmp_path, rollout_corr_preset="bypass_pg_is", epsilon=0.2).epsilon_high is None
 
 
 # ---------------------------------------------------------------------------------------------- IcePop vs RS

@@ -474,6 +474,14 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 f"delta={self.delta} bounds the PPO ratio, but bypass_loss_type='reinforce' has no ratio in its loss; "
                 "unset delta or use bypass_loss_type='ppo_clip'."
             )
+        clip_set = [f"{name}={getattr(self, name)!r}" for name in ("epsilon", "epsilon_high")
+                    if getattr(self, name) != _GRPO_DEFAULTS[name]]
+        if clip_set and correction.bypass_loss_type == "reinforce":
+            _refuse(
+                f"{', '.join(clip_set)} set the PPO clip range, but bypass_loss_type='reinforce' has no ratio in its "
+                "loss, so it would be ignored; leave epsilon / epsilon_high at TRL's defaults (0.2 / None) or use "
+                "bypass_loss_type='ppo_clip'."
+            )
         epsilon_high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
         if correction.bypass_loss_type == "ppo_clip" and self.delta is not None and not self.delta > 1 + epsilon_high:
             _refuse(

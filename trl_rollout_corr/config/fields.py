@@ -95,7 +95,8 @@ CORRECTION_FIELD_TABLE = (
         "bypass_loss_type", Literal["ppo_clip", "reinforce"], str, "ppo_clip",
         '`"ppo_clip"`, `"reinforce"`',
         "Bypass loss: PPO clip on pi_theta / mu (IS weights for metrics only), or `-A · w · log pi_theta` "
-        "(w detached). Only used in bypass mode.",
+        "(w detached; no ratio, so TRL's clip settings epsilon / epsilon_high / delta are refused with it). Only "
+        "used in bypass mode.",
     ),
 )
 # The correction fields' names, in table order (the flat fields of the trainer config).
