@@ -69,7 +69,7 @@ def test_readme_trainer_snippet_trains(tmp_path, monkeypatch):
     assert model_line in blocks[0]
     tiny = make_tiny_model_dir(str(tmp_path / "model"), "llama", seed=0)
     code = blocks[0].replace(model_line, f"model = {tiny!r}")
-    monkeypatch.chdir(tmp_path)  # output_dir="out" lands in tmp_path
+    monkeypatch.chdir(tmp_path)  # output_dir="outputs/quickstart" lands in tmp_path
     torch.set_num_threads(1)
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)
