@@ -107,6 +107,22 @@ def test_lag_zero_gives_identical_results_for_direct_and_engine():
         assert _rename(engine.metrics) == direct.metrics
 
 
+def test_rows_losing_tokens_to_a_non_finite_engine_factor_count_as_rs_masked_rows():
+    """A valid token whose pi_train@v is NaN (e.g. outside the version's recomputed support) is rejected by RS; its row
+    lost tokens to RS, so the combined seq_masked_fraction counts it as the mask does (it read 0 of 3 here)."""
+    mu = torch.full((3, 3), -1.0)
+    at_version = mu.clone()
+    at_version[1, 0] = float("nan")  # row 1 loses one token, row 2 every token, row 0 none
+    at_version[2, :] = float("nan")
+    cfg = RolloutCorrectionConfig(rollout_rs="token_k3", rollout_rs_threshold=0.5, rollout_rs_on="engine")
+    out = compute_rollout_correction(mu.clone(), mu, torch.ones(3, 3), cfg, rs_log_probs=at_version)
+    assert out.response_mask.tolist() == [[1, 1, 1], [0, 1, 1], [0, 0, 0]]
+    m = _short(out.metrics)
+    assert m["rollout_rs_engine_masked_fraction"] == pytest.approx(4 / 9)
+    assert m["rollout_rs_engine_seq_masked_fraction"] == pytest.approx(2 / 3)
+    assert m["rollout_rs_engine_token_k3_masked_fraction"] == 0.0  # the option itself rejected nothing
+
+
 def test_bad_inputs_to_the_correction():
     old, mu, mask, at_version = _batch()
     with pytest.raises(ValueError, match=r"rollout_rs_on='engine' .*no rs_log_probs.*set policy_lag_split=True"):

@@ -124,7 +124,7 @@ def _correct(log_probs, rollout_log_probs, response_mask, layout: MetricLayout,
     weights = importance_weights(ws, layout, rows, all_reduce) if layout.is_level is not None else None
     if layout.rs_specs:
         rs_ws = ws if rs_log_probs is None else prepare(rs_log_probs, rollout_log_probs, ws.valid, layout.needs)
-        keep = rejection_mask(rs_ws, layout.rs_specs, rows)
+        keep = rejection_mask(rs_ws, layout.rs_specs, rows, n_row=ws.n_row)
     else:
         keep = ws.valid
     diagnostics.collect(ws, rows)

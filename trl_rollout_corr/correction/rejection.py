@@ -79,13 +79,17 @@ def row_values(ws: Workspace, level: str, stat: str) -> torch.Tensor:
     return _ROW_VALUES[level](ws, stat)
 
 
-def rejection_mask(ws: Workspace, specs: Sequence, rows: RowTable) -> torch.Tensor:
+def rejection_mask(ws: Workspace, specs: Sequence, rows: RowTable,
+                   n_row: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(B, T) float32 0/1 keep mask over valid tokens, every option combined (AND); registers the statistics.
 
     Args:
         ws: the call's workspace (its spare buffer becomes the mask).
         specs: the parsed options (``RSSpec``), in the user's order.
         rows: the call's row table.
+        n_row: (B,) float32 valid tokens per row of the correction (default ``ws.n_row``). RS on the engine factor
+            passes the first workspace's: a token valid there without a finite engine factor is rejected by RS, and
+            its row counts as one RS masked (``rs_rejected_seqs``).
     """
     keep: Optional[torch.Tensor] = None
     keep_row: Optional[torch.Tensor] = None
@@ -101,7 +105,7 @@ def rejection_mask(ws: Workspace, specs: Sequence, rows: RowTable) -> torch.Tens
         keep.mul_(keep_row.to(keep.dtype).unsqueeze(-1))
     kept_rows = keep.sum(-1)
     rows.add(KEPT, kept_rows, Kind.SUM, bucket=True)
-    rows.add(KEPT_MINUS_N, kept_rows - ws.n_row, lt=(REJECTED_SEQS, 0.0))
+    rows.add(KEPT_MINUS_N, kept_rows - (ws.n_row if n_row is None else n_row), lt=(REJECTED_SEQS, 0.0))
     return keep
 
 
