@@ -371,6 +371,82 @@ def test_chunking_does_not_change_the_result():
         torch.testing.assert_close(a, b)
 
 
+BACKWARD_CASES = [
+    ("vllm", dict(top_p=0.9), "recompute"),
+    ("transformers", dict(top_k=5), "recompute"),
+    ("transformers", dict(top_p=0.9, temperature=0.7), "recompute"),
+    ("transformers", dict(repetition_penalty=1.3, top_p=0.9), "recompute"),
+    ("vllm", dict(repetition_penalty=1.3, frequency_penalty=0.2, temperature=0.7, top_k=5), "recompute"),
+    ("vllm", dict(top_p=0.9), "replay"),
+]
+
+
+@pytest.mark.parametrize("engine,params,mode", BACKWARD_CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_saved_softmax_backward_is_bit_identical_to_the_recompute_backward(engine, params, mode, dtype, monkeypatch):
+    """Within ``SAVED_SOFTMAX_ELEMENTS`` the backward reuses the forward's softmax over K ∪ {a}; at budget 0 it
+    recomputes the chunk's logits: same ops on the same values, so log-probs and all three gradients are equal
+    bit for bit (torch.equal), over several chunks, misses included. The count of value-processor calls shows
+    which path ran (once per chunk when saved, twice when recomputed)."""
+    from trl_rollout_corr.support import scorer as scorer_module
+
+    hidden, weight, ids, mask, T = _random_batch(seed=3, b=4, prompt=4, completion=9, vocab=50, dtype=dtype)
+    bias = torch.randn(50, dtype=dtype, generator=torch.Generator().manual_seed(4))
+    spec = (S.sampler_from_generation_config({"do_sample": True, **params}) if engine == "transformers"
+            else S.sampler_from_vllm_params(params))
+    kept = None
+    if mode == "replay":
+        g = torch.Generator().manual_seed(5)
+        kept = [S.kept_tokens_from_steps([S.compact_kept(torch.rand(1, 50, generator=g) < 0.3) for _ in range(n)],
+                                         0, n, 50) for n in mask[:, -T:].sum(dim=1).tolist()]
+    calls = []
+    processed = scorer_module._ChunkPlan.processed
+    monkeypatch.setattr(scorer_module._ChunkPlan, "processed",
+                        lambda self, z, sl: (calls.append(sl), processed(self, z, sl))[1])
+
+    def run(budget):
+        monkeypatch.setattr(scorer_module, "SAVED_SOFTMAX_ELEMENTS", budget)
+        inputs = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        calls.clear()
+        score = S.SupportScorer(spec, mode, chunk_elements=50 * 7).score(*inputs, ids, mask, T, kept=kept)
+        weights = torch.randn(score.log_probs.shape, dtype=dtype, generator=torch.Generator().manual_seed(6))
+        (score.log_probs * weights).sum().backward()
+        return score, [t.grad for t in inputs], len(calls)
+
+    saved_score, saved_grads, saved_calls = run(scorer_module.SAVED_SOFTMAX_ELEMENTS)
+    recomputed_score, recomputed_grads, recomputed_calls = run(0)
+    n_chunks = math.ceil(int(mask[:, -T:].sum()) / 7)
+    assert (saved_calls, recomputed_calls) == (n_chunks, 2 * n_chunks) and n_chunks > 1
+    assert bool(saved_score.miss.any()) and bool((saved_score.valid & ~saved_score.miss).any())
+    assert torch.equal(saved_score.log_probs, recomputed_score.log_probs)
+    for a, b in zip(saved_grads, recomputed_grads):
+        assert torch.count_nonzero(a) > 0 and torch.equal(a, b)
+
+
+def test_saved_softmax_is_not_kept_without_grad():
+    """Under no_grad (the pi_old forward) or for inputs without grad, the forward saves no softmax."""
+    from trl_rollout_corr.support import scorer as scorer_module
+
+    hidden, weight, ids, mask, T = _random_batch(seed=8)
+    spec = S.sampler_from_vllm_params({"top_p": 0.9})
+    seen = []
+    forward = scorer_module._SupportLogProbs.forward
+
+    def spy(ctx, *args):
+        out = forward(ctx, *args)
+        seen.append(ctx.saved_softmax is not None)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scorer_module._SupportLogProbs, "forward", staticmethod(spy))
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.no_grad():
+            S.SupportScorer(spec, "recompute").score(h, w, None, ids, mask, T)
+        S.SupportScorer(spec, "recompute").score(hidden, weight, None, ids, mask, T)
+        S.SupportScorer(spec, "recompute").score(h, w, None, ids, mask, T)
+    assert seen == [False, False, True]
+
+
 def test_accumulator_flushes_support_metrics_per_mode():
     from trl_rollout_corr.accumulator import RolloutCorrAccumulator
 

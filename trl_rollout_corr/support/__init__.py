@@ -21,8 +21,9 @@ Contents (no TRL, no ``torch.distributed``):
 * ``KeptTokens`` (``kept.py``): an engine's kept-token sets for one completion, stored compactly (CSR of int32 ids,
   or of the removed ids where that is shorter), and ``compact_kept`` for one generation step;
 * ``SupportScorer`` (``scorer.py``): the chunked log-prob computation over the completion positions
-  (``_SupportLogProbs``, a custom autograd function: never a ``(B, T, V)`` tensor, peak ``O(chunk x V)``, logits
-  recomputed in the backward), returning a ``SupportScore``;
+  (``_SupportLogProbs``, a custom autograd function: peak ``O(chunk x V)`` plus, when a gradient is wanted and
+  N x V fits ``scorer.SAVED_SOFTMAX_ELEMENTS`` (256 MiB at float32), the saved (N, V) softmax over the support,
+  N x V x 4 bytes; above it the logits are recomputed in the backward), returning a ``SupportScore``;
 * ``SupportStats`` (``stats.py``): the ``rollout_corr/support_*`` metrics as exact reducible statistics.
 
 Sources: the truncation bias is TRL's trl#6789 (processed vLLM log-probs against full-vocabulary trainer log-probs);

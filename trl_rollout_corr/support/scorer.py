@@ -14,6 +14,10 @@ from .kept import KeptTokens, kept_mask
 # Default work-chunk size of the support computation, in logits (positions x vocabulary): 2**22 float32 = 16 MiB
 # per (chunk, V) buffer; a chunk holds about six of them at its peak (see benchmarks/RESULTS.md).
 DEFAULT_CHUNK_ELEMENTS = 2**22
+# Budget of the softmax ``_SupportLogProbs`` saves for its backward, in elements (N positions x V, twice that with a
+# repetition penalty, whose dz'/dz is saved too): 2**26 float32 = 256 MiB. Within it the backward reuses the forward's
+# softmax over ``K ∪ {a}`` instead of recomputing the chunk's logits; above it (or at 0) it recomputes them.
+SAVED_SOFTMAX_ELEMENTS = 2**26
 
 
 # ====================================================================================== the support computation
@@ -55,7 +59,9 @@ class SupportScorer:
         mode: ``"recompute"`` (``K`` from the trainer's logits with ``spec``'s set processors in the engine's order)
             or ``"replay"`` (``K`` is the engine's kept set, given per row to ``score``).
         chunk_elements: positions per work chunk times V (the peak working memory is a few ``(chunk, V)``
-            buffers, float32 unless the inputs are float64).
+            buffers, float32 unless the inputs are float64). With a gradient wanted and N positions x V within
+            ``SAVED_SOFTMAX_ELEMENTS`` (2**26; 2 N x V counted with a repetition penalty), the softmax over the
+            support is also kept from the forward to the backward: N x V x 4 bytes at float32 (<= 256 MiB).
 
     Raises:
         ValueError: an unknown mode.
@@ -147,6 +153,7 @@ class _ChunkPlan:
         self.chunk = max(1, scorer.chunk_elements // max(vocab, 1))
         self.input_ids, self.attention_mask = input_ids, attention_mask
         self.entropy_temperature: Optional[float] = None  # SupportScorer.score sets it to compute the entropies
+        self.grad_enabled = torch.is_grad_enabled()  # the caller's grad mode (off inside an autograd forward)
         self.kept = None
         if self.mode == "replay":
             self.kept = self._replay_rows(kept, attention_mask[:, P:] != 0)
@@ -287,12 +294,16 @@ def _top_p_threshold(scores: torch.Tensor, top_p: float, first_k: int = 256) -> 
 
 
 class _SupportLogProbs(torch.autograd.Function):
-    """``log pi(a)`` over ``K ∪ {a}`` per position, chunked over positions; the backward recomputes the logits.
+    """``log pi(a)`` over ``K ∪ {a}`` per position, chunked over positions.
 
     forward(hidden (N, H), weight (V, H), bias (V,) or None, plan) -> (log_probs (N,), log_mass (N,), size (N,),
     miss (N,), entropy (N,): the full-vocabulary entropy at ``plan.entropy_temperature``, or (0,) when it is None);
     only ``log_probs`` is differentiable. Saved for the backward: the inputs, the (N,) thresholds (recompute) and the
-    (N,) outputs, never a (N, V) tensor.
+    (N,) outputs; and, when a gradient is wanted and ``N x V`` (``2 N x V`` with a repetition penalty) fits
+    ``SAVED_SOFTMAX_ELEMENTS`` (2**26: 256 MiB at float32, i.e. ``N x V x 4`` bytes, 8 at float64), each chunk's
+    softmax ``q`` over ``K ∪ {a}`` (and dz'/dz where it is a tensor), so that the backward skips the recompute
+    (the logits matmul, the value processors, the kept set and the softmax). Above the budget the backward
+    recomputes all of that per chunk and no (N, V) tensor is held; both paths give bit-identical gradients.
     """
 
     @staticmethod
@@ -306,11 +317,15 @@ class _SupportLogProbs(torch.autograd.Function):
         thresholds = torch.full((n_pos,), -math.inf, dtype=dtype, device=device)
         entropy_t = plan.entropy_temperature
         entropy = torch.empty(n_pos if entropy_t is not None else 0, dtype=dtype, device=device)
+        per_position = 2 if any(p.name == "repetition_penalty" for p in plan.spec.value_steps) else 1
+        keep_softmax = (plan.grad_enabled and any(ctx.needs_input_grad[:3])
+                        and n_pos * plan.vocab * per_position <= SAVED_SOFTMAX_ELEMENTS)
+        saved = [] if keep_softmax else None
         for sl in plan.chunks():
             z = _logits(hidden[sl], weight, bias, dtype)
             if entropy_t is not None:
                 entropy[sl] = _entropy(z, entropy_t)
-            y, _ = plan.processed(z, sl)
+            y, scale = plan.processed(z, sl)
             kept, t = plan.support(y, sl)
             if t is not None:
                 thresholds[sl] = t
@@ -318,33 +333,42 @@ class _SupportLogProbs(torch.autograd.Function):
             hit = kept.gather(1, label).squeeze(1)
             y_label = y.gather(1, label).squeeze(1)
             lse_all = torch.logsumexp(y, dim=-1)
+            size[sl] = kept.sum(dim=1)
             lse_kept = torch.logsumexp(y.masked_fill_(~kept, -math.inf), dim=-1)
             lse_scored = torch.where(hit, lse_kept, torch.logaddexp(lse_kept, y_label))
             log_probs[sl] = y_label - lse_scored
             log_mass[sl] = lse_kept - lse_all
-            size[sl] = kept.sum(dim=1)
             miss[sl] = ~hit
+            if saved is not None:  # the backward's softmax, on the same values: y on K ∪ {a}, -inf elsewhere
+                y.scatter_(1, label, y_label.unsqueeze(1))  # the label's z', which the masked_fill_ removed on a miss
+                kept.scatter_(1, label, True)  # K ∪ {a}
+                saved.append((torch.softmax(y.masked_fill_(~kept, -math.inf), dim=-1), scale))
+            del z, y, kept
         ctx.save_for_backward(hidden, weight, bias, thresholds)
-        ctx.plan, ctx.dtype = plan, dtype
+        ctx.plan, ctx.dtype, ctx.saved_softmax = plan, dtype, saved
         ctx.mark_non_differentiable(log_mass, size, miss, entropy)
         return log_probs, log_mass, size, miss, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, *_):
         hidden, weight, bias, thresholds = ctx.saved_tensors
-        plan, dtype = ctx.plan, ctx.dtype
+        plan, dtype, saved = ctx.plan, ctx.dtype, ctx.saved_softmax
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if need_b else None
-        for sl in plan.chunks():
+        for i, sl in enumerate(plan.chunks()):
             h = hidden[sl].to(dtype)
-            y, scale = plan.processed(_logits(h, weight, bias, dtype), sl)
-            kept, _ = plan.support(y, sl, thresholds[sl])
             label = plan.labels[sl].unsqueeze(1)
-            kept.scatter_(1, label, True)  # K ∪ {a}
             g = grad_log_probs[sl].to(dtype).unsqueeze(1)
-            grad = torch.softmax(y.masked_fill_(~kept, -math.inf), dim=-1).mul_(-g)
+            if saved is not None:
+                q, scale = saved[i]
+                grad = q.mul(-g)  # out of place: the saved q serves a second backward (retain_graph)
+            else:
+                y, scale = plan.processed(_logits(h, weight, bias, dtype), sl)
+                kept, _ = plan.support(y, sl, thresholds[sl])
+                kept.scatter_(1, label, True)  # K ∪ {a}
+                grad = torch.softmax(y.masked_fill_(~kept, -math.inf), dim=-1).mul_(-g)
             grad.scatter_add_(1, label, g)  # g * (onehot(a) - q)
             grad = grad.mul_(scale) if torch.is_tensor(scale) else grad.mul_(float(scale))
             if grad_h is not None:
