@@ -72,19 +72,28 @@ def test_issue23_methods_parse_and_carry_their_recipe_flags(exp, tmp_path):
     assert exp.reference_cell("rs_engine_k8_s1") == "trl_k8_s1"  # the main table's reference stays plain TRL
 
 
-def test_order_keeps_the_existing_cells_and_places_the_issue23_cells(exp):
-    new = ["rs_engine_k8_s1", "rs_direct_k8_s1", "f32_rs_engine_k8_s1", "f32_rs_direct_k8_s1"]
-    before = ["warmstart", *(f"trl_k{k}_s{s}" for s in (1, 2, 3, 4) for k in (1, 8)),
-              *(f"trl_k32_s{s}" for s in (1, 2, 3, 4)),  # the max-lag calibration, right after the k = 8 one
-              *(f"{m}_k8_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)),
-              "decoupled_k8_s1", "trl_is_k8_s1", "direct_gate_k8_s1", "trl_slow_k8_s1", "tis_k1_s1",
-              *(f"{m}_k1_s{s}" for s in (1, 2) for m in ("topp_trl_is", "topp_decoupled", "topp_recompute"))]
-    assert [c for c in exp.ORDER if c not in new] == before
-    i = exp.ORDER.index
-    assert i("rs_engine_k8_s1") == i("decoupled_k8_s1") + 1 and i("rs_direct_k8_s1") == i("decoupled_k8_s1") + 2
-    assert i("f32_rs_engine_k8_s1") == i("trl_slow_k8_s1") + 1 and i("f32_rs_direct_k8_s1") == i("trl_slow_k8_s1") + 2
+def test_order_runs_the_calibration_then_the_grid_at_the_calibrated_interval(exp):
+    calibration = ["warmstart", *(f"trl_k{k}_s{s}" for s in (1, 2, 3, 4) for k in (1, 8)),
+                   "trl_k32_s1", "trl_k32_s2", "trl_k32_s3"]  # the max-lag calibration's seeds 1-3 first
+    assert exp.GRID_K == 32
+    assert exp.ORDER[:len(calibration)] == calibration
+    grid = exp.ORDER[len(calibration):]
+    # the priority arms at the calibrated k with 3 seeds, before anything else
+    assert grid[:6] == [f"{m}_k32_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)]
+    assert grid[6:11] == ["decoupled_k32_s1", "trl_is_k32_s1", "direct_gate_k32_s1", "trl_slow_k32_s1", "tis_k1_s1"]
+    # issue 23's cells stay at RS_ON_K = 8 with their no-RS reference tis_k8_s1, then the intermediate k
+    assert grid[11:16] == [f"{m}_k8_s1" for m in ("rs_engine", "rs_direct", "tis", "f32_rs_engine", "f32_rs_direct")]
+    assert exp.RS_ON_K == 8
+    assert grid[16:21] == ["tis_k8_s2", "tis_k8_s3", "bypass_k8_s1", "bypass_k8_s2", "bypass_k8_s3"]
+    assert grid[21:27] == [f"{m}_k1_s{s}" for s in (1, 2) for m in ("topp_trl_is", "topp_decoupled",
+                                                                     "topp_recompute")]
+    assert grid[27:] == ["trl_k32_s4"]
+    assert len(set(exp.ORDER)) == len(exp.ORDER)
+    # every grid cell at k > 1 has its paired plain-TRL reference in the order, at the same k and seed, before it
     for c in exp.ORDER[1:]:
-        exp.parse_cell(c)
+        ref = exp.reference_cell(c)
+        if ref is not None and not c.startswith("topp_"):
+            assert exp.ORDER.index(ref) < exp.ORDER.index(c), c
 
 
 def _cell(root, name, steps, scores):
