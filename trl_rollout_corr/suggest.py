@@ -53,12 +53,13 @@ from .records import RolloutDump
 IS_OPTIONS = ("is_token", "is_sequence")  # TIS caps (rollout_is = token / sequence)
 ENGINE_SUFFIX = "_engine"  # the name (YAML file, table, JSON) of an RS option's suggestion on the engine factor
 
+SUGGEST_OUTPUTS = ("suggest.json", "suggest_kept_vs_threshold.png")
+_NEEDS = Needs(x_range=False, k2_tokens=True, k3_tokens=True, k1_row_sum=True, k2_row_sum=True, binary_kl_tokens=True)
+
 
 def _name(option: str, rs_on: str) -> str:
     """``option``, or ``option + ENGINE_SUFFIX`` when the RS option judges the engine factor."""
     return option + (ENGINE_SUFFIX if rs_on == "engine" else "")
-SUGGEST_OUTPUTS = ("suggest.json", "suggest_kept_vs_threshold.png")
-_NEEDS = Needs(x_range=False, k2_tokens=True, k3_tokens=True, k1_row_sum=True, k2_row_sum=True, binary_kl_tokens=True)
 
 
 @dataclass

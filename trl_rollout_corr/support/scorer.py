@@ -340,9 +340,8 @@ class _SupportLogProbs(torch.autograd.Function):
             log_mass[sl] = lse_kept - lse_all
             miss[sl] = ~hit
             if saved is not None:  # the backward's softmax, on the same values: y on K ∪ {a}, -inf elsewhere
-                y.scatter_(1, label, y_label.unsqueeze(1))  # the label's z', which the masked_fill_ removed on a miss
-                kept.scatter_(1, label, True)  # K ∪ {a}
-                saved.append((torch.softmax(y.masked_fill_(~kept, -math.inf), dim=-1), scale))
+                y.scatter_(1, label, y_label.unsqueeze(1))  # y is -inf off K already; put back a missed label's z'
+                saved.append((torch.softmax(y, dim=-1), scale))
             del z, y, kept
         ctx.save_for_backward(hidden, weight, bias, thresholds)
         ctx.plan, ctx.dtype, ctx.saved_softmax = plan, dtype, saved
