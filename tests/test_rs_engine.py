@@ -123,6 +123,44 @@ def test_rows_losing_tokens_to_a_non_finite_engine_factor_count_as_rs_masked_row
     assert m["rollout_rs_engine_token_k3_masked_fraction"] == 0.0  # the option itself rejected nothing
 
 
+def test_option_statistics_are_over_the_rows_with_a_finite_engine_factor():
+    """Each option's own metrics (mean, row mean/min/max, ...; k3 in float32, hence rel 1e-6) are over the tokens
+    and rows with a finite engine factor: a row with none is no row of them (it read as a 0: seq_min 0, seq_mean over
+    3 rows), while the combined fractions stay over the correction's tokens and rows. With no finite engine factor
+    at all they are absent."""
+    mu = torch.full((3, 3), -1.0, dtype=torch.float64)
+    nan = float("nan")
+    e = [[0.1, 0.2, 0.3], [nan, 0.2, -0.2], [nan, nan, nan]]
+    k3 = lambda v: math.exp(v) - 1 - v  # noqa: E731
+    row0, row1 = (k3(0.1) + k3(0.2) + k3(0.3)) / 3, (k3(0.2) + k3(-0.2)) / 2
+    cfg = RolloutCorrectionConfig(rollout_rs="token_k3,seq_mean_k3", rollout_rs_threshold="0.5,0.5",
+                                  rollout_rs_on="engine")
+    out = compute_rollout_correction(mu.clone(), mu, torch.ones(3, 3), cfg,
+                                     rs_log_probs=mu + torch.tensor(e, dtype=torch.float64))
+    assert out.response_mask.tolist() == [[1, 1, 1], [0, 1, 1], [0, 0, 0]]
+    m = _short(out.metrics)
+    tokens = 3 * row0 + 2 * row1  # the five finite tokens' k3
+    for option in ("token_k3", "seq_mean_k3"):
+        p = f"rollout_rs_engine_{option}_"
+        assert m[p + "seq_mean"] == pytest.approx((row0 + row1) / 2, rel=1e-6)  # was (row0 + row1) / 3
+        assert m[p + "seq_min"] == pytest.approx(row1, rel=1e-6)  # was 0 (row 2)
+        assert m[p + "seq_max"] == pytest.approx(row0, rel=1e-6)
+        assert m[p + "seq_std"] == pytest.approx(abs(row0 - row1) / math.sqrt(2), rel=1e-5)
+        assert m[p + "masked_fraction"] == 0.0 and m[p + "seq_masked_fraction"] == 0.0
+    assert m["rollout_rs_engine_token_k3_mean"] == pytest.approx(tokens / 5, rel=1e-6)  # was / 9
+    assert m["rollout_rs_engine_token_k3_max"] == pytest.approx(k3(0.3), rel=1e-6)
+    assert m["rollout_rs_engine_token_k3_min"] == pytest.approx(k3(0.1), rel=1e-6)
+    assert m["rollout_rs_engine_seq_mean_k3_mean"] == pytest.approx(tokens / 5, rel=1e-6)
+    assert m["rollout_rs_engine_masked_fraction"] == pytest.approx(4 / 9)  # the combined: the correction's tokens
+    assert m["rollout_rs_engine_seq_masked_fraction"] == pytest.approx(2 / 3)
+    assert m["num_valid_tokens"] == 9 and m["num_valid_seqs"] == 3
+    none = compute_rollout_correction(mu.clone(), mu, torch.ones(3, 3), cfg, rs_log_probs=torch.full((3, 3), nan))
+    assert none.response_mask.sum() == 0
+    m = _short(none.metrics)
+    assert not any(k.startswith(("rollout_rs_engine_token", "rollout_rs_engine_seq_mean_k3")) for k in m)
+    assert m["rollout_rs_engine_masked_fraction"] == 1.0 and m["rollout_rs_engine_seq_masked_fraction"] == 1.0
+
+
 def test_bad_inputs_to_the_correction():
     old, mu, mask, at_version = _batch()
     with pytest.raises(ValueError, match=r"rollout_rs_on='engine' .*no rs_log_probs.*set policy_lag_split=True"):

@@ -122,14 +122,20 @@ def _correct(log_probs, rollout_log_probs, response_mask, layout: MetricLayout,
     rows = RowTable(ws.n_row64, layout.length_buckets)
     counts.collect(ws, rows)
     weights = importance_weights(ws, layout, rows, all_reduce) if layout.is_level is not None else None
-    if layout.rs_specs:
-        rs_ws = ws if rs_log_probs is None else prepare(rs_log_probs, rollout_log_probs, ws.valid, layout.needs)
-        keep = rejection_mask(rs_ws, layout.rs_specs, rows, n_row=ws.n_row)
+    engine_rows = None
+    if layout.rs_specs and rs_log_probs is not None:  # RS on the engine factor: its own rows (see rejection_mask)
+        rs_ws = prepare(rs_log_probs, rollout_log_probs, ws.valid, layout.needs)
+        engine_rows = RowTable(rs_ws.n_row64)
+        keep = rejection_mask(rs_ws, layout.rs_specs, rows, n_row=ws.n_row, option_rows=engine_rows)
+    elif layout.rs_specs:
+        keep = rejection_mask(ws, layout.rs_specs, rows)
     else:
         keep = ws.valid
     diagnostics.collect(ws, rows)
-    return RolloutCorrectionOutput(weights=weights, response_mask=keep.to(response_mask.dtype),
-                                   stats=rows.reduce(layout))
+    stats = rows.reduce(layout)
+    if engine_rows is not None:
+        stats = stats.joined(engine_rows.reduce(layout))
+    return RolloutCorrectionOutput(weights=weights, response_mask=keep.to(response_mask.dtype), stats=stats)
 
 
 def _check_inputs(log_probs, rollout_log_probs, response_mask) -> None:

@@ -49,6 +49,8 @@ _USES_ROW_SUMS = {"token", "seq_sum", "seq_mean"}
 
 # statistics shared by every option (per option they are prefixed "rollout_rs_{option}_")
 KEPT = "rs_kept"  # kept tokens per row (also per length bucket)
+# RS on the engine factor: the options' own statistics are over the tokens / rows with a finite engine factor
+ENGINE_N_TOK, ENGINE_N_SEQ = "rs_engine_n_tok", "rs_engine_n_seq"
 KEPT_MINUS_N = "rs_kept_minus_n"  # < 0 on rows that lost a token
 REJECTED_SEQS = "rs_rejected_seqs"
 
@@ -80,24 +82,32 @@ def row_values(ws: Workspace, level: str, stat: str) -> torch.Tensor:
 
 
 def rejection_mask(ws: Workspace, specs: Sequence, rows: RowTable,
-                   n_row: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   n_row: Optional[torch.Tensor] = None, option_rows: Optional[RowTable] = None) -> torch.Tensor:
     """(B, T) float32 0/1 keep mask over valid tokens, every option combined (AND); registers the statistics.
 
     Args:
-        ws: the call's workspace (its spare buffer becomes the mask).
+        ws: the workspace RS judges (its spare buffer becomes the mask).
         specs: the parsed options (``RSSpec``), in the user's order.
-        rows: the call's row table.
+        rows: the call's row table: the combined statistics (kept tokens per row, rows that lost a token).
         n_row: (B,) float32 valid tokens per row of the correction (default ``ws.n_row``). RS on the engine factor
             passes the first workspace's: a token valid there without a finite engine factor is rejected by RS, and
             its row counts as one RS masked (``rs_rejected_seqs``).
+        option_rows: the row table of each option's own statistics (default ``rows``). RS on the engine factor
+            passes one over ``ws``'s rows (``RowTable(ws.n_row64)``), so that a row with no finite engine factor is
+            no row of the options' statistics (it is not a 0 in their row mean, minimum, ...); the tokens and rows
+            of those statistics are then registered as ``ENGINE_N_TOK`` / ``ENGINE_N_SEQ`` there.
     """
     keep: Optional[torch.Tensor] = None
     keep_row: Optional[torch.Tensor] = None
+    opt_rows = rows if option_rows is None else option_rows
+    if option_rows is not None:
+        option_rows.add(ENGINE_N_TOK, ws.n_row, Kind.SUM)
+        option_rows.add(ENGINE_N_SEQ, ws.row_valid, Kind.SUM)
     for spec in specs:
         if spec.is_token_level:
-            keep = _token_option(ws, spec, rows, keep)
+            keep = _token_option(ws, spec, opt_rows, keep)
         else:
-            bad = _sequence_option(ws, spec, rows)
+            bad = _sequence_option(ws, spec, opt_rows)
             keep_row = ~bad if keep_row is None else keep_row & ~bad
     if keep is None:
         keep = ws.valid.clone() if keep_row is not None else ws.valid
@@ -213,11 +223,17 @@ def metric_base(rs_on: str = "direct") -> str:
 
 def finalize(v: StatView, layout, n_tok: float, n_seq: float) -> dict[str, float]:
     """Per-option ``rollout_rs_{option}_*`` metrics and the combined masked fractions (verl's names; ``metric_base``
-    for ``rollout_rs_on="engine"``)."""
+    for ``rollout_rs_on="engine"``). ``n_tok`` / ``n_seq``: the correction's valid tokens / rows, the denominators of
+    the combined fractions; with ``rollout_rs_on="engine"`` each option's metrics are over the tokens / rows with a
+    finite engine factor (``ENGINE_N_TOK`` / ``ENGINE_N_SEQ``), and absent when there is none."""
     base = metric_base(layout.rs_on)
     m: dict[str, float] = {}
-    for spec in layout.rs_specs:
-        m.update(_finalize_option(v, spec, n_tok, n_seq, base))
+    # the options' own statistics: over the tokens / rows they judged (engine factor: those with a finite one; none
+    # at all leaves them absent, as every statistic over no token is), the combined fractions over the correction's
+    opt_tok, opt_seq = (v.sum(ENGINE_N_TOK), v.sum(ENGINE_N_SEQ)) if layout.rs_on == "engine" else (n_tok, n_seq)
+    if opt_tok > 0:
+        for spec in layout.rs_specs:
+            m.update(_finalize_option(v, spec, opt_tok, opt_seq, base))
     m[base + "masked_fraction"] = div(n_tok - v.sum(KEPT), n_tok)
     m[base + "seq_masked_fraction"] = div(v.count(REJECTED_SEQS), n_seq)
     return m

@@ -158,6 +158,24 @@ class CorrectionStats:
             self.layout,
         )
 
+    def joined(self, other: "CorrectionStats") -> "CorrectionStats":
+        """The statistics of two row tables of the same call side by side (names disjoint; e.g. RS on the engine
+        factor, whose options' statistics are over the rows with a finite engine factor). Returns a new object.
+
+        Raises:
+            ValueError: if the layouts differ or a name is in both.
+        """
+        names = (self.sum_names, self.max_names, self.min_names)
+        others = (other.sum_names, other.max_names, other.min_names)
+        if self.layout != other.layout or any(set(a) & set(b) for a, b in zip(names, others)):
+            raise ValueError("joined: the two parts must come from one layout and hold different statistics.")
+        return CorrectionStats(
+            self.sum_names + other.sum_names, torch.cat([self.sums, other.sums]),
+            self.max_names + other.max_names, torch.cat([self.maxs, other.maxs]),
+            self.min_names + other.min_names, torch.cat([self.mins, other.mins]),
+            self.layout,
+        )
+
     @staticmethod
     def merge_all(parts: Iterable["CorrectionStats"]) -> "CorrectionStats":
         """Merge any number of parts (at least one).
