@@ -94,9 +94,9 @@ CORRECTION_FIELD_TABLE = (
     CorrectionField(
         "bypass_loss_type", Literal["ppo_clip", "reinforce"], str, "ppo_clip",
         '`"ppo_clip"`, `"reinforce"`',
-        "Bypass loss: PPO clip on pi_theta / mu (IS weights for metrics only), or `-A · w · log pi_theta` "
-        "(w detached; no ratio, so TRL's clip settings epsilon / epsilon_high / delta are refused with it). Only "
-        "used in bypass mode.",
+        "Bypass loss: PPO clip on pi_theta / mu (IS weights for metrics only; `rollout_is` with it warns at "
+        "start-up), or `-A · w · log pi_theta` (w detached; no ratio, so TRL's clip settings epsilon / "
+        "epsilon_high / delta are refused with it). Only used in bypass mode.",
     ),
 )
 # The correction fields' names, in table order (the flat fields of the trainer config).
