@@ -15,7 +15,8 @@ The rule, for ``rollout_corr_old_forward="auto"`` (every condition is needed for
 * no dropout in the policy: a training forward with dropout is a random draw, not pi_old's.
 * not ``policy_lag_split``: it computes pi_train@v next to pi_old at generation time (kept as it is; with it the
   forward stays).
-* not TRL's Liger loss (``use_liger_kernel``): TRL then computes the loss without a log-prob forward to read.
+* not with ``use_liger_kernel``: TRL 1.16 then swaps in Liger's layer kernels (its fused loss is refused), and the
+  elision is untested with them (liger-kernel is not installed here).
 * training only: evaluation batches keep their own forward (their loss runs without gradients, outside the rule).
 
 Served with the elision, exactly: ``num_iterations > 1`` (the first iteration's loss forward is pi_old; pi_old and
@@ -154,7 +155,8 @@ def plan_old_forward(
     if policy_lag_split:
         reasons.append("policy_lag_split scores pi_train@v next to pi_old when the batch is generated")
     if use_liger_kernel:
-        reasons.append("use_liger_kernel: TRL's Liger loss runs no log-prob forward to read pi_old from")
+        reasons.append("use_liger_kernel: TRL 1.16 swaps in Liger's layer kernels, and the elision is untested with "
+                       "them (liger-kernel is not installed here), so the forward is kept")
     from_loss = not reasons
     # with steps_per_generation == 1 TRL's rule runs its forward only for num_iterations > 1 (vLLM IS is off with a
     # correction): the first iteration's loss forward replaces it
