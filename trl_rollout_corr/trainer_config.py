@@ -420,17 +420,6 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             )
         if correction.bypass_mode:
             self._check_bypass(correction)
-            if correction.bypass_loss_type == "ppo_clip" and correction.rollout_is is not None:
-                extra = (" rollout_is_batch_normalize=True normalises those metrics only, at the cost of one extra "
-                         "no-grad forward per optimizer step with gradient_accumulation_steps > 1."
-                         if correction.rollout_is_batch_normalize else "")
-                logger.warning(
-                    f"rollout_is={correction.rollout_is!r} with bypass_mode=True and bypass_loss_type='ppo_clip': the "
-                    "PPO ratio pi_theta / mu already compares against the behaviour policy, so the IS weights are "
-                    "logged (rollout_corr/rollout_is_*) but multiplied into no loss (docs/configuration.md, "
-                    f"bypass_loss_type).{extra} To weight the loss use bypass_loss_type='reinforce' or decoupled "
-                    "mode (bypass_mode=False); else unset rollout_is."
-                )
 
     def _check_sampling_generation(self) -> None:
         """Behaviour log-probs exist only for sampled tokens: refuse greedy or beam search in ``generation_kwargs``."""
@@ -468,7 +457,8 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             )
 
     def _check_bypass(self, correction: RolloutCorrectionConfig) -> None:
-        """Bypass mode: our loss replaces TRL's, so only what it reproduces exactly is allowed."""
+        """Bypass mode: our loss replaces TRL's, so only what it reproduces exactly is allowed (and IS weights that
+        PPO clip does not apply are warned of)."""
         unsupported = {
             "importance_sampling_level": (self.importance_sampling_level != "token", "'token'"),
             "top_entropy_quantile": (self.top_entropy_quantile < 1.0, "1.0"),
@@ -499,6 +489,17 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 f"bypass_mode=True uses delta as the dual-clip bound of PPO-clip on pi_theta / mu (for A < 0 the "
                 f"per-token loss is capped at -A * delta), which is TRL's two-sided clip only for delta > 1 + "
                 f"epsilon_high; got delta={self.delta}, epsilon_high={epsilon_high}."
+            )
+        if correction.bypass_loss_type == "ppo_clip" and correction.rollout_is is not None:
+            extra = (" rollout_is_batch_normalize=True normalises those metrics only, at the cost of one extra "
+                     "no-grad forward per optimizer step with gradient_accumulation_steps > 1."
+                     if correction.rollout_is_batch_normalize else "")
+            logger.warning(
+                f"rollout_is={correction.rollout_is!r} with bypass_mode=True and bypass_loss_type='ppo_clip': the "
+                "PPO ratio pi_theta / mu already compares against the behaviour policy, so the IS weights are "
+                "logged (rollout_corr/rollout_is_*) but multiplied into no loss (docs/configuration.md, "
+                f"bypass_loss_type).{extra} To weight the loss use bypass_loss_type='reinforce' or decoupled "
+                "mode (bypass_mode=False); else unset rollout_is."
             )
 
 
