@@ -662,7 +662,10 @@ def plot(cells: dict, path: Path, curves_path: Path) -> None:
     plt.close(fig)
 
     keys = [("reward", "reward"), ("rollout_corr/kl", "kl (nats/token)"), ("rollout_corr/rollout_is_eff_sample_size",
-            "ESS"), (None, "trained fraction"), ("completions/mean_length", "mean length"), ("curve", "check acc")]
+            "ESS"), (None, "trained fraction"), ("grad_norm", "grad norm"), ("entropy", "entropy (nats/token)"),
+            ("completions/mean_length", "mean length (tokens)"), ("completions/clipped_ratio", "clipped ratio"),
+            ("rollout_corr/policy_lag_mean", "mean policy lag (steps)"),
+            ("frac_reward_zero_std", "groups with no reward variance"), ("curve", "check acc (first 128 items)")]
     # the curves of the cells at the grid's interval and their on-policy references: one colour per method, one line
     # style per seed (every cell would be unreadable, and other k's are in the accuracy figure and the table)
     shown = {n: s for n, s in cells.items()
@@ -670,13 +673,16 @@ def plot(cells: dict, path: Path, curves_path: Path) -> None:
     arms = sorted({f"{parse_cell(n)[0]}_k{parse_cell(n)[1]}" for n in shown})
     colours = {m: f"C{j % 10}" for j, m in enumerate(arms)}
     styles = ["-", "--", ":", "-."]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    fig, axes = plt.subplots(3, 4, figsize=(17, 10))
     fig.suptitle(f"per-step curves, cells at k = 1 and k = {GRID_K} (colour: arm; line style: seed)", fontsize=10)
     for ax, (key, label) in zip(axes.flat, keys):
         for name, s in shown.items():
             method, k, seed = parse_cell(name)
-            if key == "curve":
+            if key == "curve":  # the checks, then the final evaluation's scores on the same first items
                 xs, ys = [c["step"] for c in s["curve"]], [c["correct"] / c["total"] for c in s["curve"]]
+                if s["curve"] and s["after"]:
+                    n = s["curve"][0]["total"]
+                    xs, ys = [*xs, len(s["steps"])], [*ys, sum(s["after"]["scores"][:n]) / n]
             else:
                 xs = [r["step"] for r in s["steps"]]
                 ys = s["trained"] if key is None else [r.get(key, float("nan")) for r in s["steps"]]
@@ -684,9 +690,11 @@ def plot(cells: dict, path: Path, curves_path: Path) -> None:
                     linewidth=1)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("optimizer step", fontsize=8)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
     axes.flat[0].legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(curves_path, dpi=110)
+    fig.savefig(curves_path, dpi=100)
     plt.close(fig)
 
 
