@@ -42,6 +42,13 @@ Results that outlive the machine: a finished cell's small outputs (``eval.json``
 to ``--results`` (default ``benchmarks/results/policy_lag/<cell>/``) and, with ``--commit``, committed there at
 once; a cell whose ``eval.json`` is already under ``--results`` is skipped (resumable on a new machine).
 
+Replayed rollouts: a cell whose k is at least ``--steps`` never syncs the engine after its first call, so its
+rollouts depend only on the seed and the sampling flags (``rollout_key``); the first such cell of a key records them
+(``rollouts.json.gz``, committed with the cell) and the later ones replay them (``rollout_plan``,
+``benchmarks/rollout_replay.py``) instead of spending ~60 % of their time in vLLM generation. A replay that does
+not match the recording call for call falls back to generating. ``cell_meta.json``'s ``rollouts`` and the report say
+which cells replayed.
+
 The lag-accounting check runs on every finished cell: every logged step's ``policy_lag_max`` lies in [0, k-1],
 at least one step in every k has lag 0, and at every lag-0 step ``rollout_corr/kl`` is at the engine-mismatch
 level (``rollout_corr/k3_kl`` <= ``--engine-kl-max`` nats/token: the K3 estimator, never negative and less noisy
@@ -137,7 +144,13 @@ GRID = [*(f"{m}_k{GRID_K}_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)),
         "trl_k32_s4"]
 ORDER = [WARMSTART, *CALIBRATION, *CALIBRATION_MAX_LAG, *GRID]
 REBUILD_ENV = "POLICY_LAG_REBUILD_WARMSTART"  # run_cell -> the cell process: a rebuild of the committed warm start
-KEEP_FILES = ("eval.json", "results.json", "log.jsonl", "curve.jsonl", "cell_meta.json")
+RECORD_ENV, REPLAY_ENV = "POLICY_LAG_RECORD_ROLLOUTS", "POLICY_LAG_REPLAY_ROLLOUTS"  # run_cell -> the cell: a path
+ROLLOUTS = "rollouts.json.gz"  # benchmarks/rollout_replay.py's recording
+KEEP_FILES = ("eval.json", "results.json", "log.jsonl", "curve.jsonl", "cell_meta.json", ROLLOUTS)
+# The flags that decide what a never-synced engine samples (with the warm start's weights and the code): two cells
+# with equal values replay each other's rollouts; the cell process checks the rest (rollout_replay.py).
+ROLLOUT_FLAGS = ("--seed", "--max_steps", "--per_device_train_batch_size", "--rollout_sync_interval", "--top_p",
+                 "--top_k", "--temperature", "--rollout_dtype", "--max_completion_length")
 
 
 def parse_cell(name: str) -> tuple[str, int, int]:
@@ -259,6 +272,11 @@ def _trainer_class(method: str, out: Path, check_every: int, check_size: int, ev
                     raise ValueError("trl_is needs vllm_importance_sampling_correction=True.")
                 self.use_vllm = True  # TRL 1.16 gates its vLLM IS on this attribute alone
             self.add_callback(EvalCallback(self))
+            for env, mode in ((RECORD_ENV, "record"), (REPLAY_ENV, "replay")):
+                if os.environ.get(env):  # run_cell's rollout_plan (k >= steps: the engine is never synced again)
+                    from rollout_replay import RecordedRollout
+
+                    self.rollout_func = RecordedRollout(self.rollout_func, os.environ[env], mode)
 
         def _generate(self, prompts):
             if method not in TRL_IS_METHODS:
@@ -360,6 +378,28 @@ def same_training(a: Path, b: Path) -> list[str]:
     return diff + ([f"{len(sa)} vs {len(sb)} logged steps"] if len(sa) != len(sb) else [])
 
 
+def rollout_key(flags: list[str]) -> dict:
+    """The ``ROLLOUT_FLAGS`` values of a cell's recipe flags (the last occurrence wins, as in the parser)."""
+    return {f: v for f, v in zip(flags, flags[1:]) if f in ROLLOUT_FLAGS}
+
+
+def rollout_plan(name: str, flags: list[str], args: argparse.Namespace) -> tuple[str, Path | None]:
+    """How a cell gets its rollouts: ``("generate", None)``, ``("record", None)`` or ``("replay", <recording>)``.
+
+    A cell whose sync interval k is at least ``--steps`` never syncs the engine after its first call, so its rollouts
+    depend only on ``rollout_key``: it replays the recording (``ROLLOUTS``) of a committed cell with the same key,
+    or records its own for the later ones. Other cells (and the warm start) generate."""
+    if name == WARMSTART or parse_cell(name)[1] < args.steps:
+        return "generate", None
+    key = rollout_key(flags)
+    for folder in sorted(Path(args.results).iterdir()) if Path(args.results).is_dir() else []:
+        meta = folder / "cell_meta.json"
+        if folder.name != name and (folder / ROLLOUTS).exists() and meta.exists() and \
+                rollout_key(json.loads(meta.read_text())["flags"]) == key:
+            return "replay", folder / ROLLOUTS
+    return "record", None
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
@@ -380,15 +420,31 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
     print(f">>> {name}: {' '.join(cmd)}", flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(":"),
            "OMP_NUM_THREADS": "1", REBUILD_ENV: str(int(name == WARMSTART and (results / "eval.json").exists()))}
+    plan, source = rollout_plan(name, flags, args)
+    (out / ROLLOUTS).unlink(missing_ok=True)
+    if plan == "record":
+        env[RECORD_ENV] = str(out / ROLLOUTS)
+    elif plan == "replay":
+        env[REPLAY_ENV] = str(source)
+        print(f"=== {name}: replays the rollouts of {source.parent.name}", flush=True)
     t0, load, cpu0 = time.time(), os.getloadavg()[0], os.times()
     with open(out / "run.log", "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    if proc.returncode and plan == "replay":  # e.g. a rollout call that differs from the recording: generate
+        print(f"!!! {name}: replay failed (rc {proc.returncode}; {out / 'run.log'} kept as replay_failed.log); "
+              "generating instead", flush=True)
+        shutil.move(out / "run.log", out / "replay_failed.log")
+        env.pop(REPLAY_ENV)
+        plan, env[RECORD_ENV] = "record", str(out / ROLLOUTS)
+        with open(out / "run.log", "w") as log:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     cpu1 = os.times()
     meta = {"cell": name, "flags": flags, "code": code_revision(), "wall_s": round(time.time() - t0, 1),
             "cpu_s": round((cpu1.children_user + cpu1.children_system)
                            - (cpu0.children_user + cpu0.children_system), 1),
             "load_before": load, "load_after": os.getloadavg()[0], "returncode": proc.returncode,
-            "jobs": args.jobs, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "jobs": args.jobs, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "rollouts": plan if plan != "replay" else f"replayed from {source.parent.name}"}
     if proc.returncode:
         print(f"!!! {name}: rc {proc.returncode}; see {out / 'run.log'}", flush=True)
         return
@@ -519,6 +575,13 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
             f"| {_mean(ser('completions/mean_length')):.1f} | {_mean(ser('completions/clipped_ratio')):.2f} "
             f"| {_mean(ser('frac_reward_zero_std')):.2f} | {_mean(ser('step_time')):.1f} "
             f"| {s['meta'].get('wall_s', 0):.0f} | {'FAILED: ' + '; '.join(check) if check else 'passed'} |")
+    replayed = {n: c["meta"]["rollouts"] for n, c in cells.items()
+                if str(c["meta"].get("rollouts", "")).startswith("replayed")}
+    if replayed:
+        lines += ["", "Rollouts replayed, not generated (`benchmarks/rollout_replay.py`: at k >= steps the engine "
+                  "keeps the warm start's weights, so a seed's rollouts are the same in every cell; each call is "
+                  "checked against the recording and continues its random state; their step and wall times leave "
+                  "out generation): " + "; ".join(f"{n} {how}" for n, how in replayed.items()) + "."]
     lines += ["", *seed_table(cells), "", *rs_on_table(cells)]
     missing = [c for c in ORDER if c not in cells]
     if missing:

@@ -1,0 +1,141 @@
+"""benchmarks/rollout_replay.py: a replayed run sees the recorded outputs and continues with the recorded random
+states, exactly; any difference in the call raises; and the policy-lag runner's choice of which cells replay."""
+
+import argparse
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.unit
+
+_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name):
+    sys.path.insert(0, str(_BENCH))
+    spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def rr():
+    return _load("rollout_replay")
+
+
+class FakeRollout:
+    """Samples from the three global generators, as an in-process engine may."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, prompts, trainer):
+        self.n += 1
+        return {"prompt_ids": [[len(p)] for p in prompts],
+                "completion_ids": [[int(torch.randint(0, 100, ())), random.randrange(100), int(np.random.randint(100))]
+                                   for _ in prompts],
+                "logprobs": [[float(torch.rand(())) - 1.0 / 3.0] * 3 for _ in prompts],
+                "policy_version": [0] * len(prompts)}
+
+    def describe(self):
+        return {"rollout_engine": "fake"}
+
+    def sampling_kwargs(self, trainer):
+        return {"temperature": 1.0, "max_tokens": 3}
+
+
+class Forbidden:
+    def __call__(self, prompts, trainer):
+        raise AssertionError("a replay generated")
+
+    def describe(self):
+        return {"rollout_engine": "fake"}
+
+    def sampling_kwargs(self, trainer):
+        return {"temperature": 1.0, "max_tokens": 3}
+
+
+def _seed():
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+
+
+def _train(wrapped, steps, prompts=lambda s: [f"q{s}", f"r{s}x"]):
+    """Three 'optimizer steps': a rollout call, then training draws from the generators; returns everything seen."""
+    trainer, seen = SimpleNamespace(state=SimpleNamespace(global_step=0)), []
+    for step in range(steps):
+        trainer.state.global_step = step
+        seen.append(wrapped(prompts(step), trainer))
+        seen.append((float(torch.rand(())), random.random(), float(np.random.rand())))
+    return seen
+
+
+def test_replay_returns_the_outputs_and_the_random_stream_of_the_recorded_run(rr, tmp_path):
+    path = tmp_path / "rollouts.json.gz"
+    _seed()
+    recorded = _train(rr.RecordedRollout(FakeRollout(), path, "record"), 3)
+    _seed()
+    replay = rr.RecordedRollout(Forbidden(), path, "replay")
+    assert _train(replay, 3) == recorded  # the outputs, bit for bit (floats round-trip), and the draws after them
+    assert replay.replayed == 3 and len(rr.load_recording(path)) == 3
+    assert replay.describe() == {"rollout_engine": "fake"}  # delegated
+    _seed()  # a shorter run replays a prefix
+    assert _train(rr.RecordedRollout(Forbidden(), path, "replay"), 2) == recorded[:4]
+
+
+def test_replay_refuses_a_call_that_differs(rr, tmp_path):
+    path = tmp_path / "rollouts.json.gz"
+    _seed()
+    _train(rr.RecordedRollout(FakeRollout(), path, "record"), 2)
+    _seed()
+    with pytest.raises(RuntimeError, match="prompts_sha256"):
+        _train(rr.RecordedRollout(Forbidden(), path, "replay"), 2, prompts=lambda s: ["other"])
+    torch.manual_seed(1), random.seed(0), np.random.seed(0)  # another random state before the first call
+    with pytest.raises(RuntimeError, match="rng_before"):
+        _train(rr.RecordedRollout(Forbidden(), path, "replay"), 1)
+    _seed()
+    with pytest.raises(RuntimeError, match="holds 2 rollout calls"):
+        _train(rr.RecordedRollout(Forbidden(), path, "replay"), 3)
+    with pytest.raises(ValueError, match="mode"):
+        rr.RecordedRollout(Forbidden(), path, "both")
+
+
+def test_an_output_json_would_change_stops_the_recording_not_the_run(rr, tmp_path):
+    class Tuples(FakeRollout):
+        def __call__(self, prompts, trainer):
+            return {**super().__call__(prompts, trainer), "policy_version": (0,) * len(prompts)}
+
+    path = tmp_path / "rollouts.json.gz"
+    wrapped = rr.RecordedRollout(Tuples(), path, "record")
+    out = _train(wrapped, 2)
+    assert out[0]["policy_version"] == (0, 0) and wrapped.rollout.n == 2
+    assert wrapped.calls is None and "call 0" in wrapped.stopped and not path.exists()
+
+
+def test_which_cells_replay(tmp_path):
+    exp = _load("policy_lag_experiment")
+    args = argparse.Namespace(results=str(tmp_path), steps=32, out=str(tmp_path / "out"), lr=3e-5, prompts=8)
+
+    def flags(name):
+        return exp.cell_flags(name, tmp_path / "out" / name, args)
+
+    assert exp.rollout_plan("warmstart", [], args) == ("generate", None)
+    assert exp.rollout_plan("tis_k8_s1", flags("tis_k8_s1"), args) == ("generate", None)  # syncs: weights move
+    assert exp.rollout_plan("tis_k32_s1", flags("tis_k32_s1"), args) == ("record", None)
+    done = tmp_path / "bypass_k32_s1"
+    done.mkdir()
+    (done / "cell_meta.json").write_text(json.dumps({"flags": flags("bypass_k32_s1")}))
+    assert exp.rollout_plan("tis_k32_s1", flags("tis_k32_s1"), args) == ("record", None)  # no recording there
+    (done / exp.ROLLOUTS).write_bytes(b"")
+    assert exp.rollout_plan("tis_k32_s1", flags("tis_k32_s1"), args) == ("replay", done / exp.ROLLOUTS)
+    assert exp.rollout_plan("trl_slow_k32_s1", flags("trl_slow_k32_s1"), args)[0] == "replay"  # lr: training only
+    assert exp.rollout_plan("tis_k32_s2", flags("tis_k32_s2"), args) == ("record", None)  # another seed
+    assert exp.rollout_plan("bypass_k32_s1", flags("bypass_k32_s1"), args) == ("record", None)  # not itself
+    assert exp.rollout_key(flags("tis_k32_s2"))["--seed"] == "43"
