@@ -149,3 +149,14 @@ def test_bypass_has_no_plan_and_no_pi_old_forward(llama_dir, tmp_path, make_trai
 def test_unknown_setting_is_refused(make_args, tmp_path):
     with pytest.raises(ValueError, match="rollout_corr_old_forward must be one of"):
         make_args(tmp_path, rollout_corr_old_forward="never")
+
+
+def test_always_in_bypass_mode_is_refused(make_args, tmp_path):
+    """Bypass mode has no pi_old forward to keep (pi_old := mu): 'always' would be silently ignored there."""
+    with pytest.raises(ValueError, match=r"rollout_corr_old_forward='always' .* bypass mode has none .* unset it .* "
+                                         r"or use decoupled mode \(bypass_mode=False\)"):
+        make_args(tmp_path, rollout_corr_preset="bypass_ppo_clip", rollout_corr_old_forward="always")
+    assert make_args(tmp_path, rollout_corr_preset="bypass_ppo_clip").rollout_corr_old_forward == "auto"
+    assert make_args(tmp_path, rollout_corr_old_forward="always").rollout_corr_old_forward == "always"  # diagnostics
+    assert make_args(tmp_path, rollout_corr_preset="decoupled_token_is",
+                     rollout_corr_old_forward="always").rollout_corr_old_forward == "always"

@@ -102,7 +102,8 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             forward provably is pi_old (``old_forward``'s rule: ``steps_per_generation == 1``, no dropout, no
             ``policy_lag_split``, ...), which saves one forward per generation batch (decoupled mode, and the
             no-correction diagnostics); otherwise, and always with ``"always"``, pi_old has its own no-grad forward.
-            One start-up log line says which, and why.
+            One start-up log line says which, and why. Bypass mode has no pi_old forward (pi_old := mu): ``"always"``
+            is refused there.
         rollout_support_matching (`str`, defaults to `"off"`):
             Sampling-support matching (``support``): ``"off"`` scores TRL's full-vocabulary log-probs (the start-up
             report names every sampler parameter that shapes mu but not them, and with truncation on one warning
@@ -245,6 +246,12 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             _refuse(f"rollout_corr_old_forward must be one of {OLD_FORWARD_SETTINGS}, got "
                     f"{self.rollout_corr_old_forward!r}.")
         correction = self.resolve()
+        if self.rollout_corr_old_forward == "always" and correction.enabled and correction.bypass_mode:
+            _refuse(
+                "rollout_corr_old_forward='always' keeps pi_old's own forward, but bypass mode has none (pi_old := "
+                "mu, the rollout's log-probs), so the setting would be ignored: unset it (the default 'auto'), or use "
+                "decoupled mode (bypass_mode=False) to compute pi_old."
+            )
         if self.rollout_support_matching != "off" and not correction.enabled:
             _refuse(
                 f"rollout_support_matching={self.rollout_support_matching!r} changes the log-probs the trainer "
