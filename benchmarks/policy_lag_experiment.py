@@ -145,6 +145,7 @@ GRID = [*(f"{m}_k{GRID_K}_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)),
 ORDER = [WARMSTART, *CALIBRATION, *CALIBRATION_MAX_LAG, *GRID]
 REBUILD_ENV = "POLICY_LAG_REBUILD_WARMSTART"  # run_cell -> the cell process: a rebuild of the committed warm start
 RECORD_ENV, REPLAY_ENV = "POLICY_LAG_RECORD_ROLLOUTS", "POLICY_LAG_REPLAY_ROLLOUTS"  # run_cell -> the cell: a path
+REPLAY_MISMATCH = "rollout replay mismatch"  # rollout_replay.MISMATCH: a cell that fails with it is generated instead
 ROLLOUTS = "rollouts.json.gz"  # benchmarks/rollout_replay.py's recording
 KEEP_FILES = ("eval.json", "results.json", "log.jsonl", "curve.jsonl", "cell_meta.json", ROLLOUTS)
 # The flags that decide what a never-synced engine samples (with the warm start's weights and the code): two cells
@@ -334,7 +335,8 @@ def commit_cell(results: Path, name: str, summary: str) -> None:
 def code_revision() -> str:
     proc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "trl_rollout_corr", "recipes",
-                            "benchmarks/policy_lag_experiment.py"], capture_output=True, text=True).stdout.strip()
+                            "benchmarks/policy_lag_experiment.py", "benchmarks/rollout_replay.py"],
+                           capture_output=True, text=True).stdout.strip()
     return proc.stdout.strip() + ("+dirty" if dirty else "")
 
 
@@ -420,8 +422,11 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
     print(f">>> {name}: {' '.join(cmd)}", flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(":"),
            "OMP_NUM_THREADS": "1", REBUILD_ENV: str(int(name == WARMSTART and (results / "eval.json").exists()))}
+    for var in (RECORD_ENV, REPLAY_ENV):  # only rollout_plan's choice reaches the cell, never an exported one
+        env.pop(var, None)
     plan, source = rollout_plan(name, flags, args)
     (out / ROLLOUTS).unlink(missing_ok=True)
+    (results / ROLLOUTS).unlink(missing_ok=True)  # an earlier run's recording never goes in with this one
     if plan == "record":
         env[RECORD_ENV] = str(out / ROLLOUTS)
     elif plan == "replay":
@@ -430,12 +435,16 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
     t0, load, cpu0 = time.time(), os.getloadavg()[0], os.times()
     with open(out / "run.log", "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    if proc.returncode and plan == "replay":  # e.g. a rollout call that differs from the recording: generate
-        print(f"!!! {name}: replay failed (rc {proc.returncode}; {out / 'run.log'} kept as replay_failed.log); "
+    how = plan if plan != "replay" else f"replayed from {source.parent.name}"
+    if proc.returncode and plan == "replay" and REPLAY_MISMATCH in (out / "run.log").read_text(errors="replace"):
+        # a rollout call that differs from the recording (rollout_replay's MISMATCH; other failures fail the cell)
+        print(f"!!! {name}: replay mismatch (rc {proc.returncode}; {out / 'run.log'} kept as replay_failed.log); "
               "generating instead", flush=True)
         shutil.move(out / "run.log", out / "replay_failed.log")
         env.pop(REPLAY_ENV)
         plan, env[RECORD_ENV] = "record", str(out / ROLLOUTS)
+        how = f"record (the replay of {source.parent.name} did not match: replay_failed.log, not committed)"
+        t0, load, cpu0 = time.time(), os.getloadavg()[0], os.times()  # this run's own time
         with open(out / "run.log", "w") as log:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     cpu1 = os.times()
@@ -444,7 +453,7 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
                            - (cpu0.children_user + cpu0.children_system), 1),
             "load_before": load, "load_after": os.getloadavg()[0], "returncode": proc.returncode,
             "jobs": args.jobs, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "rollouts": plan if plan != "replay" else f"replayed from {source.parent.name}"}
+            "rollouts": how}
     if proc.returncode:
         print(f"!!! {name}: rc {proc.returncode}; see {out / 'run.log'}", flush=True)
         return
@@ -497,6 +506,32 @@ def summarize(results: Path) -> dict:
     return {"steps": steps, "before": res.get("before"), "after": res.get("after"), "meta": meta,
             "curve": _read_jsonl(results / "curve.jsonl"), "trained": [trained(r) for r in steps],
             "series": series}
+
+
+ROLLOUT_SERIES = ("reward", "completions/mean_length")  # decided by the completions alone, not by the update
+
+
+def same_rollouts(cells: dict) -> list[str]:
+    """One line per seed at k >= the steps (never synced) with a replayed cell: are every step's ``ROLLOUT_SERIES``
+    values equal in all that seed's cells, generated, recorded and replayed? (They must be: the same completions.)"""
+    groups: dict = {}
+    for n, c in cells.items():
+        if n != WARMSTART and parse_cell(n)[1] >= len(c["steps"]) > 0:
+            groups.setdefault(parse_cell(n)[1:], []).append(n)
+    out = []
+    for (k, seed), names in sorted(groups.items()):
+        if not any(str(cells[n]["meta"].get("rollouts", "")).startswith("replayed") for n in names):
+            continue
+        ref = names[0]
+        differ = {n: [i + 1 for i, (a, b) in enumerate(zip(*(
+            [tuple(r.get(key) for key in ROLLOUT_SERIES) for r in cells[m]["steps"]] for m in (ref, n)))) if a != b]
+            for n in names[1:]}
+        bad = {n: steps for n, steps in differ.items() if steps}
+        out.append(f"* k = {k}, seed {seed}: " + (
+            f"per-step {' and '.join(ROLLOUT_SERIES)} identical in all {len(names)} cells ({', '.join(names)})"
+            if not bad else "DIFFERENT rollouts: " + "; ".join(f"{n} vs {ref} at steps {st}" for n, st in bad.items()))
+            + ".")
+    return out
 
 
 def rs_masked_fraction(r: dict) -> float:
@@ -581,7 +616,8 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
         lines += ["", "Rollouts replayed, not generated (`benchmarks/rollout_replay.py`: at k >= steps the engine "
                   "keeps the warm start's weights, so a seed's rollouts are the same in every cell; each call is "
                   "checked against the recording and continues its random state; their step and wall times leave "
-                  "out generation): " + "; ".join(f"{n} {how}" for n, how in replayed.items()) + "."]
+                  "out generation): " + "; ".join(f"{n} {how}" for n, how in replayed.items()) + ".",
+                  "", *same_rollouts(cells)]
     lines += ["", *seed_table(cells), "", *rs_on_table(cells)]
     missing = [c for c in ORDER if c not in cells]
     if missing:

@@ -51,6 +51,10 @@ class FakeRollout:
     def sampling_kwargs(self, trainer):
         return {"temperature": 1.0, "max_tokens": 3}
 
+    @staticmethod
+    def tokenize(prompts, trainer):
+        return [[len(p)] for p in prompts]
+
 
 class Forbidden:
     def __call__(self, prompts, trainer):
@@ -62,14 +66,24 @@ class Forbidden:
     def sampling_kwargs(self, trainer):
         return {"temperature": 1.0, "max_tokens": 3}
 
+    @staticmethod
+    def tokenize(prompts, trainer):
+        return [[len(p)] for p in prompts]
+
 
 def _seed():
     torch.manual_seed(0), random.seed(0), np.random.seed(0)
 
 
-def _train(wrapped, steps, prompts=lambda s: [f"q{s}", f"r{s}x"]):
+def _model(*values):
+    model = torch.nn.Module()
+    model.register_buffer("w", torch.tensor(values or (1.0, 2.0)))
+    return model
+
+
+def _train(wrapped, steps, prompts=lambda s: [f"q{s}", f"r{s}x"], model=None):
     """Three 'optimizer steps': a rollout call, then training draws from the generators; returns everything seen."""
-    trainer, seen = SimpleNamespace(state=SimpleNamespace(global_step=0)), []
+    trainer, seen = SimpleNamespace(state=SimpleNamespace(global_step=0), model=model or _model()), []
     for step in range(steps):
         trainer.state.global_step = step
         seen.append(wrapped(prompts(step), trainer))
@@ -95,8 +109,24 @@ def test_replay_refuses_a_call_that_differs(rr, tmp_path):
     _seed()
     _train(rr.RecordedRollout(FakeRollout(), path, "record"), 2)
     _seed()
-    with pytest.raises(RuntimeError, match="prompts_sha256"):
+    with pytest.raises(RuntimeError, match=f"^{rr.MISMATCH}: .*prompts_sha256"):
         _train(rr.RecordedRollout(Forbidden(), path, "replay"), 2, prompts=lambda s: ["other"])
+    _seed()  # other weights at the first call: the engine would have sampled from them
+    with pytest.raises(RuntimeError, match=r"\['weights_sha256'\]"):
+        _train(rr.RecordedRollout(Forbidden(), path, "replay"), 1, model=_model(1.0, 2.5))
+    _seed()  # the same messages tokenised otherwise (a chat template or tokenizer change)
+    other_ids = Forbidden()
+    other_ids.tokenize = lambda prompts, trainer: [[len(p) + 1] for p in prompts]
+    with pytest.raises(RuntimeError, match=r"\['prompt_ids'\]"):
+        _train(rr.RecordedRollout(other_ids, path, "replay"), 1)
+    _seed()  # another machine (torch, CPU, threads)
+    real = rr.machine
+    rr.machine = lambda: {**real(), "cpu": "another CPU"}
+    try:
+        with pytest.raises(RuntimeError, match=r"\['machine'\].*another CPU"):
+            _train(rr.RecordedRollout(Forbidden(), path, "replay"), 1)
+    finally:
+        rr.machine = real
     torch.manual_seed(1), random.seed(0), np.random.seed(0)  # another random state before the first call
     with pytest.raises(RuntimeError, match="rng_before"):
         _train(rr.RecordedRollout(Forbidden(), path, "replay"), 1)
@@ -119,8 +149,9 @@ def test_an_output_json_would_change_stops_the_recording_not_the_run(rr, tmp_pat
     assert wrapped.calls is None and "call 0" in wrapped.stopped and not path.exists()
 
 
-def test_which_cells_replay(tmp_path):
+def test_which_cells_replay(rr, tmp_path):
     exp = _load("policy_lag_experiment")
+    assert exp.REPLAY_MISMATCH == rr.MISMATCH  # run_cell generates instead only on this message
     args = argparse.Namespace(results=str(tmp_path), steps=32, out=str(tmp_path / "out"), lr=3e-5, prompts=8)
 
     def flags(name):
@@ -139,3 +170,19 @@ def test_which_cells_replay(tmp_path):
     assert exp.rollout_plan("tis_k32_s2", flags("tis_k32_s2"), args) == ("record", None)  # another seed
     assert exp.rollout_plan("bypass_k32_s1", flags("bypass_k32_s1"), args) == ("record", None)  # not itself
     assert exp.rollout_key(flags("tis_k32_s2"))["--seed"] == "43"
+
+
+def test_report_checks_that_a_seeds_never_synced_cells_saw_the_same_rollouts(tmp_path):
+    exp = _load("policy_lag_experiment")
+
+    def cell(rewards, how="generate"):
+        return {"steps": [{"reward": r, "completions/mean_length": 10.0} for r in rewards], "meta": {"rollouts": how}}
+
+    cells = {"trl_k32_s1": cell([0.1, 0.2]), "tis_k32_s1": cell([0.1, 0.2], "replayed from bypass_k32_s1"),
+             "bypass_k32_s1": cell([0.1, 0.2], "record"), "trl_k32_s2": cell([0.3, 0.4]),
+             "tis_k8_s1": cell([0.5, 0.6])}
+    assert exp.same_rollouts(cells) == [  # seed 2 and k = 8 have no replayed cell: no line
+        "* k = 32, seed 1: per-step reward and completions/mean_length identical in all 3 cells (trl_k32_s1, "
+        "tis_k32_s1, bypass_k32_s1)."]
+    cells["tis_k32_s1"] = cell([0.1, 0.25], "replayed from bypass_k32_s1")
+    assert exp.same_rollouts(cells) == ["* k = 32, seed 1: DIFFERENT rollouts: tis_k32_s1 vs trl_k32_s1 at steps [2]."]
