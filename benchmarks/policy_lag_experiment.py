@@ -28,7 +28,8 @@ on-policy, k = 8 gives lags 0-7), under one method:
 
 Design (issue 19): every cell starts from one shared checkpoint past the take-off (cell ``warmstart``: on-policy
 plain TRL from the base model; its weights stay in ``--out`` and are never committed; the runner rebuilds them
-from the recipe when missing and checks the rebuilt run's held-out scores against the committed ones), runs
+from the recipe, at the committed code revision (``warmstart_tree``), when missing and checks the rebuilt run's
+held-out scores against the committed ones), runs
 ``--steps`` optimizer steps of ``--prompts`` x 4 completions, and is evaluated greedily on the same 512 held-out
 problems at the end (its start is the warm start's final evaluation), plus a 128-problem greedy check (the first
 128 of them) at step 0 and every ``--check-every`` steps for the curves (step 0 also checks that the cell starts
@@ -406,6 +407,28 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
+def warmstart_tree(results: Path, out_root: Path) -> Path:
+    """The source tree that rebuilds the committed warm start: this checkout when its code revision is the one in
+    ``results/cell_meta.json``, else a git worktree of that revision under ``out_root`` (made once, kept). The warm
+    start is defined by its recipe *and* its code: later changes may move training values in the last float bits
+    (measured: today's code rebuilt it to 135/512 held-out, its own revision to the committed 203/512), and every
+    cell must start from the one checkpoint.
+
+    Raises:
+        RuntimeError: the committed revision was dirty (no tree reproduces it) or is not in this repository."""
+    rev = json.loads((results / "cell_meta.json").read_text())["code"]
+    if rev.endswith("+dirty"):
+        raise RuntimeError(f"the committed warm start ran from uncommitted changes ({rev}): no revision rebuilds it; "
+                           "delete benchmarks/results/policy_lag to restart the grid.")
+    if code_revision() == rev:
+        return ROOT
+    tree = out_root / f"warmstart_code_{rev[:12]}"
+    if not (tree / ".git").exists():
+        _git(ROOT, "worktree", "add", "--detach", "-f", str(tree), rev)
+    print(f"=== warmstart: rebuilt from its committed code revision {rev[:12]} ({tree})", flush=True)
+    return tree
+
+
 def run_cell(name: str, args: argparse.Namespace) -> None:
     """Run one cell in a fresh process unless ``--results/<name>/eval.json`` exists; copy its small outputs to
     ``--results`` and (``--commit``) commit them."""
@@ -417,11 +440,14 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
         run_cell(WARMSTART, args)
     out.mkdir(parents=True, exist_ok=True)
     flags = cell_flags(name, out, args)
-    cmd = [sys.executable, __file__, "--run-cell", name, str(args.check_every), str(args.check_size),
-           str(args.eval_size), str(args.eval_max_tokens), "--", *flags]
+    rebuild = name == WARMSTART and (results / "eval.json").exists()
+    root = warmstart_tree(results, Path(args.out)) if rebuild else ROOT  # its committed code, not today's
+    flags = [f.replace(str(ROOT), str(root), 1) if f.startswith(str(ROOT)) else f for f in flags]
+    cmd = [sys.executable, str(root / "benchmarks" / Path(__file__).name), "--run-cell", name, str(args.check_every),
+           str(args.check_size), str(args.eval_size), str(args.eval_max_tokens), "--", *flags]
     print(f">>> {name}: {' '.join(cmd)}", flush=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(":"),
-           "OMP_NUM_THREADS": "1", REBUILD_ENV: str(int(name == WARMSTART and (results / "eval.json").exists()))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(":"),
+           "OMP_NUM_THREADS": "1", REBUILD_ENV: str(int(rebuild))}
     for var in (RECORD_ENV, REPLAY_ENV):  # only rollout_plan's choice reaches the cell, never an exported one
         env.pop(var, None)
     plan, source = rollout_plan(name, flags, args)
@@ -434,7 +460,7 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
         print(f"=== {name}: replays the rollouts of {source.parent.name}", flush=True)
     t0, load, cpu0 = time.time(), os.getloadavg()[0], os.times()
     with open(out / "run.log", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env)
     how = plan if plan != "replay" else f"replayed from {source.parent.name}"
     if proc.returncode and plan == "replay" and REPLAY_MISMATCH in (out / "run.log").read_text(errors="replace"):
         # a rollout call that differs from the recording (rollout_replay's MISMATCH; other failures fail the cell)
@@ -446,7 +472,7 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
         how = f"record (the replay of {source.parent.name} did not match: replay_failed.log, not committed)"
         t0, load, cpu0 = time.time(), os.getloadavg()[0], os.times()  # this run's own time
         with open(out / "run.log", "w") as log:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env)
     cpu1 = os.times()
     meta = {"cell": name, "flags": flags, "code": code_revision(), "wall_s": round(time.time() - t0, 1),
             "cpu_s": round((cpu1.children_user + cpu1.children_system)
@@ -465,7 +491,8 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
     if name == WARMSTART and (results / "eval.json").exists():  # a rebuilt checkpoint: the same run?
         old = json.loads((results / "eval.json").read_text())["after"]["scores"]
         new = json.loads((out / "eval.json").read_text())["after"]["scores"]
-        if old != new:
+        if old != new:  # never a start for the cells: the next runner rebuilds it
+            shutil.move(out / "model.safetensors", out / "model.not_the_committed_warm_start.safetensors")
             raise RuntimeError(f"the rebuilt warm start scores {sum(new)}/{len(new)} held-out items, the committed "
                                f"one {sum(old)}/{len(old)}: the checkpoint is not the committed one (other "
                                "versions or threads?); delete benchmarks/results/policy_lag to restart the grid.")

@@ -186,3 +186,22 @@ def test_report_checks_that_a_seeds_never_synced_cells_saw_the_same_rollouts(tmp
         "tis_k32_s1, bypass_k32_s1)."]
     cells["tis_k32_s1"] = cell([0.1, 0.25], "replayed from bypass_k32_s1")
     assert exp.same_rollouts(cells) == ["* k = 32, seed 1: DIFFERENT rollouts: tis_k32_s1 vs trl_k32_s1 at steps [2]."]
+
+
+def test_the_warm_start_is_rebuilt_from_its_committed_code_revision(tmp_path, monkeypatch):
+    """Today's code may move training values in the last bits: the rebuild runs the committed revision's tree."""
+    exp = _load("policy_lag_experiment")
+    results = tmp_path / "warmstart"
+    results.mkdir()
+    calls = []
+    monkeypatch.setattr(exp, "_git", lambda repo, *a: calls.append((repo, a)))
+    monkeypatch.setattr(exp, "code_revision", lambda: "b" * 40)
+    (results / "cell_meta.json").write_text(json.dumps({"code": "b" * 40}))
+    assert exp.warmstart_tree(results, tmp_path / "out") == exp.ROOT and not calls  # the same revision: here
+    (results / "cell_meta.json").write_text(json.dumps({"code": "a" * 40}))
+    tree = exp.warmstart_tree(results, tmp_path / "out")
+    assert tree == tmp_path / "out" / ("warmstart_code_" + "a" * 12)
+    assert calls == [(exp.ROOT, ("worktree", "add", "--detach", "-f", str(tree), "a" * 40))]
+    (results / "cell_meta.json").write_text(json.dumps({"code": "a" * 40 + "+dirty"}))
+    with pytest.raises(RuntimeError, match=r"uncommitted changes .* no revision rebuilds it"):
+        exp.warmstart_tree(results, tmp_path / "out")
