@@ -56,19 +56,11 @@ class FakeRollout:
         return [[len(p)] for p in prompts]
 
 
-class Forbidden:
+class Forbidden(FakeRollout):
+    """The same engine description, but a replay must never call it."""
+
     def __call__(self, prompts, trainer):
         raise AssertionError("a replay generated")
-
-    def describe(self):
-        return {"rollout_engine": "fake"}
-
-    def sampling_kwargs(self, trainer):
-        return {"temperature": 1.0, "max_tokens": 3}
-
-    @staticmethod
-    def tokenize(prompts, trainer):
-        return [[len(p)] for p in prompts]
 
 
 def _seed():
