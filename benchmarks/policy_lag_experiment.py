@@ -539,15 +539,16 @@ ROLLOUT_SERIES = ("reward", "completions/mean_length")  # decided by the complet
 
 
 def same_rollouts(cells: dict) -> list[str]:
-    """One line per seed at k >= the steps (never synced) with a replayed cell: are every step's ``ROLLOUT_SERIES``
-    values equal in all that seed's cells, generated, recorded and replayed? (They must be: the same completions.)"""
+    """One line per seed at k >= the steps (never synced) with two cells or more: are every step's
+    ``ROLLOUT_SERIES`` values equal in all that seed's cells, generated, recorded and replayed? (They must be: the
+    same completions.)"""
     groups: dict = {}
     for n, c in cells.items():
         if n != WARMSTART and parse_cell(n)[1] >= len(c["steps"]) > 0:
             groups.setdefault(parse_cell(n)[1:], []).append(n)
     out = []
     for (k, seed), names in sorted(groups.items()):
-        if not any(str(cells[n]["meta"].get("rollouts", "")).startswith("replayed") for n in names):
+        if len(names) < 2:
             continue
         ref = names[0]
         differ = {n: [i + 1 for i, (a, b) in enumerate(zip(*(
@@ -643,8 +644,10 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
         lines += ["", "Rollouts replayed, not generated (`benchmarks/rollout_replay.py`: at k >= steps the engine "
                   "keeps the warm start's weights, so a seed's rollouts are the same in every cell; each call is "
                   "checked against the recording and continues its random state; their step and wall times leave "
-                  "out generation): " + "; ".join(f"{n} {how}" for n, how in replayed.items()) + ".",
-                  "", *same_rollouts(cells)]
+                  "out generation): " + "; ".join(f"{n} {how}" for n, how in replayed.items()) + "."]
+    if same_rollouts(cells):
+        lines += ["", "Never-synced cells (k >= steps) see the same completions in every method (the update alone "
+                  "differs):", "", *same_rollouts(cells)]
     lines += ["", *seed_table(cells), "", *rs_on_table(cells)]
     missing = [c for c in ORDER if c not in cells]
     if missing:

@@ -173,7 +173,7 @@ def test_report_checks_that_a_seeds_never_synced_cells_saw_the_same_rollouts(tmp
     cells = {"trl_k32_s1": cell([0.1, 0.2]), "tis_k32_s1": cell([0.1, 0.2], "replayed from bypass_k32_s1"),
              "bypass_k32_s1": cell([0.1, 0.2], "record"), "trl_k32_s2": cell([0.3, 0.4]),
              "tis_k8_s1": cell([0.5, 0.6])}
-    assert exp.same_rollouts(cells) == [  # seed 2 and k = 8 have no replayed cell: no line
+    assert exp.same_rollouts(cells) == [  # seed 2 has one cell, k = 8 syncs: no line
         "* k = 32, seed 1: per-step reward and completions/mean_length identical in all 3 cells (trl_k32_s1, "
         "tis_k32_s1, bypass_k32_s1)."]
     cells["tis_k32_s1"] = cell([0.1, 0.25], "replayed from bypass_k32_s1")
