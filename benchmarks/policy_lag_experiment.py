@@ -170,17 +170,18 @@ def parse_cell(name: str) -> tuple[str, int, int]:
     return method, int(lag[1:]), seed
 
 
-def cell_flags(name: str, out: Path, args: argparse.Namespace) -> list[str]:
-    """The recipe flags of one cell (``warmstart`` or ``<method>_k<k>[_s<seed>]``)."""
+def cell_flags(name: str, out: Path, args: argparse.Namespace, root: Path = ROOT) -> list[str]:
+    """The recipe flags of one cell (``warmstart`` or ``<method>_k<k>[_s<seed>]``); ``root``: the source tree whose
+    recipe configs it reads (``warmstart_tree`` for a rebuilt warm start)."""
     common = ["--output_dir", str(out), "--plots", "false", "--torch_threads", "1", "--eval_size", "0"]
     if name == WARMSTART:
-        return ["--config", str(ROOT / "recipes" / "configs" / f"{NO_CORR}.yaml"), "--model_name_or_path",
+        return ["--config", str(root / "recipes" / "configs" / f"{NO_CORR}.yaml"), "--model_name_or_path",
                 BASE_MODEL, "--vllm_importance_sampling_correction", "false", *common, *WARMSTART_FLAGS,
                 "--max_steps", str(args.warmstart_steps)]
     method, k, seed = parse_cell(name)
     config, extra = METHODS[method]
     lr = args.lr / 2 if method == "trl_slow" else args.lr
-    return ["--config", str(ROOT / "recipes" / "configs" / f"{config}.yaml"), "--model_name_or_path",
+    return ["--config", str(root / "recipes" / "configs" / f"{config}.yaml"), "--model_name_or_path",
             str(Path(args.out) / WARMSTART), "--rollout_sync_interval", str(k), "--seed", str(41 + seed),
             "--max_steps", str(args.steps), "--per_device_train_batch_size", str(4 * args.prompts),
             "--learning_rate", repr(lr), *common, *extra]
@@ -439,10 +440,9 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
     if name != WARMSTART and not (Path(args.out) / WARMSTART / "model.safetensors").exists():
         run_cell(WARMSTART, args)
     out.mkdir(parents=True, exist_ok=True)
-    flags = cell_flags(name, out, args)
     rebuild = name == WARMSTART and (results / "eval.json").exists()
     root = warmstart_tree(results, Path(args.out)) if rebuild else ROOT  # its committed code, not today's
-    flags = [f.replace(str(ROOT), str(root), 1) if f.startswith(str(ROOT)) else f for f in flags]
+    flags = cell_flags(name, out, args, root)
     cmd = [sys.executable, str(root / "benchmarks" / Path(__file__).name), "--run-cell", name, str(args.check_every),
            str(args.check_size), str(args.eval_size), str(args.eval_max_tokens), "--", *flags]
     print(f">>> {name}: {' '.join(cmd)}", flush=True)
@@ -458,9 +458,13 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
     elif plan == "replay":
         env[REPLAY_ENV] = str(source)
         print(f"=== {name}: replays the rollouts of {source.parent.name}", flush=True)
-    t0, load, cpu0 = time.time(), os.getloadavg()[0], os.times()
-    with open(out / "run.log", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env)
+
+    def run() -> tuple[subprocess.CompletedProcess, float, float, os.times_result]:
+        t0, load, cpu0 = time.time(), os.getloadavg()[0], os.times()  # this run's own time
+        with open(out / "run.log", "w") as log:
+            return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env), t0, load, cpu0
+
+    proc, t0, load, cpu0 = run()
     how = plan if plan != "replay" else f"replayed from {source.parent.name}"
     if proc.returncode and plan == "replay" and REPLAY_MISMATCH in (out / "run.log").read_text(errors="replace"):
         # a rollout call that differs from the recording (rollout_replay's MISMATCH; other failures fail the cell)
@@ -470,9 +474,7 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
         env.pop(REPLAY_ENV)
         plan, env[RECORD_ENV] = "record", str(out / ROLLOUTS)
         how = f"record (the replay of {source.parent.name} did not match: replay_failed.log, not committed)"
-        t0, load, cpu0 = time.time(), os.getloadavg()[0], os.times()  # this run's own time
-        with open(out / "run.log", "w") as log:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env)
+        proc, t0, load, cpu0 = run()
     cpu1 = os.times()
     meta = {"cell": name, "flags": flags, "code": code_revision(), "wall_s": round(time.time() - t0, 1),
             "cpu_s": round((cpu1.children_user + cpu1.children_system)
@@ -544,8 +546,9 @@ def same_rollouts(cells: dict) -> list[str]:
     same completions.)"""
     groups: dict = {}
     for n, c in cells.items():
-        if n != WARMSTART and parse_cell(n)[1] >= len(c["steps"]) > 0:
-            groups.setdefault(parse_cell(n)[1:], []).append(n)
+        k_seed = None if n == WARMSTART else parse_cell(n)[1:]
+        if k_seed and k_seed[0] >= len(c["steps"]) > 0:
+            groups.setdefault(k_seed, []).append(n)
     out = []
     for (k, seed), names in sorted(groups.items()):
         if len(names) < 2:
@@ -645,9 +648,10 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
                   "keeps the warm start's weights, so a seed's rollouts are the same in every cell; each call is "
                   "checked against the recording and continues its random state; their step and wall times leave "
                   "out generation): " + "; ".join(f"{n} {how}" for n, how in replayed.items()) + "."]
-    if same_rollouts(cells):
+    same = same_rollouts(cells)
+    if same:
         lines += ["", "Never-synced cells (k >= steps) see the same completions in every method (the update alone "
-                  "differs):", "", *same_rollouts(cells)]
+                  "differs):", "", *same]
     lines += ["", *seed_table(cells), "", *rs_on_table(cells)]
     missing = [c for c in ORDER if c not in cells]
     if missing:

@@ -136,6 +136,7 @@ class RecordedRollout:
         self.rollout, self.path, self.mode, self.replayed = rollout, Path(path), mode, 0
         self.calls: list[dict] | None = load_recording(self.path) if mode == "replay" else []
         self._n, self.stopped = 0, None
+        self._machine = machine()  # fixed for the process: read once, not at every call
 
     def __getattr__(self, name: str) -> Any:
         if name == "rollout":  # not yet set (copy / unpickling): no recursion
@@ -168,7 +169,7 @@ class RecordedRollout:
 
     def __call__(self, prompts: list, trainer: Any) -> dict:
         key = {"call": self._n, "step": int(trainer.state.global_step), "prompts_sha256": _digest(prompts),
-               "sampling": self._sampling(trainer), "machine": machine(),
+               "sampling": self._sampling(trainer), "machine": self._machine,
                "weights_sha256": weights_sha256(trainer) if self._n == 0 else None,
                "rng_before": _digest(_rng_states())}
         self._n += 1
