@@ -652,7 +652,8 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
     if same:
         lines += ["", "Never-synced cells (k >= steps) see the same completions in every method (the update alone "
                   "differs):", "", *same]
-    lines += ["", *seed_table(cells), "", *rs_on_table(cells)]
+    controls = control_table(cells)
+    lines += ["", *seed_table(cells), *([""] + controls if controls else []), "", *rs_on_table(cells)]
     missing = [c for c in ORDER if c not in cells]
     if missing:
         lines += ["", f"Not run yet ({len(missing)} of the planned cells): {', '.join(missing)}."]
@@ -764,6 +765,44 @@ def rs_on_table(cells: dict) -> list[str]:
             n10, n01, p = mcnemar(sa["after"]["scores"], sb["after"]["scores"])
             out.append(f"| {label} | {100 * m:+.1f} ± {100 * se:.1f} pts | {n10} / {n01} | {p:.2g} |")
     return out
+
+
+def control_table(cells: dict) -> list[str]:
+    """The controls at ``GRID_K``, per committed cell of a method other than ``trl`` / ``trl_slow`` at that k: its
+    paired difference (``paired``, points) and exact McNemar p (``mcnemar``) against ``trl_slow`` at the same k and
+    seed (plain TRL at half the learning rate: the effective-step control, issue 19) and against on-policy plain TRL
+    (``trl_k1``) of the same seed (how much of on-policy training it recovers), with its mean behaviour KL
+    (``rollout_corr/kl``, K1, nats/token) and grad norm: a method that beats plain TRL only by moving less beats
+    ``trl_slow`` by less. ``trl_slow`` itself is listed against ``trl_k1``. A missing control prints "not run yet"."""
+    rows = []
+    for name, s in cells.items():
+        if name == WARMSTART or not s.get("after"):
+            continue
+        method, k, seed = parse_cell(name)
+        if k != GRID_K or method == "trl":
+            continue
+        cols = []
+        for ctl in (f"trl_slow_k{GRID_K}_s{seed}", f"trl_k1_s{seed}"):
+            c = cells.get(ctl)
+            if ctl == name:
+                cols.append("—")
+            elif c is None or not c.get("after"):
+                cols.append("not run yet")
+            else:
+                m, se = paired(s["after"]["scores"], c["after"]["scores"])
+                p = mcnemar(s["after"]["scores"], c["after"]["scores"])[2]
+                cols.append(f"{100 * m:+.1f} ± {100 * se:.1f} pts (p {p:.2g})")
+        ser = s["series"]
+        rows.append(f"| {name} | {s['after']['correct']}/{s['after']['total']} "
+                    f"| {_mean(ser('rollout_corr/kl')):.3f} | {_mean(ser('grad_norm')):.3f} | {cols[0]} | {cols[1]} |")
+    if not rows:
+        return []
+    return [f"Controls at k = {GRID_K} (same seed): each method against `trl_slow` (plain TRL at half the learning "
+            "rate, the effective-step control: a method that only moves less than plain TRL gains no more than it) "
+            "and against on-policy plain TRL (`trl_k1`). Mean behaviour KL (`rollout_corr/kl`, nats/token) and grad "
+            "norm per step.", "",
+            "| cell | held-out after | mean kl | grad norm | minus trl_slow (paired s.e., McNemar p) "
+            "| minus trl_k1 (paired s.e., McNemar p) |", "|---|---|---|---|---|---|", *rows]
 
 
 def plot(cells: dict, path: Path, curves_path: Path) -> None:

@@ -154,3 +154,25 @@ def test_seed_table_pairs_arms_by_seed(exp):
     assert next(r for r in rows if r.startswith("| trl_k1 |")).endswith("| — | — |")
     one = exp.seed_table({"trl_k32_s1": {"after": {"accuracy": 0.166}}})
     assert one[-1] == "| trl_k32 | 1 | 16.6 (one seed: no sd) % | — | — |"
+
+
+def test_control_table_by_hand(exp, tmp_path):
+    a = [1, 1, 1, 0, 0, 1, 1, 0]
+    b = [0, 0, 1, 1, 0, 0, 1, 0]  # a - b: +25 points, paired s.e. 25 points; 3 vs 1 discordant: p = 10/16
+    k = exp.GRID_K
+    _cell(tmp_path, f"bypass_k{k}_s1", [(1, 10, {"rollout_corr/kl": 0.1, "grad_norm": 1.0}),
+                                        (2, 10, {"rollout_corr/kl": 0.3, "grad_norm": 0.5})], a)
+    _cell(tmp_path, f"trl_slow_k{k}_s1", [(1, 10, {"rollout_corr/kl": 2.0, "grad_norm": 3.0})], b)
+    _cell(tmp_path, "trl_k1_s1", [(0, 10, {})], a)
+    _cell(tmp_path, f"trl_k{k}_s1", [(1, 10, {})], b)  # plain TRL is the main table's reference, not a row here
+    _cell(tmp_path, f"tis_k{k}_s2", [(1, 10, {"rollout_corr/kl": 0.5, "grad_norm": 1.5})], b)  # no controls yet
+    _cell(tmp_path, "tis_k8_s1", [(1, 10, {})], a)  # another k: not a row
+    rows = exp.control_table({c.name: exp.summarize(c) for c in tmp_path.iterdir()})
+    body = [r for r in rows if r.startswith("| ") and not r.startswith("| cell")]
+    assert sorted(body) == sorted([
+        f"| bypass_k{k}_s1 | 5/8 | 0.200 | 0.750 | +25.0 ± 25.0 pts (p 0.62) | +0.0 ± 0.0 pts (p 1) |",
+        f"| trl_slow_k{k}_s1 | 3/8 | 2.000 | 3.000 | — | -25.0 ± 25.0 pts (p 0.62) |",
+        f"| tis_k{k}_s2 | 3/8 | 0.500 | 1.500 | not run yet | not run yet |",
+    ])
+    assert exp.control_table({}) == []
+    assert f"| bypass_k{k}_s1 | 5/8 |" in exp.report(tmp_path, figure=False)  # the report carries the table
