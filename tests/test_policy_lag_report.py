@@ -80,7 +80,7 @@ def test_order_runs_the_calibration_then_the_grid_at_the_calibrated_interval(exp
     grid = exp.ORDER[len(calibration):]
     # the priority arms at the calibrated k with 3 seeds, before anything else
     assert grid[:6] == [f"{m}_k32_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)]
-    assert grid[6:11] == ["decoupled_k32_s1", "trl_is_k32_s1", "direct_gate_k32_s1", "trl_slow_k32_s1", "tis_k1_s1"]
+    assert grid[6:11] == ["trl_slow_k32_s1", "decoupled_k32_s1", "trl_is_k32_s1", "direct_gate_k32_s1", "tis_k1_s1"]
     # issue 23's cells stay at RS_ON_K = 8 with their no-RS reference tis_k8_s1, then the intermediate k
     assert grid[11:16] == [f"{m}_k8_s1" for m in ("rs_engine", "rs_direct", "tis", "f32_rs_engine", "f32_rs_direct")]
     assert exp.RS_ON_K == 8
