@@ -138,8 +138,11 @@ GRID_K = 32
 # intermediate k = 8 for tis and bypass (plain TRL's k = 8 seeds are the calibration's); then the top-p comparison at
 # k = 1; the fourth k = 32 seed of plain TRL last. Among the seed-1 arms trl_slow runs first (moved 2026-12-04): it is
 # the control that tells bypass's +24 points from a smaller effective step (bypass's behaviour KL 0.18 vs 1.2-2.0).
+# Its seed 1 collapsed like plain TRL (95 vs 85/512; AdamW, so half the learning rate is half the parameter step)
+# while bypass and TIS held (197, 205): seeds 2-3 of the control (replayed, ~45 min each) follow the seed-1 arms.
 GRID = [*(f"{m}_k{GRID_K}_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)),
-        *(f"{m}_k{GRID_K}_s1" for m in ("trl_slow", "decoupled", "trl_is", "direct_gate")), "tis_k1_s1",
+        *(f"{m}_k{GRID_K}_s1" for m in ("trl_slow", "decoupled", "trl_is", "direct_gate")),
+        *(f"trl_slow_k{GRID_K}_s{s}" for s in (2, 3)), "tis_k1_s1",
         *(f"{m}_k8_s1" for m in ("rs_engine", "rs_direct", "tis", "f32_rs_engine", "f32_rs_direct")),
         "tis_k8_s2", "tis_k8_s3", *(f"bypass_k8_s{s}" for s in (1, 2, 3)),
         *(f"{m}_k1_s{s}" for s in (1, 2) for m in ("topp_trl_is", "topp_decoupled", "topp_recompute")),
