@@ -772,7 +772,7 @@ def rs_on_table(cells: dict) -> list[str]:
 
 
 def control_table(cells: dict) -> list[str]:
-    """The controls at ``GRID_K``, per committed cell of a method other than ``trl`` / ``trl_slow`` at that k: its
+    """The controls at ``GRID_K``, per committed cell at that k of any method but plain ``trl``: its
     paired difference (``paired``, points) and exact McNemar p (``mcnemar``) against ``trl_slow`` at the same k and
     seed (plain TRL at half the learning rate: the effective-step control, issue 19) and against on-policy plain TRL
     (``trl_k1``) of the same seed (how much of on-policy training it recovers), with its mean behaviour KL
