@@ -347,21 +347,26 @@ def code_revision() -> str:
 
 
 def lag_check(name: str, log: list[dict], engine_kl_max: float) -> list[str]:
-    """The lag-accounting violations of one finished cell (empty when it passes; see the module docstring)."""
+    """The lag-accounting violations of one finished cell (empty when it passes; see the module docstring).
+
+    A step on which ``max_policy_lag`` dropped every sample (``rollout_corr/policy_lag_dropped_fraction`` 1.0, e.g.
+    ``direct_gate`` past lag 4) has no kept token to measure a KL on, so it logs no ``k3_kl``: its lag range is still
+    checked, its KL is not. A missing ``k3_kl`` on any other step, or a missing ``policy_lag_max``, is a violation."""
     k = 1 if name == WARMSTART else parse_cell(name)[1]
     steps = [r for r in log if "loss" in r and "step_time" in r]
     problems = []
     fresh = 0
     for i, r in enumerate(steps):
         lag_max, lag_mean, kl = (r.get(f"rollout_corr/{m}") for m in ("policy_lag_max", "policy_lag_mean", "k3_kl"))
-        if lag_max is None or kl is None:
+        all_dropped = r.get("rollout_corr/policy_lag_dropped_fraction") == 1.0
+        if lag_max is None or (kl is None and not all_dropped):
             problems.append(f"step {r['step']}: no policy_lag_max / k3_kl logged")
             continue
         if not 0 <= lag_max <= k - 1:
             problems.append(f"step {r['step']}: policy_lag_max {lag_max} outside [0, {k - 1}]")
         if lag_mean == 0:
             fresh = i
-            if kl > engine_kl_max:
+            if kl is not None and kl > engine_kl_max:
                 problems.append(f"step {r['step']}: lag 0 but k3_kl {kl:.4f} > {engine_kl_max} (engine level)")
         elif i - fresh >= k:
             problems.append(f"step {r['step']}: no lag-0 step in the last {k} steps")

@@ -177,3 +177,29 @@ def test_control_table_by_hand(exp, tmp_path):
     ])
     assert exp.control_table({}) == []
     assert f"| bypass_k{k}_s1 | 5/8 |" in exp.report(tmp_path, figure=False)  # the report carries the table
+
+
+def _step(step, lag, kl=None, dropped=0.0):
+    r = {"step": step, "loss": 0.0, "step_time": 1.0, "rollout_corr/policy_lag_max": lag,
+         "rollout_corr/policy_lag_mean": lag, "rollout_corr/policy_lag_dropped_fraction": dropped}
+    if kl is not None:
+        r["rollout_corr/k3_kl"] = kl
+    return r
+
+
+def test_lag_check_passes_steps_whose_samples_the_lag_filter_dropped(exp):
+    # direct_gate at k = 4 with max_policy_lag 2: lags 0..3 in a window, lag 3 dropped whole (no kept token -> no kl)
+    log = [_step(1, 0, 0.004), _step(2, 1, 0.08), _step(3, 2, 0.15), _step(4, 3, dropped=1.0),
+           _step(5, 0, 0.005), _step(6, 1, 0.09)]
+    assert exp.lag_check("direct_gate_k4_s1", log, engine_kl_max=0.02) == []
+
+
+def test_lag_check_still_fails_real_violations(exp):
+    log = [_step(1, 0, 0.004), _step(2, 1), _step(3, 4, 0.2, dropped=1.0), _step(4, 0, 0.05),
+           _step(5, 1, 0.1, dropped=0.5), _step(6, 2, 0.1), _step(7, 3, 0.1), _step(8, 1, 0.1)]
+    assert exp.lag_check("tis_k4_s1", log, engine_kl_max=0.02) == [
+        "step 2: no policy_lag_max / k3_kl logged",  # kl missing although samples were kept
+        "step 3: policy_lag_max 4 outside [0, 3]",
+        "step 4: lag 0 but k3_kl 0.0500 > 0.02 (engine level)",
+        "step 8: no lag-0 step in the last 4 steps",
+    ]
