@@ -9,6 +9,10 @@ Each case trains 2 optimizer steps on a tiny local model (float32, CPU, one thre
   ``rollout_record_times`` batch key), and ``run.json`` without its timestamp, its random ``run_id``, library
   versions and the local model / tokenizer fingerprints (paths).
 
+The data were recorded at ATen's AVX2 kernels (``GOLDEN_CPU_CAPABILITY``; ``conftest.py`` selects them on any x86-64
+CPU that has AVX2, AVX-512 machines included): a process on other kernels fails with the fix named, and a CPU without
+AVX2 (e.g. aarch64) skips the cases, saying why.
+
 The data are produced by the code as it is (``GOLDEN_REGENERATE=1 pytest tests/test_trainer_golden.py`` rewrites
 them). Regenerate only in a commit that changes results on purpose, naming why (design:
 ``docs/architecture.md``); a move of code must leave every case bit-identical.
@@ -35,6 +39,9 @@ REGENERATE = os.environ.get("GOLDEN_REGENERATE") == "1"
 WALL_CLOCK_KEYS = frozenset({"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"})
 WALL_CLOCK_COLUMNS = frozenset({"generation_start_time", "generation_end_time"})
 RUN_JSON_SKIPPED = frozenset({"created", "run_id", "versions", "model", "tokenizer"})  # run_id: random per run
+
+GOLDEN_CPU_CAPABILITY = "AVX2"  # torch.backends.cpu.get_cpu_capability() when the data were recorded
+X86_CAPABILITIES = ("AVX2", "AVX512")  # an x86-64 CPU with these can run the AVX2 kernels
 
 BN_BYPASS = dict(rollout_corr_preset="bypass_ppo_clip", rollout_is="token", rollout_is_batch_normalize=True)
 
@@ -146,8 +153,29 @@ def test_same_helper_is_exact():
     assert not same([1.0, 2.0], [1.0])
 
 
+def check_cpu_capability(capability: str) -> None:
+    """Fail (other kernels selected on a CPU that has AVX2) or skip (no AVX2 kernels on this CPU) unless ATen runs the
+    kernels the golden data were recorded at."""
+    if capability == GOLDEN_CPU_CAPABILITY:
+        return
+    if capability in X86_CAPABILITIES:
+        pytest.fail(f"ATen runs its {capability} kernels; the golden data are bit-exact at {GOLDEN_CPU_CAPABILITY}: "
+                    f"run with ATEN_CPU_CAPABILITY={GOLDEN_CPU_CAPABILITY.lower()} (tests/conftest.py sets it unless "
+                    f"the environment already does)")
+    pytest.skip(f"golden data are bit-exact at x86-64 {GOLDEN_CPU_CAPABILITY} kernels; this CPU runs {capability}")
+
+
+def test_check_cpu_capability():
+    check_cpu_capability("AVX2")
+    with pytest.raises(pytest.fail.Exception, match="ATEN_CPU_CAPABILITY=avx2"):
+        check_cpu_capability("AVX512")
+    with pytest.raises(pytest.skip.Exception, match="this CPU runs SVE256"):
+        check_cpu_capability("SVE256")
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_golden_run(name, request, tmp_path):
+    check_cpu_capability(torch.backends.cpu.get_cpu_capability())
     got = run_case(name, request, tmp_path)
     path = DATA / f"{name}.json"
     if REGENERATE:
