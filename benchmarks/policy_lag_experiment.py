@@ -75,6 +75,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+AVX2_KERNELS = ROOT / "benchmarks" / "avx2_kernels"  # its sitecustomize.py pins a cell process to the AVX2 kernels
 BEGIN = "<!-- BEGIN policy_lag_experiment.py output -->"
 END = "<!-- END policy_lag_experiment.py output -->"
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -338,6 +339,21 @@ def commit_cell(results: Path, name: str, summary: str) -> None:
     _git(repo, "commit", "-q", "-m", f"results: policy_lag/{name} ({summary})", "--", path)
 
 
+def cpu_fingerprint(cpuinfo: str | None = None) -> dict:
+    """The runner machine's CPU as ``/proc/cpuinfo`` gives it: model name and its widest x86 vector extensions
+    (``{"model": "AMD EPYC", "avx2": True, "avx512f": True, "avx512_bf16": True}``; ``{}`` where it cannot be read).
+    Recorded in each cell's ``cell_meta.json`` beside ``cpu_kernels``: the kernels a cell ran are those, not these."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {}
+    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines()[:64] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"model": fields.get("model name", ""), **{f: f in flags for f in ("avx2", "avx512f", "avx512_bf16")}}
+
+
 def code_revision() -> str:
     proc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "trl_rollout_corr", "recipes",
@@ -455,7 +471,9 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
     cmd = [sys.executable, str(root / "benchmarks" / Path(__file__).name), "--run-cell", name, str(args.check_every),
            str(args.check_size), str(args.eval_size), str(args.eval_max_tokens), "--", *flags]
     print(f">>> {name}: {' '.join(cmd)}", flush=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(":"),
+    pin = [str(AVX2_KERNELS)] if args.cpu_kernels == "avx2" else []  # benchmarks/avx2_kernels/sitecustomize.py
+    path = [str(root), *pin, os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p),
            "OMP_NUM_THREADS": "1", REBUILD_ENV: str(int(rebuild))}
     for var in (RECORD_ENV, REPLAY_ENV):  # only rollout_plan's choice reaches the cell, never an exported one
         env.pop(var, None)
@@ -490,7 +508,7 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
                            - (cpu0.children_user + cpu0.children_system), 1),
             "load_before": load, "load_after": os.getloadavg()[0], "returncode": proc.returncode,
             "jobs": args.jobs, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "rollouts": how}
+            "rollouts": how, "cpu_kernels": args.cpu_kernels, "cpu": cpu_fingerprint()}
     if proc.returncode:
         print(f"!!! {name}: rc {proc.returncode}; see {out / 'run.log'}", flush=True)
         return
@@ -506,7 +524,8 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
             shutil.move(out / "model.safetensors", out / "model.not_the_committed_warm_start.safetensors")
             raise RuntimeError(f"the rebuilt warm start scores {sum(new)}/{len(new)} held-out items, the committed "
                                f"one {sum(old)}/{len(old)}: the checkpoint is not the committed one (other "
-                               "versions or threads?); delete benchmarks/results/policy_lag to restart the grid.")
+                               "versions, threads or CPU kernels: --cpu-kernels avx2?); delete "
+                               "benchmarks/results/policy_lag to restart the grid.")
         print(f"=== {name}: rebuilt, same held-out scores as committed", flush=True)
         return
     (out / "cell_meta.json").write_text(json.dumps(meta, indent=1))
@@ -896,6 +915,9 @@ def main() -> None:
     ap.add_argument("--eval-max-tokens", type=int, default=32, help="greedy budget (the training cap)")
     ap.add_argument("--check-every", type=int, default=8)
     ap.add_argument("--check-size", type=int, default=128)
+    ap.add_argument("--cpu-kernels", choices=("avx2", "native"), default="avx2",
+                    help="avx2 (default): every cell process runs the AVX2 kernels (benchmarks/avx2_kernels), as the "
+                         "committed cells did, also on an AVX-512 CPU; native: the CPU's own (a new grid only)")
     ap.add_argument("--engine-kl-max", type=float, default=0.03, help="lag-0 k3_kl bound (nats/token)")
     ap.add_argument("--jobs", type=int, default=1, help="cells side by side (1 torch thread each)")
     ap.add_argument("--commit", action="store_true", help="git commit each finished cell's results folder")

@@ -203,3 +203,27 @@ def test_lag_check_still_fails_real_violations(exp):
         "step 4: lag 0 but k3_kl 0.0500 > 0.02 (engine level)",
         "step 8: no lag-0 step in the last 4 steps",
     ]
+
+
+def test_cpu_fingerprint_reads_model_and_vector_flags(exp):
+    info = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n"
+            "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512_bf16\n")
+    assert exp.cpu_fingerprint(info) == {"model": "AMD EPYC", "avx2": True, "avx512f": True, "avx512_bf16": True}
+    assert exp.cpu_fingerprint("model name\t: Old\nflags\t: sse2 avx avx2\n") == {
+        "model": "Old", "avx2": True, "avx512f": False, "avx512_bf16": False}
+
+
+def test_avx2_kernel_pin_selects_avx2_in_a_fresh_process(exp):
+    """benchmarks/avx2_kernels/sitecustomize.py, as the runner passes it to a cell: ATen on AVX2 and vLLM's
+    AVX-512 probes off, on a CPU that has AVX2 (skipped on one that has not: nothing to pin there)."""
+    import subprocess
+    import sys
+
+    if not exp.cpu_fingerprint().get("avx2"):
+        pytest.skip("this CPU has no AVX2")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("ATEN_CPU_CAPABILITY",)}
+    env["PYTHONPATH"] = str(exp.AVX2_KERNELS)
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability(), "
+                          "torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported())"],
+                         env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["AVX2", "False", "False"]
