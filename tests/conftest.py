@@ -6,13 +6,20 @@ accumulator, the generate engine on a tiny model; no training run), so ``pytest 
 
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
 
 # ATen's kernels are chosen by CPU capability, and AVX-512 kernels round float32 reductions differently from AVX2 in
 # the last bits (measured on an AVX-512 AMD EPYC: a golden run's grad norm 27.046466 against 27.046468). The golden
 # trainer runs (test_trainer_golden.py) are bit-exact values recorded at the AVX2 kernels, so every test process uses
 # them where the CPU has them. Set before torch runs its first kernel; a caller's own ATEN_CPU_CAPABILITY wins.
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+# torch.compile's on-disk cache does not key on that capability: kernels cached by a process on other kernels gave
+# wrong values here (test_compiled_matches_eager failed after a run without the pin, passed with a fresh cache), so
+# the tests keep their own cache per capability.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY'].lower()}"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -11,6 +11,7 @@ What it pins:
 
 * ATen (PyTorch's CPU kernels, the float32 trainer): ``ATEN_CPU_CAPABILITY=avx2``;
 * oneDNN, in torch and in vLLM's CPU extension: ``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA`` = ``AVX2``;
+* torch.compile's cache: its own folder (``TORCHINDUCTOR_CACHE_DIR``), as the capability is not in its key;
 * vLLM CPU, which picks its extension (``vllm._C_AVX2`` vs the AVX-512 builds), its attention kernels and its AMX
   paths from ``torch.cpu._is_avx512_supported`` and its siblings: they report ``False`` here.
 
@@ -20,6 +21,9 @@ import os
 
 for _var, _value in (("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"), ("DNNL_MAX_CPU_ISA", "AVX2")):
     os.environ.setdefault(_var, _value)
+# torch.compile's disk cache does not key on the capability, and kernels cached at other kernels gave wrong values
+# (tests/conftest.py): a cache of its own (the cells do not compile; a user of this pin might)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_avx2_pinned")
 
 try:
     import torch
