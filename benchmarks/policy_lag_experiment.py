@@ -136,8 +136,9 @@ GRID_K = 32
 # The grid, in the issue's priority order: tis and bypass at GRID_K x 3 seeds; then one seed of the other methods
 # at GRID_K and tis on-policy; then issue 23's RS arms at k = 8 (``RS_ON_K``: the whole ratio's RS already rejects
 # every stale token there; with their no-RS reference tis_k8_s1 and the float32-engine control); then the
-# intermediate k = 8 for tis and bypass (plain TRL's k = 8 seeds are the calibration's); then the top-p comparison at
-# k = 1; the fourth k = 32 seed of plain TRL last. Among the seed-1 arms trl_slow runs first (moved 2026-12-04): it is
+# top-p comparison at k = 1 (moved before the intermediate k on 2026-12-05: it is a Show item with no data yet, the
+# intermediate k is the issue's lowest priority); then the intermediate k = 8 for tis and bypass (plain TRL's k = 8
+# seeds are the calibration's); the fourth k = 32 seed of plain TRL last. Among the seed-1 arms trl_slow runs first (moved 2026-12-04): it is
 # the control that tells bypass's +24 points from a smaller effective step (bypass's behaviour KL 0.18 vs 1.2-2.0).
 # Its seed 1 collapsed like plain TRL (95 vs 85/512; AdamW, so half the learning rate is half the parameter step)
 # while bypass and TIS held (197, 205): seeds 2-3 of the control (replayed, ~45 min each) follow the seed-1 arms.
@@ -145,8 +146,8 @@ GRID = [*(f"{m}_k{GRID_K}_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)),
         *(f"{m}_k{GRID_K}_s1" for m in ("trl_slow", "decoupled", "trl_is", "direct_gate")),
         *(f"trl_slow_k{GRID_K}_s{s}" for s in (2, 3)), "tis_k1_s1",
         *(f"{m}_k8_s1" for m in ("rs_engine", "rs_direct", "tis", "f32_rs_engine", "f32_rs_direct")),
-        "tis_k8_s2", "tis_k8_s3", *(f"bypass_k8_s{s}" for s in (1, 2, 3)),
         *(f"{m}_k1_s{s}" for s in (1, 2) for m in ("topp_trl_is", "topp_decoupled", "topp_recompute")),
+        "tis_k8_s2", "tis_k8_s3", *(f"bypass_k8_s{s}" for s in (1, 2, 3)),
         "trl_k32_s4"]
 ORDER = [WARMSTART, *CALIBRATION, *CALIBRATION_MAX_LAG, *GRID]
 REBUILD_ENV = "POLICY_LAG_REBUILD_WARMSTART"  # run_cell -> the cell process: a rebuild of the committed warm start

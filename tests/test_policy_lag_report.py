@@ -82,12 +82,12 @@ def test_order_runs_the_calibration_then_the_grid_at_the_calibrated_interval(exp
     assert grid[:6] == [f"{m}_k32_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)]
     assert grid[6:10] == ["trl_slow_k32_s1", "decoupled_k32_s1", "trl_is_k32_s1", "direct_gate_k32_s1"]
     assert grid[10:13] == ["trl_slow_k32_s2", "trl_slow_k32_s3", "tis_k1_s1"]  # the control's seeds 2-3
-    # issue 23's cells stay at RS_ON_K = 8 with their no-RS reference tis_k8_s1, then the intermediate k
+    # issue 23's cells stay at RS_ON_K = 8 with their no-RS reference tis_k8_s1, then top-p, then the intermediate k
     assert grid[13:18] == [f"{m}_k8_s1" for m in ("rs_engine", "rs_direct", "tis", "f32_rs_engine", "f32_rs_direct")]
     assert exp.RS_ON_K == 8
-    assert grid[18:23] == ["tis_k8_s2", "tis_k8_s3", "bypass_k8_s1", "bypass_k8_s2", "bypass_k8_s3"]
-    assert grid[23:29] == [f"{m}_k1_s{s}" for s in (1, 2) for m in ("topp_trl_is", "topp_decoupled",
+    assert grid[18:24] == [f"{m}_k1_s{s}" for s in (1, 2) for m in ("topp_trl_is", "topp_decoupled",
                                                                      "topp_recompute")]
+    assert grid[24:29] == ["tis_k8_s2", "tis_k8_s3", "bypass_k8_s1", "bypass_k8_s2", "bypass_k8_s3"]
     assert grid[29:] == ["trl_k32_s4"]
     assert len(set(exp.ORDER)) == len(exp.ORDER)
     # every grid cell at k > 1 has its paired plain-TRL reference in the order, at the same k and seed, before it
