@@ -682,7 +682,8 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
         lines += ["", "Never-synced cells (k >= steps) see the same completions in every method (the update alone "
                   "differs):", "", *same]
     controls = control_table(cells)
-    lines += ["", *seed_table(cells), *([""] + controls if controls else []), "", *rs_on_table(cells)]
+    lines += ["", *seed_table(cells), *([""] + controls if controls else []), "", *rs_on_table(cells), "",
+              *topp_table(cells)]
     missing = [c for c in ORDER if c not in cells]
     if missing:
         lines += ["", f"Not run yet ({len(missing)} of the planned cells): {', '.join(missing)}."]
@@ -794,6 +795,70 @@ def rs_on_table(cells: dict) -> list[str]:
             n10, n01, p = mcnemar(sa["after"]["scores"], sb["after"]["scores"])
             out.append(f"| {label} | {100 * m:+.1f} ± {100 * se:.1f} pts | {n10} / {n01} | {p:.2g} |")
     return out
+
+
+# issue 19's top-p comparison (sampling-support matching), on-policy (k = 1) at top_p 0.9, item by item per seed
+TOPP_ARMS = {  # method -> what corrects the top-p gap
+    "topp_trl_is": "TRL's vLLM IS (sequence_mask, ratio > 3 masked; our correction off)",
+    "topp_decoupled": "ours, default preset (token TIS 2 + seq_mean_k3 0.01), no support matching",
+    "topp_recompute": "ours, default preset + `rollout_support_matching: recompute`",
+}
+
+
+def topp_table(cells: dict) -> list[str]:
+    """Issue 19's top-p comparison at k = 1 (``TOPP_ARMS``), per seed 1-2 and every seed a top-p cell ran at: the
+    final held-out score and its paired difference (``paired``, points) and exact McNemar p (``mcnemar``) against
+    ``topp_trl_is`` of the same seed; the mean IS weight per step (TRL's ``sampling/importance_sampling_ratio/mean``
+    for ``topp_trl_is``, ours ``rollout_corr/rollout_is_mean``) and its smallest value; the fraction of sequences
+    kept (ours: 1 - ``rollout_rs_seq_masked_fraction``, weighted by ``num_valid_seqs``; TRL logs no masked fraction:
+    the steps whose smallest ratio is 0, i.e. that masked a sequence, are counted instead); the trained-token
+    fraction (``trained_token_fraction``); the mean behaviour KL (``rollout_corr/kl``, nats/token) and the mean log
+    kept mass of the recomputed support (``rollout_corr/support_log_mass_mean``, nats; recompute only). A cell not
+    committed yet prints as "not run yet"."""
+    seeds = {1, 2} | {parse_cell(n)[2] for n in cells if n != WARMSTART and parse_cell(n)[0] in TOPP_ARMS}
+    rows = []
+    for seed in sorted(seeds):
+        ref = cells.get(f"topp_trl_is_k1_s{seed}")
+        for method, what in TOPP_ARMS.items():
+            name = f"{method}_k1_s{seed}"
+            s = cells.get(name)
+            if s is None or not s.get("after"):
+                rows.append(f"| {name} | {what} | not run yet | — | — | — | — | — | — |")
+                continue
+            vs = "—"
+            if method != "topp_trl_is":
+                if ref is None or not ref.get("after"):
+                    vs = "not run yet"
+                else:
+                    m, se = paired(s["after"]["scores"], ref["after"]["scores"])
+                    n10, n01, p = mcnemar(s["after"]["scores"], ref["after"]["scores"])
+                    vs = f"{100 * m:+.1f} ± {100 * se:.1f} pts ({n10} / {n01}, p {p:.2g})"
+            ser = s["series"]
+            if method == "topp_trl_is":
+                w_mean, w_min = ser("sampling/importance_sampling_ratio/mean"), ser("sampling/importance_sampling_ratio/min")
+                masked = sum(1 for x in w_min if x == 0)
+                kept = f"not logged by TRL; a sequence masked on {masked} of {len(w_min)} steps"
+            else:
+                w_mean, w_min = ser("rollout_corr/rollout_is_mean"), ser("rollout_corr/rollout_is_min")
+                n_seq = [r.get("rollout_corr/num_valid_seqs") or 1.0 for r in s["steps"]]
+                rej = [r.get("rollout_corr/rollout_rs_seq_masked_fraction") or 0.0 for r in s["steps"]]
+                kept = f"{1 - sum(n * x for n, x in zip(n_seq, rej)) / sum(n_seq):.3f}" if n_seq else "—"
+            mins = [x for x in w_min if isinstance(x, (int, float))]
+            weight = f"{_mean(w_mean):.3f} (min {min(mins):.3g})" if mins else "—"
+            kl, mass = (_mean(ser(key)) for key in ("rollout_corr/kl", "rollout_corr/support_log_mass_mean"))
+            rows.append(f"| {name} | {what} | {s['after']['correct']}/{s['after']['total']} | {vs} | {weight} | {kept} "
+                        f"| {trained_token_fraction(s)[0]:.3f} | {'—' if math.isnan(kl) else f'{kl:.4f}'} "
+                        f"| {'—' if math.isnan(mass) else f'{mass:.4f}'} |")
+    return ["Top-p 0.9, on-policy (k = 1; issue 19): plain TRL with its own vLLM IS against our default preset "
+            "without and with sampling-support matching (`recompute`), same seed, paired against `topp_trl_is`. "
+            "IS weight: the mean of each step's mean weight (the smallest of any step). Sequences kept: after RS; "
+            "trained: completion tokens left after RS, weighted by tokens per step. kl: `rollout_corr/kl` "
+            "(nats/token, behaviour vs trainer: the trainer's full-vocabulary log-probs, under recompute its truncated "
+            "ones). Support log mass: the mean log of the probability mass the trainer keeps in the sampler's "
+            "support (nats; 0 = no truncation).", "",
+            "| cell | correction | held-out after | minus topp_trl_is (paired s.e.; a / b only right, McNemar p) "
+            "| IS weight mean (min) | sequences kept | trained | kl | support log mass |",
+            "|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def control_table(cells: dict) -> list[str]:
