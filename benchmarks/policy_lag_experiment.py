@@ -138,7 +138,8 @@ GRID_K = 32
 # every stale token there; with their no-RS reference tis_k8_s1 and the float32-engine control); then the
 # top-p comparison at k = 1 (moved before the intermediate k on 2026-12-05: it is a Show item with no data yet, the
 # intermediate k is the issue's lowest priority); then the intermediate k = 8 for tis and bypass (plain TRL's k = 8
-# seeds are the calibration's); the fourth k = 32 seed of plain TRL last. Among the seed-1 arms trl_slow runs first (moved 2026-12-04): it is
+# seeds are the calibration's); the fourth k = 32 seed of plain TRL last.
+# Among the seed-1 arms trl_slow runs first (moved 2026-12-04): it is
 # the control that tells bypass's +24 points from a smaller effective step (bypass's behaviour KL 0.18 vs 1.2-2.0).
 # Its seed 1 collapsed like plain TRL (95 vs 85/512; AdamW, so half the learning rate is half the parameter step)
 # while bypass and TIS held (197, 205): seeds 2-3 of the control (replayed, ~45 min each) follow the seed-1 arms.
@@ -835,7 +836,7 @@ def topp_table(cells: dict) -> list[str]:
                     vs = f"{100 * m:+.1f} ± {100 * se:.1f} pts ({n10} / {n01}, p {p:.2g})"
             ser = s["series"]
             if method == "topp_trl_is":
-                w_mean, w_min = ser("sampling/importance_sampling_ratio/mean"), ser("sampling/importance_sampling_ratio/min")
+                w_mean, w_min = (ser(f"sampling/importance_sampling_ratio/{x}") for x in ("mean", "min"))
                 masked = sum(1 for x in w_min if x == 0)
                 kept = f"not logged by TRL; a sequence masked on {masked} of {len(w_min)} steps"
             else:
@@ -846,15 +847,15 @@ def topp_table(cells: dict) -> list[str]:
             mins = [x for x in w_min if isinstance(x, (int, float))]
             weight = f"{_mean(w_mean):.3f} (min {min(mins):.3g})" if mins else "—"
             kl, mass = (_mean(ser(key)) for key in ("rollout_corr/kl", "rollout_corr/support_log_mass_mean"))
-            rows.append(f"| {name} | {what} | {s['after']['correct']}/{s['after']['total']} | {vs} | {weight} | {kept} "
-                        f"| {trained_token_fraction(s)[0]:.3f} | {'—' if math.isnan(kl) else f'{kl:.4f}'} "
+            rows.append(f"| {name} | {what} | {s['after']['correct']}/{s['after']['total']} | {vs} | {weight} "
+                        f"| {kept} | {trained_token_fraction(s)[0]:.3f} | {'—' if math.isnan(kl) else f'{kl:.4f}'} "
                         f"| {'—' if math.isnan(mass) else f'{mass:.4f}'} |")
     return ["Top-p 0.9, on-policy (k = 1; issue 19): plain TRL with its own vLLM IS against our default preset "
             "without and with sampling-support matching (`recompute`), same seed, paired against `topp_trl_is`. "
             "IS weight: the mean of each step's mean weight (the smallest of any step). Sequences kept: after RS; "
             "trained: completion tokens left after RS, weighted by tokens per step. kl: `rollout_corr/kl` "
-            "(nats/token, behaviour vs trainer: the trainer's full-vocabulary log-probs, under recompute its truncated "
-            "ones). Support log mass: the mean log of the probability mass the trainer keeps in the sampler's "
+            "(nats/token, behaviour vs trainer: the trainer's full-vocabulary log-probs, under recompute its "
+            "truncated ones). Support log mass: the mean log of the probability mass the trainer keeps in the sampler's "
             "support (nats; 0 = no truncation).", "",
             "| cell | correction | held-out after | minus topp_trl_is (paired s.e.; a / b only right, McNemar p) "
             "| IS weight mean (min) | sequences kept | trained | kl | support log mass |",
