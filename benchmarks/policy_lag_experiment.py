@@ -855,8 +855,8 @@ def topp_table(cells: dict) -> list[str]:
             "IS weight: the mean of each step's mean weight (the smallest of any step). Sequences kept: after RS; "
             "trained: completion tokens left after RS, weighted by tokens per step. kl: `rollout_corr/kl` "
             "(nats/token, behaviour vs trainer: the trainer's full-vocabulary log-probs, under recompute its "
-            "truncated ones). Support log mass: the mean log of the probability mass the trainer keeps in the sampler's "
-            "support (nats; 0 = no truncation).", "",
+            "truncated ones). Support log mass: the mean log of the probability mass the trainer keeps in the "
+            "sampler's support (nats; 0 = no truncation).", "",
             "| cell | correction | held-out after | minus topp_trl_is (paired s.e.; a / b only right, McNemar p) "
             "| IS weight mean (min) | sequences kept | trained | kl | support log mass |",
             "|---|---|---|---|---|---|---|---|---|", *rows]
