@@ -557,7 +557,8 @@ def summarize(results: Path) -> dict:
     icepop = results.name != WARMSTART and parse_cell(results.name)[0] == "direct_gate"  # band: outside = zeroed
 
     def trained(r):  # fraction of completion tokens that carry gradient after RS, IcePop and the lag filter
-        kept = 1.0 - rs_masked_fraction(r)
+        # RS fractions are over valid tokens; invalid ones (NaN/inf log-prob: under recompute, support misses) never train
+        kept = (1.0 - rs_masked_fraction(r)) * (1.0 - (r.get("rollout_corr/invalid_token_fraction") or 0.0))
         if icepop:
             kept *= 1.0 - sum(r.get(f"rollout_corr/rollout_is_ratio_fraction_{s}") or 0.0 for s in ("high", "low"))
         return kept * (1.0 - (r.get("rollout_corr/policy_lag_dropped_token_fraction") or 0.0))
@@ -632,7 +633,7 @@ problems before and after. *vs reference* compares a cell's final scores item by
 (mean difference ± paired s.e., and the exact McNemar p): plain TRL at the same k and seed (`topp_trl_is` for the
 top-p cells), and for plain TRL at k > 1 plain TRL at k = 1 and the same seed (the effect of the lag itself).
 Per-step means: `rollout_corr/kl` and `k3_kl` (nats/token, behaviour vs trainer), trained = fraction of completion
-tokens left after RS, IcePop zeroing and the lag filter. Generated from the committed cells under
+tokens left after RS, IcePop zeroing, the lag filter and invalid log-probs. Generated from the committed cells under
 `benchmarks/results/policy_lag/` (`--report-only`).
 """.split())
 
@@ -745,12 +746,25 @@ RS_ON_K = 8
 
 
 def trained_token_fraction(s: dict) -> tuple[float, float, float]:
-    """A cell's trained-token fraction (1 - RS-rejected, IcePop-zeroed and lag-dropped; ``summarize``'s per-step
-    ``trained``) over all its logged steps, its lag-0 steps and its stale steps (``rollout_corr/policy_lag_mean``
-    0 / > 0), each weighted by the step's ``rollout_corr/num_valid_tokens`` (1 where not logged): (all, lag 0,
-    stale), NaN for a group without steps."""
+    """A cell's trained-token fraction (1 - invalid, RS-rejected, IcePop-zeroed and lag-dropped; ``summarize``'s
+    per-step ``trained``) over all its logged steps, its lag-0 steps and its stale steps
+    (``rollout_corr/policy_lag_mean`` 0 / > 0), each weighted by the step's completion tokens
+    (``rollout_corr/num_valid_tokens`` / (1 - ``invalid_token_fraction``); 1 where not logged): (all, lag 0, stale),
+    NaN for a group without steps.
+
+    Raises:
+        ValueError: a step whose every completion token was invalid (its token count is not in the log)."""
+    def weight(r):  # the step's completion tokens: valid ones / (1 - invalid fraction); 1 where not logged
+        n, inv = r.get("rollout_corr/num_valid_tokens"), r.get("rollout_corr/invalid_token_fraction") or 0.0
+        if n is None:
+            return 1.0
+        if inv >= 1.0:
+            raise ValueError(f"step {r.get('step')}: every completion token has an invalid log-prob, so its number "
+                             "of completion tokens (the trained fraction's weight) is not in the log")
+        return n / (1.0 - inv)
+
     def frac(pick):
-        w = [(r.get("rollout_corr/num_valid_tokens") or 1.0, t) for r, t in zip(s["steps"], s["trained"]) if pick(r)]
+        w = [(weight(r), t) for r, t in zip(s["steps"], s["trained"]) if pick(r)]
         n = sum(x for x, _ in w)
         return sum(x * t for x, t in w) / n if n else float("nan")
 
@@ -813,7 +827,7 @@ def topp_table(cells: dict) -> list[str]:
     for ``topp_trl_is``, ours ``rollout_corr/rollout_is_mean``) and its smallest value; the fraction of sequences
     kept (ours: 1 - ``rollout_rs_seq_masked_fraction``, weighted by ``num_valid_seqs``; TRL logs no masked fraction:
     the steps whose smallest ratio is 0, i.e. that masked a sequence, are counted instead); the trained-token
-    fraction (``trained_token_fraction``); the mean behaviour KL (``rollout_corr/kl``, nats/token) and the mean log
+    fraction (``trained_token_fraction``; TRL logs none for its own masking); the mean behaviour KL (``rollout_corr/kl``, nats/token) and the mean log
     kept mass of the recomputed support (``rollout_corr/support_log_mass_mean``, nats; recompute only). A cell not
     committed yet prints as "not run yet"."""
     seeds = {1, 2} | {parse_cell(n)[2] for n in cells if n != WARMSTART and parse_cell(n)[0] in TOPP_ARMS}
@@ -839,21 +853,25 @@ def topp_table(cells: dict) -> list[str]:
                 w_mean, w_min = (ser(f"sampling/importance_sampling_ratio/{x}") for x in ("mean", "min"))
                 masked = sum(1 for x in w_min if x == 0)
                 kept = f"not logged by TRL; a sequence masked on {masked} of {len(w_min)} steps"
+                trained = "not logged by TRL"
             else:
                 w_mean, w_min = ser("rollout_corr/rollout_is_mean"), ser("rollout_corr/rollout_is_min")
-                n_seq = [r.get("rollout_corr/num_valid_seqs") or 1.0 for r in s["steps"]]
+                n_seq = [1.0 if (n := r.get("rollout_corr/num_valid_seqs")) is None else n for r in s["steps"]]
                 rej = [r.get("rollout_corr/rollout_rs_seq_masked_fraction") or 0.0 for r in s["steps"]]
-                kept = f"{1 - sum(n * x for n, x in zip(n_seq, rej)) / sum(n_seq):.3f}" if n_seq else "—"
+                kept = f"{1 - sum(n * x for n, x in zip(n_seq, rej)) / sum(n_seq):.3f}" if sum(n_seq) else "—"
+                trained = f"{trained_token_fraction(s)[0]:.3f}"
             mins = [x for x in w_min if isinstance(x, (int, float))]
             weight = f"{_mean(w_mean):.3f} (min {min(mins):.3g})" if mins else "—"
             kl, mass = (_mean(ser(key)) for key in ("rollout_corr/kl", "rollout_corr/support_log_mass_mean"))
             rows.append(f"| {name} | {what} | {s['after']['correct']}/{s['after']['total']} | {vs} | {weight} "
-                        f"| {kept} | {trained_token_fraction(s)[0]:.3f} | {'—' if math.isnan(kl) else f'{kl:.4f}'} "
+                        f"| {kept} | {trained} | {'—' if math.isnan(kl) else f'{kl:.4f}'} "
                         f"| {'—' if math.isnan(mass) else f'{mass:.4f}'} |")
     return ["Top-p 0.9, on-policy (k = 1; issue 19): plain TRL with its own vLLM IS against our default preset "
             "without and with sampling-support matching (`recompute`), same seed, paired against `topp_trl_is`. "
-            "IS weight: the mean of each step's mean weight (the smallest of any step). Sequences kept: after RS; "
-            "trained: completion tokens left after RS, weighted by tokens per step. kl: `rollout_corr/kl` "
+            "IS weight: the mean over steps of each step's mean weight (the smallest of any step): for TRL its "
+            "per-sequence ratio exp(sum of log pi_old / mu), 0 where masked; for ours the per-token weight "
+            "truncated at 2. Sequences kept: after RS; trained: completion tokens left after RS and support misses "
+            "(invalid under recompute), weighted by tokens per step. kl: `rollout_corr/kl` "
             "(nats/token, behaviour vs trainer: the trainer's full-vocabulary log-probs, under recompute its "
             "truncated ones). Support log mass: the mean log of the probability mass the trainer keeps in the "
             "sampler's support (nats; 0 = no truncation).", "",

@@ -144,31 +144,43 @@ def test_issue23_table_by_hand(exp, tmp_path):
 
 def test_topp_table_by_hand(exp, tmp_path):
     trl_w, trl_min = "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/min"
-    rej, nseq = "rollout_corr/rollout_rs_seq_masked_fraction", "rollout_corr/num_valid_seqs"
+    rej_seq, rej_tok, nseq = ("rollout_corr/rollout_rs_seq_masked_fraction", "rollout_corr/rollout_rs_masked_fraction",
+                              "rollout_corr/num_valid_seqs")
+    isw, ismin = "rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_min"
+    inv, kl = "rollout_corr/invalid_token_fraction", "rollout_corr/kl"
     a = [1, 1, 1, 0, 0, 1, 1, 0]
     b = [0, 0, 1, 1, 0, 0, 1, 0]  # a - b: +25 points, paired s.e. 25 points; 3 vs 1 discordant, McNemar p 10/16
     # TRL: weights 0.5 and 0.7 (mean 0.6); step 2's smallest ratio 0 = a masked sequence
     _cell(tmp_path, "topp_trl_is_k1_s1", [(0, 100, {trl_w: 0.5, trl_min: 0.2}), (0, 100, {trl_w: 0.7, trl_min: 0.0})],
           b)
-    # ours without matching: sequences kept 1 - (10 * 0.5 + 30 * 0.1) / 40 = 0.8; tokens (50 + 270) / 400 = 0.8
+    # ours without matching: sequences kept 1 - (10 * 0.5 + 30 * 0.1) / 40 = 0.8 (unweighted: 0.7);
+    # tokens kept (100 * 0.6 + 300 * 0.7) / 400 = 0.675 (unweighted 0.65; the sequence fractions would give 0.8)
     _cell(tmp_path, "topp_decoupled_k1_s1",
-          [(0, 100, {rej: 0.5, nseq: 10, "rollout_corr/rollout_rs_masked_fraction": 0.5,
-                     "rollout_corr/rollout_is_mean": 0.8, "rollout_corr/rollout_is_min": 0.25}),
-           (0, 300, {rej: 0.1, nseq: 30, "rollout_corr/rollout_rs_masked_fraction": 0.1,
-                     "rollout_corr/rollout_is_mean": 1.0, "rollout_corr/rollout_is_min": 0.5})], a)
+          [(0, 100, {rej_seq: 0.5, nseq: 10, rej_tok: 0.4, isw: 0.8, ismin: 0.25, kl: 0.01}),
+           (0, 300, {rej_seq: 0.1, nseq: 30, rej_tok: 0.3, isw: 1.0, ismin: 0.5, kl: 0.03})], a)
+    # recompute: 20 % of step 1's completion tokens are support misses (invalid): 80 valid of 100, RS rejects none:
+    # trained 0.8; step 2 has no valid sequence: it weighs 0 in "sequences kept" (not 1) and 0 tokens in "trained"
     _cell(tmp_path, "topp_recompute_k1_s1",
-          [(0, 100, {rej: 0.0, nseq: 10, "rollout_corr/rollout_is_mean": 1.0, "rollout_corr/rollout_is_min": 0.9,
-                     "rollout_corr/support_log_mass_mean": -0.02})], b)
+          [(0, 80, {rej_seq: 0.0, nseq: 10, rej_tok: 0.0, inv: 0.2, isw: 1.0, ismin: 0.9, kl: 0.002,
+                    "rollout_corr/support_log_mass_mean": -0.02}),
+           (0, 0, {rej_seq: 1.0, nseq: 0})], b)
     rows = [x for x in exp.report(tmp_path, figure=False).splitlines() if x.startswith("| topp_")]
     by = {r.split(" | ")[0][2:]: r.split(" | ")[2:] for r in rows}
     assert by["topp_trl_is_k1_s1"] == ["3/8", "—", "0.600 (min 0)",
-                                       "not logged by TRL; a sequence masked on 1 of 2 steps", "1.000", "—", "— |"]
-    assert by["topp_decoupled_k1_s1"][:6] == ["5/8", "+25.0 ± 25.0 pts (3 / 1, p 0.62)", "0.900 (min 0.25)",
-                                              "0.800", "0.800", "—"]
-    assert by["topp_recompute_k1_s1"][1] == "+0.0 ± 0.0 pts (0 / 0, p 1)"
-    assert by["topp_recompute_k1_s1"][-1] == "-0.0200 |"
+                                       "not logged by TRL; a sequence masked on 1 of 2 steps", "not logged by TRL",
+                                       "—", "— |"]
+    assert by["topp_decoupled_k1_s1"] == ["5/8", "+25.0 ± 25.0 pts (3 / 1, p 0.62)", "0.900 (min 0.25)", "0.800",
+                                          "0.675", "0.0200", "— |"]
+    assert by["topp_recompute_k1_s1"] == ["3/8", "+0.0 ± 0.0 pts (0 / 0, p 1)", "1.000 (min 0.9)", "1.000", "0.800",
+                                          "0.0020", "-0.0200 |"]
     assert by["topp_trl_is_k1_s2"][0] == "not run yet"  # seed 2 is planned: listed before it runs
     assert by["topp_decoupled_k1_s2"][0] == "not run yet"
+
+
+def test_trained_fraction_refuses_a_step_without_a_valid_token_count(exp, tmp_path):
+    _cell(tmp_path, "tis_k8_s1", [(0, 0, {"rollout_corr/invalid_token_fraction": 1.0})], [1, 0])
+    with pytest.raises(ValueError, match="every completion token has an invalid log-prob"):
+        exp.report(tmp_path, figure=False)
 
 
 def test_seed_table_pairs_arms_by_seed(exp):
