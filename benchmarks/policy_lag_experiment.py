@@ -557,7 +557,8 @@ def summarize(results: Path) -> dict:
     icepop = results.name != WARMSTART and parse_cell(results.name)[0] == "direct_gate"  # band: outside = zeroed
 
     def trained(r):  # fraction of completion tokens that carry gradient after RS, IcePop and the lag filter
-        # RS fractions are over valid tokens; invalid ones (NaN/inf log-prob: under recompute, support misses) never train
+        # RS fractions are over valid tokens; invalid ones (NaN/inf log-prob; support misses under recompute) never
+        # train
         kept = (1.0 - rs_masked_fraction(r)) * (1.0 - (r.get("rollout_corr/invalid_token_fraction") or 0.0))
         if icepop:
             kept *= 1.0 - sum(r.get(f"rollout_corr/rollout_is_ratio_fraction_{s}") or 0.0 for s in ("high", "low"))
@@ -827,9 +828,10 @@ def topp_table(cells: dict) -> list[str]:
     for ``topp_trl_is``, ours ``rollout_corr/rollout_is_mean``) and its smallest value; the fraction of sequences
     kept (ours: 1 - ``rollout_rs_seq_masked_fraction``, weighted by ``num_valid_seqs``; TRL logs no masked fraction:
     the steps whose smallest ratio is 0, i.e. that masked a sequence, are counted instead); the trained-token
-    fraction (``trained_token_fraction``; TRL logs none for its own masking); the mean behaviour KL (``rollout_corr/kl``, nats/token) and the mean log
-    kept mass of the recomputed support (``rollout_corr/support_log_mass_mean``, nats; recompute only). A cell not
-    committed yet prints as "not run yet"."""
+    fraction (``trained_token_fraction``; TRL logs none for its own masking); the mean behaviour KL
+    (``rollout_corr/kl``, nats/token) and the mean log kept mass of the recomputed support
+    (``rollout_corr/support_log_mass_mean``, nats; recompute only). A cell not committed yet prints as "not run
+    yet"."""
     seeds = {1, 2} | {parse_cell(n)[2] for n in cells if n != WARMSTART and parse_cell(n)[0] in TOPP_ARMS}
     rows = []
     for seed in sorted(seeds):
