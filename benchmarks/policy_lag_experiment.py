@@ -5,7 +5,8 @@ chain_sum) with the vLLM engine synced only every k optimizer steps (``rollout_s
 on-policy, k = 8 gives lags 0-7), under one method:
 
 * ``trl``: plain TRL GRPO (no correction; TRL's own vLLM IS off: with a ``rollout_func`` TRL never applies it);
-* ``trl_is``: TRL's built-in vLLM IS at its defaults (``token_truncate``, cap 3). TRL applies it only when
+* ``trl_is``: TRL's built-in vLLM IS at its defaults (TRL 1.16: ``sequence_mask``, one weight per sequence, the
+  product of the token ratios, zeroed above 3). TRL applies it only when
   ``use_vllm=True`` and silently skips it with a ``rollout_func``; the ``trl_is`` trainer below switches its code
   path on by setting ``use_vllm`` to True after construction and back to False inside ``_generate`` only (TRL then
   computes pi_old and multiplies its ratio into the loss). This couples to TRL 1.16 internals: a benchmark device,
@@ -827,7 +828,7 @@ def topp_table(cells: dict) -> list[str]:
     ``topp_trl_is`` of the same seed; the mean IS weight per step (TRL's ``sampling/importance_sampling_ratio/mean``
     for ``topp_trl_is``, ours ``rollout_corr/rollout_is_mean``) and its smallest value; the fraction of sequences
     kept (ours: 1 - ``rollout_rs_seq_masked_fraction``, weighted by ``num_valid_seqs``; TRL logs no masked fraction:
-    the steps whose smallest ratio is 0, i.e. that masked a sequence, are counted instead); the trained-token
+    the steps whose smallest weight is 0, masked above 3 or underflowed, are counted instead); the trained-token
     fraction (``trained_token_fraction``; TRL logs none for its own masking); the mean behaviour KL
     (``rollout_corr/kl``, nats/token) and the mean log kept mass of the recomputed support
     (``rollout_corr/support_log_mass_mean``, nats; recompute only). A cell not committed yet prints as "not run
@@ -854,7 +855,7 @@ def topp_table(cells: dict) -> list[str]:
             if method == "topp_trl_is":
                 w_mean, w_min = (ser(f"sampling/importance_sampling_ratio/{x}") for x in ("mean", "min"))
                 masked = sum(1 for x in w_min if x == 0)
-                kept = f"not logged by TRL; a sequence masked on {masked} of {len(w_min)} steps"
+                kept = f"not logged by TRL; smallest weight 0 on {masked} of {len(w_min)} steps"
                 trained = "not logged by TRL"
             else:
                 w_mean, w_min = ser("rollout_corr/rollout_is_mean"), ser("rollout_corr/rollout_is_min")
@@ -871,9 +872,9 @@ def topp_table(cells: dict) -> list[str]:
     return ["Top-p 0.9, on-policy (k = 1; issue 19): plain TRL with its own vLLM IS against our default preset "
             "without and with sampling-support matching (`recompute`), same seed, paired against `topp_trl_is`. "
             "IS weight: the mean over steps of each step's mean weight (the smallest of any step): for TRL its "
-            "per-sequence ratio exp(sum of log pi_old / mu), 0 where masked; for ours the per-token weight "
-            "truncated at 2. Sequences kept: after RS; trained: completion tokens left after RS and support misses "
-            "(invalid under recompute), weighted by tokens per step. kl: `rollout_corr/kl` "
+            "per-sequence ratio exp(sum of log pi_old / mu), 0 where masked (above 3) or underflowed; for ours "
+            "the per-token weight truncated at 2. Sequences kept: after RS; trained: completion tokens left after "
+            "RS and support misses (invalid under recompute), weighted by tokens per step. kl: `rollout_corr/kl` "
             "(nats/token, behaviour vs trainer: the trainer's full-vocabulary log-probs, under recompute its "
             "truncated ones). Support log mass: the mean log of the probability mass the trainer keeps in the "
             "sampler's support (nats; 0 = no truncation).", "",

@@ -167,7 +167,7 @@ def test_topp_table_by_hand(exp, tmp_path):
     rows = [x for x in exp.report(tmp_path, figure=False).splitlines() if x.startswith("| topp_")]
     by = {r.split(" | ")[0][2:]: r.split(" | ")[2:] for r in rows}
     assert by["topp_trl_is_k1_s1"] == ["3/8", "—", "0.600 (min 0)",
-                                       "not logged by TRL; a sequence masked on 1 of 2 steps", "not logged by TRL",
+                                       "not logged by TRL; smallest weight 0 on 1 of 2 steps", "not logged by TRL",
                                        "—", "— |"]
     assert by["topp_decoupled_k1_s1"] == ["5/8", "+25.0 ± 25.0 pts (3 / 1, p 0.62)", "0.900 (min 0.25)", "0.800",
                                           "0.675", "0.0200", "— |"]
