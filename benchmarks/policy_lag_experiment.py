@@ -831,8 +831,8 @@ def topp_table(cells: dict) -> list[str]:
     the steps whose smallest weight is 0, masked above 3 or underflowed, are counted instead); the trained-token
     fraction (``trained_token_fraction``; TRL logs none for its own masking); the mean behaviour KL
     (``rollout_corr/kl``, nats/token) and the mean log kept mass of the recomputed support
-    (``rollout_corr/support_log_mass_mean``, nats; recompute only). A cell not committed yet prints as "not run
-    yet"."""
+    (``rollout_corr/support_log_mass_mean``, nats; where logged: measured with truncation on, matched or not). A
+    cell not committed yet prints as "not run yet"."""
     seeds = {1, 2} | {parse_cell(n)[2] for n in cells if n != WARMSTART and parse_cell(n)[0] in TOPP_ARMS}
     rows = []
     for seed in sorted(seeds):
