@@ -527,8 +527,10 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
             shutil.move(out / "model.safetensors", out / "model.not_the_committed_warm_start.safetensors")
             raise RuntimeError(f"the rebuilt warm start scores {sum(new)}/{len(new)} held-out items, the committed "
                                f"one {sum(old)}/{len(old)}: the checkpoint is not the committed one (other "
-                               "versions, threads or CPU kernels: --cpu-kernels avx2?); delete "
-                               "benchmarks/results/policy_lag to restart the grid.")
+                               "versions, threads or CPU kernels: --cpu-kernels avx2?; a CPU of another vendor: the "
+                               "committed grid rebuilds on AMD EPYC, not on Intel Xeon, docs/known-limits.md). Run "
+                               "the remaining cells on such a machine, or delete benchmarks/results/policy_lag to "
+                               "restart the grid.")
         print(f"=== {name}: rebuilt, same held-out scores as committed", flush=True)
         return
     (out / "cell_meta.json").write_text(json.dumps(meta, indent=1))
