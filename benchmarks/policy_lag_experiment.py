@@ -339,7 +339,7 @@ def commit_cell(results: Path, name: str, summary: str) -> None:
     repo = Path(_git(results, "rev-parse", "--show-toplevel").stdout.strip())
     path = str((results / name).resolve().relative_to(repo))
     _git(repo, "add", "--", path)
-    _git(repo, "commit", "-q", "-m", f"results: policy_lag/{name} ({summary})", "--", path)
+    _git(repo, "commit", "-q", "-m", f"results: {results.name}/{name} ({summary})", "--", path)
 
 
 def cpu_fingerprint(cpuinfo: str | None = None) -> dict:
@@ -355,6 +355,48 @@ def cpu_fingerprint(cpuinfo: str | None = None) -> dict:
     fields = {k.strip(): v.strip() for k, v in fields.items()}
     flags = set(fields.get("flags", "").split())
     return {"model": fields.get("model name", ""), **{f: f in flags for f in ("avx2", "avx512f", "avx512_bf16")}}
+
+
+def cpu_vendor(model: str) -> str | None:
+    """``"AMD"`` or ``"Intel"`` from a ``cpu_fingerprint`` model name (None for another or an empty one). The
+    vendor decides a grid's float32 bits: torch's BLAS (MKL) takes other code paths on Intel than on AMD even at
+    the pinned AVX2 kernels (measured: the warm start rebuilt on an Intel Xeon scored 171/512, not AMD's 203/512)."""
+    for vendor in ("AMD", "Intel"):
+        if vendor.lower() in model.lower():
+            return vendor
+    return None
+
+
+def grid_vendor(results: Path) -> str | None:
+    """The CPU vendor a grid's committed cells ran on (``cell_meta.json``'s ``cpu`` model; cells from before that
+    field count as unknown), None when no committed cell says.
+
+    Raises:
+        RuntimeError: the committed cells ran on more than one vendor (such a grid has no single warm start)."""
+    found = {cpu_vendor((json.loads(m.read_text()).get("cpu") or {}).get("model", ""))
+             for m in results.glob("*/cell_meta.json")} - {None} if results.exists() else set()
+    if len(found) > 1:
+        raise RuntimeError(f"{results} holds cells from CPUs of several vendors ({sorted(found)}): its cells are not "
+                           "comparable; move the odd ones to a grid of their own.")
+    return found.pop() if found else None
+
+
+def check_vendor(results: Path, here: str | None = None) -> None:
+    """Refuse to run cells of a grid committed on another CPU vendor than this machine's (``here``: this machine's
+    vendor, read from ``/proc/cpuinfo`` when None). Such a machine cannot rebuild the grid's warm start bit for bit,
+    so every cell it ran would start elsewhere; the check costs nothing, the failed rebuild 15-40 minutes.
+
+    Raises:
+        RuntimeError: naming both vendors and the two ways on (a machine of the grid's vendor, or this vendor's own
+            grid under another ``--results`` folder, e.g. ``benchmarks/results/policy_lag_intel``)."""
+    want = grid_vendor(results)
+    here = here if here is not None else cpu_vendor(cpu_fingerprint().get("model", ""))
+    if want and here != want:
+        raise RuntimeError(
+            f"the grid in {results} was run on {want} CPUs and this machine's is {here or 'unknown'}: MKL's float32 "
+            f"bits differ by vendor, so its warm start cannot be rebuilt here (docs/known-limits.md). Run it on a(n) "
+            f"{want} machine, or run this vendor's own grid: --results benchmarks/results/policy_lag_"
+            f"{(here or 'other').lower()} (its own warm start; its report goes to its own RESULTS.md section).")
 
 
 def code_revision() -> str:
@@ -642,13 +684,24 @@ tokens left after RS, IcePop zeroing, the lag filter and invalid log-probs. Gene
 """.split())
 
 
+def markers(results_root: Path) -> tuple[str, str]:
+    """The BEGIN / END markers of a grid's generated section in RESULTS.md: the main grid (``policy_lag``) keeps
+    ``BEGIN`` / ``END``; a grid in another ``--results`` folder (e.g. ``policy_lag_intel``) gets markers with its
+    folder's name, so that neither report overwrites the other."""
+    if results_root.name == "policy_lag":
+        return BEGIN, END
+    return BEGIN.replace(" -->", f": {results_root.name} -->"), END.replace(" -->", f": {results_root.name} -->")
+
+
 def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03) -> str:
+    begin, end = markers(results_root)
+    grid = "" if results_root.name == "policy_lag" else f", grid `benchmarks/results/{results_root.name}`"
     found = [c for c in results_root.iterdir() if (c / "eval.json").exists()] if results_root.exists() else []
     # numeric order (trl_k8 before trl_k32); the warm start, not a <method>_k<k> name, last as before
     found.sort(key=lambda c: (1, c.name, 0, 0) if c.name == WARMSTART else (0, *parse_cell(c.name)))
     cells = {c.name: summarize(c) for c in found}
-    lines = [BEGIN, "", "### Policy lag: stale vLLM CPU rollouts, with and without correction "
-             "(`benchmarks/policy_lag_experiment.py`)", "",
+    lines = [begin, "", "### Policy lag: stale vLLM CPU rollouts, with and without correction "
+             f"(`benchmarks/policy_lag_experiment.py`{grid})", "",
              INTRO.format(flags=" ".join(WARMSTART_FLAGS)), "",
              "| cell | steps | held-out before -> after | vs reference (paired s.e.) | McNemar p "
              "| mean kl / k3 "
@@ -694,10 +747,10 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
     if missing:
         lines += ["", f"Not run yet ({len(missing)} of the planned cells): {', '.join(missing)}."]
     if figure and any(n != WARMSTART for n in cells):
-        plot(cells, ROOT / "benchmarks" / "policy_lag_accuracy.png", ROOT / "benchmarks" / "policy_lag_curves.png")
-        lines += ["", "![final accuracy against k](policy_lag_accuracy.png)",
-                  "", "![per-step curves](policy_lag_curves.png)"]
-    lines += ["", END]
+        acc, curves = f"{results_root.name}_accuracy.png", f"{results_root.name}_curves.png"  # policy_lag_*.png
+        plot(cells, ROOT / "benchmarks" / acc, ROOT / "benchmarks" / curves)
+        lines += ["", f"![final accuracy against k]({acc})", "", f"![per-step curves]({curves})"]
+    lines += ["", end]
     return "\n".join(lines)
 
 
@@ -1020,6 +1073,7 @@ def main() -> None:
         print("bit-identical training metrics" if not diff else "\n".join(diff))
         sys.exit(1 if diff else 0)
     if not args.report_only:
+        check_vendor(Path(args.results))
         names = [n for n in args.cells.split(",") if n]
         for n in names:
             if n != WARMSTART:
@@ -1031,7 +1085,7 @@ def main() -> None:
     text = report(Path(args.results), figure=not args.no_write, engine_kl_max=args.engine_kl_max)
     print(text)
     if not args.no_write:
-        replace_section(text, BEGIN, END, ROOT / "benchmarks" / "RESULTS.md")
+        replace_section(text, *markers(Path(args.results)), ROOT / "benchmarks" / "RESULTS.md")
 
 
 if __name__ == "__main__":

@@ -268,3 +268,47 @@ def test_avx2_kernel_pin_selects_avx2_in_a_fresh_process(exp):
                           "torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported())"],
                          env=env, capture_output=True, text=True, check=True).stdout.split()
     assert out == ["AVX2", "False", "False"]
+
+
+def _meta(folder: Path, model: str | None) -> None:
+    import json
+
+    folder.mkdir(parents=True)
+    (folder / "cell_meta.json").write_text(json.dumps({"cpu": {"model": model}} if model is not None else {}))
+
+
+def test_grid_vendor_and_the_refusal_on_another_vendor(exp, tmp_path):
+    assert exp.cpu_vendor("AMD EPYC 9R14") == "AMD"
+    assert exp.cpu_vendor("Intel(R) Xeon(R) Processor") == "Intel"
+    assert exp.cpu_vendor("") is None and exp.cpu_vendor("Hygon C86") is None
+    grid = tmp_path / "policy_lag"
+    assert exp.grid_vendor(grid) is None  # no folder yet: a new grid, any vendor may start it
+    _meta(grid / "warmstart", None)  # a cell from before the cpu field: unknown, not a vote
+    assert exp.grid_vendor(grid) is None
+    exp.check_vendor(grid, here="Intel")  # nothing committed says a vendor: runs
+    _meta(grid / "tis_k1_s1", "AMD EPYC")
+    assert exp.grid_vendor(grid) == "AMD"
+    exp.check_vendor(grid, here="AMD")
+    with pytest.raises(RuntimeError, match="run on AMD CPUs and this machine's is Intel.*policy_lag_intel"):
+        exp.check_vendor(grid, here="Intel")
+    with pytest.raises(RuntimeError, match="this machine's is unknown"):
+        exp.check_vendor(grid, here="")  # a vendor cpu_vendor does not know
+    _meta(grid / "trl_k1_s1", "Intel(R) Xeon(R) Processor")
+    with pytest.raises(RuntimeError, match=r"several vendors \(\['AMD', 'Intel'\]\)"):
+        exp.grid_vendor(grid)
+
+
+def test_each_grid_reports_into_its_own_section(exp, tmp_path):
+    assert exp.markers(tmp_path / "policy_lag") == (exp.BEGIN, exp.END)
+    begin, end = exp.markers(tmp_path / "policy_lag_intel")
+    assert begin == "<!-- BEGIN policy_lag_experiment.py output: policy_lag_intel -->"
+    assert end == "<!-- END policy_lag_experiment.py output: policy_lag_intel -->"
+    results = tmp_path / "RESULTS.md"
+    results.write_text(f"head\n{exp.BEGIN}\nmain grid\n{exp.END}\ntail\n")
+    exp.replace_section(f"{begin}\nintel grid\n{end}", begin, end, results)
+    exp.replace_section(f"{exp.BEGIN}\nmain grid v2\n{exp.END}", exp.BEGIN, exp.END, results)
+    text = results.read_text()
+    assert "main grid v2" in text and "intel grid" in text and "main grid\n" not in text
+    empty = exp.report(tmp_path / "policy_lag_intel", figure=False)
+    assert empty.startswith(begin) and empty.endswith(end)
+    assert "grid `benchmarks/results/policy_lag_intel`" in empty
