@@ -152,6 +152,19 @@ GRID = [*(f"{m}_k{GRID_K}_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)),
         "tis_k8_s2", "tis_k8_s3", *(f"bypass_k8_s{s}" for s in (1, 2, 3)),
         "trl_k32_s4"]
 ORDER = [WARMSTART, *CALIBRATION, *CALIBRATION_MAX_LAG, *GRID]
+# A grid of another CPU vendor (its own ``--results`` folder and warm start, ``check_vendor``): first the cells the
+# main grid still lacks, each with its same-seed reference (bypass and tis at k = 8, with trl at k = 8 and k = 1),
+# then the main grid's headline at k = 32 (plain TRL vs bypass) on this independent warm start, seed by seed, then
+# top-p.
+VENDOR_ORDER = [WARMSTART, *(f"{m}_s{s}" for s in (1, 2, 3) for m in ("trl_k8", "bypass_k8", "trl_k1", "tis_k8",
+                                                                      "trl_k32", "bypass_k32")),
+                *(f"{m}_k1_s{s}" for s in (1, 2) for m in ("topp_trl_is", "topp_decoupled", "topp_recompute"))]
+
+
+def plan(results_root: Path) -> list[str]:
+    """A grid's cells in run order: ``ORDER`` for the main grid (``benchmarks/results/policy_lag``), ``VENDOR_ORDER``
+    for a grid in another ``--results`` folder."""
+    return ORDER if results_root.name == "policy_lag" else VENDOR_ORDER
 REBUILD_ENV = "POLICY_LAG_REBUILD_WARMSTART"  # run_cell -> the cell process: a rebuild of the committed warm start
 RECORD_ENV, REPLAY_ENV = "POLICY_LAG_RECORD_ROLLOUTS", "POLICY_LAG_REPLAY_ROLLOUTS"  # run_cell -> the cell: a path
 REPLAY_MISMATCH = "rollout replay mismatch"  # rollout_replay.MISMATCH: a cell that fails with it is generated instead
@@ -743,7 +756,7 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
     controls = control_table(cells)
     lines += ["", *seed_table(cells), *([""] + controls if controls else []), "", *rs_on_table(cells), "",
               *topp_table(cells)]
-    missing = [c for c in ORDER if c not in cells]
+    missing = [c for c in plan(results_root) if c not in cells]
     if missing:
         lines += ["", f"Not run yet ({len(missing)} of the planned cells): {', '.join(missing)}."]
     if figure and any(n != WARMSTART for n in cells):
@@ -1049,7 +1062,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "outputs" / "policy_lag"), help="cell outputs with weights")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "policy_lag"),
                     help="committed small outputs (resume from here)")
-    ap.add_argument("--cells", default=",".join(ORDER), help="comma list, in run order")
+    ap.add_argument("--cells", help="comma list, in run order (default: the grid's plan, ORDER or VENDOR_ORDER)")
     ap.add_argument("--steps", type=int, default=32, help="optimizer steps per cell")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step (4 completions each)")
     ap.add_argument("--lr", type=float, default=3e-5)
@@ -1074,7 +1087,7 @@ def main() -> None:
         sys.exit(1 if diff else 0)
     if not args.report_only:
         check_vendor(Path(args.results))
-        names = [n for n in args.cells.split(",") if n]
+        names = [n for n in (args.cells or ",".join(plan(Path(args.results)))).split(",") if n]
         for n in names:
             if n != WARMSTART:
                 parse_cell(n)  # a misspelt cell fails before hours of running

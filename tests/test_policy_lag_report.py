@@ -312,3 +312,15 @@ def test_each_grid_reports_into_its_own_section(exp, tmp_path):
     empty = exp.report(tmp_path / "policy_lag_intel", figure=False)
     assert empty.startswith(begin) and empty.endswith(end)
     assert "grid `benchmarks/results/policy_lag_intel`" in empty
+
+
+def test_a_vendor_grid_plans_the_missing_cells_with_their_references_first(exp, tmp_path):
+    assert exp.plan(tmp_path / "policy_lag") == exp.ORDER
+    order = exp.plan(tmp_path / "policy_lag_intel")
+    assert order[:5] == ["warmstart", "trl_k8_s1", "bypass_k8_s1", "trl_k1_s1", "tis_k8_s1"]
+    assert len(order) == len(set(order)) == 1 + 18 + 6
+    for name in order[1:]:  # every cell's paired reference is in the plan, within the same seed's block of cells
+        ref = exp.reference_cell(name)
+        if ref is not None:
+            assert ref in order and exp.parse_cell(ref)[2] == exp.parse_cell(name)[2], name
+    assert exp.reference_cell("trl_k1_s1") is None and "trl_k1_s1" in order  # the lag reference has none itself
