@@ -693,7 +693,7 @@ problems before and after. *vs reference* compares a cell's final scores item by
 top-p cells), and for plain TRL at k > 1 plain TRL at k = 1 and the same seed (the effect of the lag itself).
 Per-step means: `rollout_corr/kl` and `k3_kl` (nats/token, behaviour vs trainer), trained = fraction of completion
 tokens left after RS, IcePop zeroing, the lag filter and invalid log-probs. Generated from the committed cells under
-`benchmarks/results/policy_lag/` (`--report-only`).
+`benchmarks/results/{folder}/` (`--report-only`).
 """.split())
 
 
@@ -715,7 +715,7 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
     cells = {c.name: summarize(c) for c in found}
     lines = [begin, "", "### Policy lag: stale vLLM CPU rollouts, with and without correction "
              f"(`benchmarks/policy_lag_experiment.py`{grid})", "",
-             INTRO.format(flags=" ".join(WARMSTART_FLAGS)), "",
+             INTRO.format(flags=" ".join(WARMSTART_FLAGS), folder=results_root.name), "",
              "| cell | steps | held-out before -> after | vs reference (paired s.e.) | McNemar p "
              "| mean kl / k3 "
              "| mean lag | trained | grad norm | entropy | length | clipped | zero-std groups | step s | wall s "
@@ -754,8 +754,11 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
         lines += ["", "Never-synced cells (k >= steps) see the same completions in every method (the update alone "
                   "differs):", "", *same]
     controls = control_table(cells)
-    lines += ["", *seed_table(cells), *([""] + controls if controls else []), "", *rs_on_table(cells), "",
-              *topp_table(cells)]
+    # issue 23's table where the grid plans or holds an RS arm (a vendor grid plans none; its tis_k8 is a method arm)
+    rs_on = results_root.name == "policy_lag" or any(
+        n != WARMSTART and parse_cell(n)[0] in RS_ON_ARMS and parse_cell(n)[0] != "tis" for n in cells)
+    lines += ["", *seed_table(cells), *([""] + controls if controls else []),
+              *(["", *rs_on_table(cells)] if rs_on else []), "", *topp_table(cells)]
     missing = [c for c in plan(results_root) if c not in cells]
     if missing:
         lines += ["", f"Not run yet ({len(missing)} of the planned cells): {', '.join(missing)}."]
