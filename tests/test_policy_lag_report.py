@@ -178,9 +178,11 @@ def test_topp_table_by_hand(exp, tmp_path):
 
 
 def test_trained_fraction_refuses_a_step_without_a_valid_token_count(exp, tmp_path):
-    _cell(tmp_path, "tis_k8_s1", [(0, 0, {"rollout_corr/invalid_token_fraction": 1.0})], [1, 0])
+    grid = tmp_path / "policy_lag"  # the main grid: its report has issue 23's table, which weighs steps by tokens
+    grid.mkdir()
+    _cell(grid, "tis_k8_s1", [(0, 0, {"rollout_corr/invalid_token_fraction": 1.0})], [1, 0])
     with pytest.raises(ValueError, match="every completion token has an invalid log-prob"):
-        exp.report(tmp_path, figure=False)
+        exp.report(grid, figure=False)
 
 
 def test_seed_table_pairs_arms_by_seed(exp):
