@@ -367,13 +367,18 @@ def cpu_fingerprint(cpuinfo: str | None = None) -> dict:
     fields = dict(line.split(":", 1) for line in cpuinfo.splitlines()[:64] if ":" in line)
     fields = {k.strip(): v.strip() for k, v in fields.items()}
     flags = set(fields.get("flags", "").split())
-    return {"model": fields.get("model name", ""), **{f: f in flags for f in ("avx2", "avx512f", "avx512_bf16")}}
+    return {"model": fields.get("model name", ""), "vendor_id": fields.get("vendor_id", ""),
+            **{f: f in flags for f in ("avx2", "avx512f", "avx512_bf16")}}
 
 
-def cpu_vendor(model: str) -> str | None:
-    """``"AMD"`` or ``"Intel"`` from a ``cpu_fingerprint`` model name (None for another or an empty one). The
+def cpu_vendor(model: str, vendor_id: str = "") -> str | None:
+    """``"AMD"`` or ``"Intel"`` from a ``cpu_fingerprint``'s ``vendor_id`` (``AuthenticAMD`` / ``GenuineIntel``,
+    recorded since 2026-12-06) or else its model name (None where neither says: a VM may show a generic name). The
     vendor decides a grid's float32 bits: torch's BLAS (MKL) takes other code paths on Intel than on AMD even at
     the pinned AVX2 kernels (measured: the warm start rebuilt on an Intel Xeon scored 171/512, not AMD's 203/512)."""
+    ids = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}
+    if vendor_id in ids:
+        return ids[vendor_id]
     for vendor in ("AMD", "Intel"):
         if vendor.lower() in model.lower():
             return vendor
@@ -386,8 +391,8 @@ def grid_vendor(results: Path) -> str | None:
 
     Raises:
         RuntimeError: the committed cells ran on more than one vendor (such a grid has no single warm start)."""
-    found = {cpu_vendor((json.loads(m.read_text()).get("cpu") or {}).get("model", ""))
-             for m in results.glob("*/cell_meta.json")} - {None} if results.exists() else set()
+    cpus = [json.loads(m.read_text()).get("cpu") or {} for m in results.glob("*/cell_meta.json")]
+    found = {cpu_vendor(c.get("model", ""), c.get("vendor_id", "")) for c in cpus} - {None}
     if len(found) > 1:
         raise RuntimeError(f"{results} holds cells from CPUs of several vendors ({sorted(found)}): its cells are not "
                            "comparable; move the odd ones to a grid of their own.")
@@ -403,7 +408,9 @@ def check_vendor(results: Path, here: str | None = None) -> None:
         RuntimeError: naming both vendors and the two ways on (a machine of the grid's vendor, or this vendor's own
             grid under another ``--results`` folder, e.g. ``benchmarks/results/policy_lag_intel``)."""
     want = grid_vendor(results)
-    here = here if here is not None else cpu_vendor(cpu_fingerprint().get("model", ""))
+    if here is None:
+        cpu = cpu_fingerprint()
+        here = cpu_vendor(cpu.get("model", ""), cpu.get("vendor_id", ""))
     if want and here != want:
         raise RuntimeError(
             f"the grid in {results} was run on {want} CPUs and this machine's is {here or 'unknown'}: MKL's float32 "
@@ -753,7 +760,7 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
     if same:
         lines += ["", "Never-synced cells (k >= steps) see the same completions in every method (the update alone "
                   "differs):", "", *same]
-    controls = control_table(cells)
+    controls = control_table(cells, plan(results_root))
     # issue 23's table where the grid plans or holds an RS arm (a vendor grid plans none; its tis_k8 is a method arm)
     rs_on = results_root.name == "policy_lag" or any(
         n != WARMSTART and parse_cell(n)[0] in RS_ON_ARMS and parse_cell(n)[0] != "tis" for n in cells)
@@ -954,7 +961,7 @@ def topp_table(cells: dict) -> list[str]:
             "|---|---|---|---|---|---|---|---|---|", *rows]
 
 
-def control_table(cells: dict) -> list[str]:
+def control_table(cells: dict, planned: list[str] | None = None) -> list[str]:
     """The controls at ``GRID_K``, per committed cell at that k of any method but plain ``trl``: its
     paired difference (``paired``, points) and exact McNemar p (``mcnemar``) against ``trl_slow`` at the same k and
     seed (plain TRL at half the learning rate: the effective-step control, issue 19) and against on-policy plain TRL
@@ -973,6 +980,8 @@ def control_table(cells: dict) -> list[str]:
             c = cells.get(ctl)
             if ctl == name:
                 cols.append("—")
+            elif (c is None or not c.get("after")) and planned is not None and ctl not in planned:
+                cols.append("not in this grid's plan")
             elif c is None or not c.get("after"):
                 cols.append("not run yet")
             else:
@@ -1090,7 +1099,8 @@ def main() -> None:
         sys.exit(1 if diff else 0)
     if not args.report_only:
         check_vendor(Path(args.results))
-        names = [n for n in (args.cells or ",".join(plan(Path(args.results)))).split(",") if n]
+        cells = args.cells if args.cells is not None else ",".join(plan(Path(args.results)))
+        names = [n for n in cells.split(",") if n]
         for n in names:
             if n != WARMSTART:
                 parse_cell(n)  # a misspelt cell fails before hours of running

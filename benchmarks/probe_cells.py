@@ -68,16 +68,18 @@ def probe(model: Path, prompts: Path, out: Path) -> None:
 def table(probe_root: Path, grid: str) -> str:
     """The RESULTS.md section: one row per committed ``report.json`` under ``probe_root``."""
     begin, end = f"<!-- BEGIN probe_cells.py output: {grid} -->", f"<!-- END probe_cells.py output: {grid} -->"
-    rows = []
+    rows, samples = [], set()
     for rep in sorted(probe_root.glob("*/report.json")):
+        samples.add(json.loads(rep.read_text()).get("samples"))
         r = json.loads(rep.read_text())["log_ratio"]
         band = r["out_of_band"]["0.9_1.1"]
         rows.append(f"| {rep.parent.name} | {r['tokens']} | {-r['mean']:.4f} | {r['mean_abs']:.4f} "
                     f"| {r['p99_abs']:.3f} | {r['max_abs']:.3f} | {100 * band:.1f} % |")
     return "\n".join([
         begin, "", f"Engine mismatch at each cell's final weights (`benchmarks/probe_cells.py`, grid `{grid}`): vLLM "
-        "CPU bf16 vs the float32 training forward on the same saved checkpoint (no sync, no lag), the first 16 "
-        "held-out problems x 4 samples, <= 32 tokens, T = 1, seed 0, AVX2-pinned. `l = log pi_train - log mu` per "
+        "CPU bf16 vs the float32 training forward on the same saved checkpoint (no sync, no lag), the first "
+        f"{'/'.join(str(n // 4) for n in sorted(x for x in samples if x))} held-out problems x 4 samples, <= 32 "
+        "tokens, T = 1, seed 0, AVX2-pinned. `l = log pi_train - log mu` per "
         "sampled token (nats); -mean l estimates KL(mu || pi_train) per token.", "",
         "| weights | tokens | -mean l (nats/token) | mean abs l | p99 abs | max abs | outside [0.9, 1.1] |",
         "|---|---|---|---|---|---|---|", *rows, "", end])

@@ -220,6 +220,10 @@ def test_control_table_by_hand(exp, tmp_path):
     ])
     assert exp.control_table({}) == []
     assert f"| bypass_k{k}_s1 | 5/8 |" in exp.report(tmp_path, figure=False)  # the report carries the table
+    # a vendor grid plans no trl_slow: its column says so instead of promising a run
+    cells = {c.name: exp.summarize(c) for c in tmp_path.iterdir()}
+    vendor = exp.control_table(cells, exp.VENDOR_ORDER)
+    assert f"| tis_k{k}_s2 | 3/8 | 0.500 | 1.500 | not in this grid's plan | not run yet |" in vendor
 
 
 def _step(step, lag, kl=None, dropped=0.0):
@@ -251,9 +255,10 @@ def test_lag_check_still_fails_real_violations(exp):
 def test_cpu_fingerprint_reads_model_and_vector_flags(exp):
     info = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n"
             "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512_bf16\n")
-    assert exp.cpu_fingerprint(info) == {"model": "AMD EPYC", "avx2": True, "avx512f": True, "avx512_bf16": True}
+    assert exp.cpu_fingerprint(info) == {"model": "AMD EPYC", "vendor_id": "AuthenticAMD", "avx2": True,
+                                         "avx512f": True, "avx512_bf16": True}
     assert exp.cpu_fingerprint("model name\t: Old\nflags\t: sse2 avx avx2\n") == {
-        "model": "Old", "avx2": True, "avx512f": False, "avx512_bf16": False}
+        "model": "Old", "vendor_id": "", "avx2": True, "avx512f": False, "avx512_bf16": False}
 
 
 def test_avx2_kernel_pin_selects_avx2_in_a_fresh_process(exp):
@@ -283,6 +288,8 @@ def test_grid_vendor_and_the_refusal_on_another_vendor(exp, tmp_path):
     assert exp.cpu_vendor("AMD EPYC 9R14") == "AMD"
     assert exp.cpu_vendor("Intel(R) Xeon(R) Processor") == "Intel"
     assert exp.cpu_vendor("") is None and exp.cpu_vendor("Hygon C86") is None
+    assert exp.cpu_vendor("QEMU Virtual CPU", "GenuineIntel") == "Intel"  # vendor_id wins over a generic name
+    assert exp.cpu_vendor("Intel(R) Xeon(R)", "AuthenticAMD") == "AMD"
     grid = tmp_path / "policy_lag"
     assert exp.grid_vendor(grid) is None  # no folder yet: a new grid, any vendor may start it
     _meta(grid / "warmstart", None)  # a cell from before the cpu field: unknown, not a vote
@@ -295,6 +302,9 @@ def test_grid_vendor_and_the_refusal_on_another_vendor(exp, tmp_path):
         exp.check_vendor(grid, here="Intel")
     with pytest.raises(RuntimeError, match="this machine's is unknown"):
         exp.check_vendor(grid, here="")  # a vendor cpu_vendor does not know
+    (grid / "trl_k8_s1").mkdir()  # a VM's generic name: its vendor_id decides
+    (grid / "trl_k8_s1" / "cell_meta.json").write_text('{"cpu": {"model": "QEMU", "vendor_id": "AuthenticAMD"}}')
+    assert exp.grid_vendor(grid) == "AMD"
     _meta(grid / "trl_k1_s1", "Intel(R) Xeon(R) Processor")
     with pytest.raises(RuntimeError, match=r"several vendors \(\['AMD', 'Intel'\]\)"):
         exp.grid_vendor(grid)

@@ -22,13 +22,14 @@ def pc():
 def test_table_rows_from_reports(pc, tmp_path):
     for cell, mean, band in (("warmstart", 0.0088, 0.148), ("trl_k8_s1", -0.0518, 0.258)):
         (tmp_path / cell).mkdir()
-        (tmp_path / cell / "report.json").write_text(json.dumps({"log_ratio": {
+        (tmp_path / cell / "report.json").write_text(json.dumps({"samples": 64, "log_ratio": {
             "tokens": 1000, "mean": mean, "mean_abs": 0.1439, "p99_abs": 2.1890, "max_abs": 3.221,
             "out_of_band": {"0.9_1.1": band}}}))
     text = pc.table(tmp_path, "policy_lag_intel")
     lines = text.splitlines()
     assert lines[0] == "<!-- BEGIN probe_cells.py output: policy_lag_intel -->"
     assert lines[-1] == "<!-- END probe_cells.py output: policy_lag_intel -->"
+    assert "the first 16 held-out problems x 4 samples" in text  # 64 samples / 4 per prompt
     # sorted by cell name; -mean l is the KL(mu || pi_train) estimate, so the sign flips
     assert "| trl_k8_s1 | 1000 | 0.0518 | 0.1439 | 2.189 | 3.221 | 25.8 % |" in lines
     assert "| warmstart | 1000 | -0.0088 | 0.1439 | 2.189 | 3.221 | 14.8 % |" in lines
