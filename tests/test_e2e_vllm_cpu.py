@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from script_module import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = Path(os.environ.get("TRL_ROLLOUT_CORR_SMOLLM2", ROOT / "models" / "SmolLM2-135M-Instruct"))
 CONFIG = ROOT / "recipes" / "configs" / "cpu_smollm2_decoupled.yaml"
@@ -33,12 +35,7 @@ def _vllm_importable() -> bool:
 
 
 def _load_recipe():
-    path = ROOT / "recipes" / "grpo_rollout_corr.py"
-    spec = importlib.util.spec_from_file_location("grpo_rollout_corr_recipe", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up in sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script("recipes/grpo_rollout_corr.py", "grpo_rollout_corr_recipe")
 
 
 @pytest.mark.vllm

@@ -1,23 +1,19 @@
 """The policy-lag experiment's comparisons (benchmarks/policy_lag_experiment.py): which cell a cell is compared
 with, and the paired statistics, against hand-computed values."""
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
+from script_module import load_script
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "policy_lag_experiment.py"
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
 def exp():
-    spec = importlib.util.spec_from_file_location("policy_lag_experiment", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/policy_lag_experiment.py")
 
 
 def test_reference_cells(exp):

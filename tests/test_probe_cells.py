@@ -1,22 +1,17 @@
 """benchmarks/probe_cells.py: its RESULTS.md table from committed probe reports, against hand-written values."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
+from script_module import load_script
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "probe_cells.py"
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
 def pc():
-    spec = importlib.util.spec_from_file_location("probe_cells", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/probe_cells.py")
 
 
 def test_table_rows_from_reports(pc, tmp_path):

@@ -7,13 +7,13 @@ when reasoning-gym is not installed (it comes with the vLLM setup, mk/demo.mk).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from script_module import load_script
 
 pytest.importorskip("trl")
 
@@ -26,12 +26,7 @@ ACCELERATE = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
 
 
 def _recipe():
-    path = ROOT / "recipes" / "grpo_rollout_corr.py"
-    spec = importlib.util.spec_from_file_location("grpo_rollout_corr_recipe_t", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("recipes/grpo_rollout_corr.py", "grpo_rollout_corr_recipe_t")
 
 
 def _parse(config: Path, *extra: str):

@@ -9,13 +9,13 @@ when a random model earns no reward, so "the same loss" is a real comparison.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+
+from script_module import load_script
 
 pytest.importorskip("trl")
 pytest.importorskip("reasoning_gym")
@@ -34,12 +34,7 @@ def chat_llama_dir(tmp_path_factory):
 
 
 def _recipe():
-    path = ROOT / "recipes" / "grpo_rollout_corr.py"
-    spec = importlib.util.spec_from_file_location("grpo_rollout_corr_recipe_tiny", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("recipes/grpo_rollout_corr.py", "grpo_rollout_corr_recipe_tiny")
 
 
 def _run(model_dir, out, *extra: str):
