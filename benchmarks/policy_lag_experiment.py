@@ -1001,31 +1001,76 @@ def control_table(cells: dict, planned: list[str] | None = None) -> list[str]:
             "| minus trl_k1 (paired s.e., McNemar p) |", "|---|---|---|---|---|---|", *rows]
 
 
+# The accuracy figure's panels: the lag grid (top_p 1, the bf16 engine: the methods compared against k) and the
+# controls plotted apart because their sampling or engine differs (top_p 0.9; the float32 engine), each at its one k.
+LAG_PANEL, CONTROL_PANEL = "sync interval", "controls"
+# One colour and marker per method, fixed across grids and figures (matplotlib's cycle repeats after 10 methods).
+METHOD_STYLE = {"trl": ("#222222", "o"), "trl_slow": ("#8c8c8c", "v"), "trl_is": ("#9467bd", "P"),
+                "tis": ("#1f77b4", "s"), "bypass": ("#d62728", "D"), "decoupled": ("#ff7f0e", "^"),
+                "direct_gate": ("#8c564b", "X"), "rs_engine": ("#2ca02c", "<"), "rs_direct": ("#bcbd22", ">"),
+                "f32_rs_engine": ("#2ca02c", "<"), "f32_rs_direct": ("#bcbd22", ">"),
+                "topp_trl_is": ("#9467bd", "P"), "topp_decoupled": ("#ff7f0e", "^"),
+                "topp_recompute": ("#17becf", "*")}
+
+
+def accuracy_series(cells: dict) -> dict[str, dict[str, dict[int, list[float]]]]:
+    """The accuracy figure's data: panel -> method -> sync interval k -> final held-out accuracies (fractions), one
+    per seed, in seed order. The lag panel holds the methods sampled at top_p 1 by the bf16 engine; the control panel
+    the top-p (``topp_*``) and float32-engine (``f32_*``) cells. The warm start is not a method and is left out."""
+    out: dict[str, dict[str, dict[int, list[float]]]] = {LAG_PANEL: {}, CONTROL_PANEL: {}}
+    for name in sorted((n for n in cells if n != WARMSTART), key=parse_cell):
+        method, k, _seed = parse_cell(name)
+        panel = CONTROL_PANEL if method.startswith(("topp_", "f32_")) else LAG_PANEL
+        out[panel].setdefault(method, {}).setdefault(k, []).append(cells[name]["after"]["accuracy"])
+    return out
+
+
 def plot(cells: dict, path: Path, curves_path: Path) -> None:
+    """Write the accuracy figure (``path``: final accuracy against k per method, every seed a point, the mean with
+    its s.e. over seeds; the controls in a second panel) and the per-step curves (``curves_path``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    methods = sorted({parse_cell(n)[0] for n in cells if n != WARMSTART})
+    series = accuracy_series(cells)
+    fig, (ax, cax) = plt.subplots(1, 2, figsize=(10, 4.2), width_ratios=(3, 1.4), sharey=True)
+    methods = list(series[LAG_PANEL])
     for j, method in enumerate(methods):
-        pts = [(parse_cell(n)[1], s["after"]["accuracy"]) for n, s in cells.items()
-               if n != WARMSTART and parse_cell(n)[0] == method]
-        ks = sorted({k for k, _ in pts})
-        shift = 1 + 0.04 * (j - len(methods) / 2)
-        ax.scatter([k * shift for k, _ in pts], [a for _, a in pts], s=12, alpha=0.5, color=f"C{j}")
-        means = [statistics.fmean([a for kk, a in pts if kk == k]) for k in ks]
-        errs = [statistics.stdev(v) / math.sqrt(len(v)) if len(v := [a for kk, a in pts if kk == k]) > 1 else 0
-                for k in ks]
-        ax.errorbar([k * shift for k in ks], means, yerr=errs, marker="o", capsize=3, color=f"C{j}", label=method)
+        colour, marker = METHOD_STYLE.get(method, (f"C{j % 10}", "o"))
+        by_k = series[LAG_PANEL][method]
+        ks = sorted(by_k)
+        shift = 2 ** (0.035 * (j - (len(methods) - 1) / 2))  # side by side on the log axis, the k's stay readable
+        for k in ks:
+            ax.scatter([k * shift] * len(by_k[k]), by_k[k], s=14, alpha=0.45, color=colour, marker=marker,
+                       linewidths=0)
+        means = [statistics.fmean(by_k[k]) for k in ks]
+        errs = [statistics.stdev(by_k[k]) / math.sqrt(len(by_k[k])) if len(by_k[k]) > 1 else 0 for k in ks]
+        seeds = max(len(v) for v in by_k.values())
+        seeds_label = f"up to {seeds} seeds" if seeds > 1 else "1 seed"
+        ax.errorbar([k * shift for k in ks], means, yerr=errs, marker=marker, capsize=3, color=colour,
+                    markersize=6, linewidth=1.2, label=f"{method} ({seeds_label})")
+    controls = list(series[CONTROL_PANEL])
+    for j, method in enumerate(controls):
+        colour, marker = METHOD_STYLE.get(method, (f"C{j % 10}", "o"))
+        accs = [a for v in series[CONTROL_PANEL][method].values() for a in v]
+        cax.scatter([j] * len(accs), accs, s=14, alpha=0.45, color=colour, marker=marker, linewidths=0)
+        cax.errorbar([j], [statistics.fmean(accs)], yerr=[statistics.stdev(accs) / math.sqrt(len(accs))
+                     if len(accs) > 1 else 0], marker=marker, capsize=3, color=colour, markersize=6)
+    cax.set_xticks(range(len(controls)), [m.replace("topp_", "top-p 0.9 ").replace("f32_", "f32 engine ")
+                                           for m in controls], rotation=35, ha="right", fontsize=7)
+    cax.set_xlim(-0.6, max(len(controls), 1) - 0.4)
+    cax.set_title("controls at one k (top_p 0.9: k = 1; float32 engine: k = 8)", fontsize=8)
     if WARMSTART in cells:
-        ax.axhline(cells[WARMSTART]["after"]["accuracy"], color="grey", linestyle=":", label="warm start")
+        for a in (ax, cax):
+            a.axhline(cells[WARMSTART]["after"]["accuracy"], color="grey", linestyle=":", linewidth=1,
+                      label="warm start" if a is ax else None)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("vLLM weight sync interval k (optimizer steps)")
+    ax.set_xlabel("vLLM weight sync interval k (optimizer steps; lags 0 to k - 1)")
     ax.set_ylabel("greedy held-out accuracy after training")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    ax.set_title("top_p 1, bf16 engine: each seed a faint point, the mean ± s.e. over seeds", fontsize=8)
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="center right", frameon=False)
+    fig.tight_layout(rect=(0, 0, 0.83, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

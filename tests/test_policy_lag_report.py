@@ -332,3 +332,18 @@ def test_a_vendor_grid_plans_the_missing_cells_with_their_references_first(exp, 
         if ref is not None:
             assert ref in order and exp.parse_cell(ref)[2] == exp.parse_cell(name)[2], name
     assert exp.reference_cell("trl_k1_s1") is None and "trl_k1_s1" in order  # the lag reference has none itself
+
+
+def test_accuracy_figure_series_splits_the_lag_grid_from_the_controls(exp):
+    acc = {"warmstart": 0.30, "trl_k1_s1": 0.40, "trl_k8_s2": 0.25, "trl_k8_s1": 0.20, "bypass_k8_s1": 0.50,
+           "topp_trl_is_k1_s1": 0.24, "topp_recompute_k1_s2": 0.10, "f32_rs_engine_k8_s1": 0.16}
+    series = exp.accuracy_series({n: {"after": {"accuracy": a}} for n, a in acc.items()})
+    # the lag panel: methods at top_p 1 with the bf16 engine, accuracies per k in seed order (s1 before s2)
+    assert series[exp.LAG_PANEL] == {"bypass": {8: [0.50]}, "trl": {1: [0.40], 8: [0.20, 0.25]}}
+    # top-p and float32-engine cells are controls, each at its own k; the warm start is no method
+    assert series[exp.CONTROL_PANEL] == {"f32_rs_engine": {8: [0.16]}, "topp_recompute": {1: [0.10]},
+                                         "topp_trl_is": {1: [0.24]}}
+    # every method the runner knows has a fixed style, so no two methods of one figure share colour and marker
+    assert set(exp.METHODS) <= set(exp.METHOD_STYLE)
+    panel = [exp.METHOD_STYLE[m] for m in exp.METHODS if not m.startswith(("topp_", "f32_"))]
+    assert len(set(panel)) == len(panel)
