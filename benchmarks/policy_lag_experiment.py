@@ -1025,6 +1025,40 @@ def accuracy_series(cells: dict) -> dict[str, dict[str, dict[int, list[float]]]]
     return out
 
 
+# The curves figure's arms: the lag panel's methods at on-policy, the intermediate and the never-synced interval.
+CURVE_KS = (1, 8, GRID_K)
+K_LINESTYLE = {1: ":", 8: "--", GRID_K: "-"}
+
+
+def curve_series(cells: dict, key: str | None) -> dict[tuple[str, int], dict[int, float]]:
+    """One per-step curve per arm for the curves figure: (method, k) -> {optimizer step: mean over the arm's seeds}.
+
+    Arms are the lag panel's (top_p 1, bf16 engine; see :func:`accuracy_series`) at k in ``CURVE_KS``. ``key`` is a
+    ``log.jsonl`` metric, ``None`` for the trained fraction, or ``"curve"`` for the 128-item greedy checks (fraction
+    correct, with the final evaluation's score on the same first items as the last point, at the cell's last step). A
+    step is averaged over the seeds that logged a finite value there (TRL logs no ESS, a lag-filtered step no k3);
+    an arm with no such value at any step is left out, so no line is drawn from nothing."""
+    acc: dict[tuple[str, int], dict[int, list[float]]] = {}
+    for name in sorted((n for n in cells if n != WARMSTART), key=parse_cell):
+        method, k, _seed = parse_cell(name)
+        if k not in CURVE_KS or method.startswith(("topp_", "f32_")):
+            continue
+        s = cells[name]
+        if key == "curve":
+            points = [(c["step"], c["correct"] / c["total"]) for c in s["curve"]]
+            if s["curve"] and s["after"]:
+                n = s["curve"][0]["total"]
+                points.append((len(s["steps"]), sum(s["after"]["scores"][:n]) / n))
+        elif key is None:
+            points = [(r["step"], t) for r, t in zip(s["steps"], s["trained"])]
+        else:
+            points = [(r["step"], r.get(key)) for r in s["steps"]]
+        for step, value in points:
+            if value is not None and math.isfinite(value):
+                acc.setdefault((method, k), {}).setdefault(step, []).append(value)
+    return {arm: {step: statistics.fmean(v) for step, v in by_step.items()} for arm, by_step in acc.items()}
+
+
 def plot(cells: dict, path: Path, curves_path: Path) -> None:
     """Write the accuracy figure (``path``: final accuracy against k per method, every seed a point, the mean with
     its s.e. over seeds; the controls in a second panel) and the per-step curves (``curves_path``)."""
@@ -1079,33 +1113,27 @@ def plot(cells: dict, path: Path, curves_path: Path) -> None:
             ("completions/mean_length", "mean length (tokens)"), ("completions/clipped_ratio", "clipped ratio"),
             ("rollout_corr/policy_lag_mean", "mean policy lag (steps)"),
             ("frac_reward_zero_std", "groups with no reward variance"), ("curve", "check acc (first 128 items)")]
-    # the curves of the cells at the grid's interval and their on-policy references: one colour per method, one line
-    # style per seed (every cell would be unreadable, and other k's are in the accuracy figure and the table)
-    shown = {n: s for n, s in cells.items()
-             if n != WARMSTART and parse_cell(n)[1] in (1, GRID_K) and not parse_cell(n)[0].startswith("topp_")}
-    arms = sorted({f"{parse_cell(n)[0]}_k{parse_cell(n)[1]}" for n in shown})
-    colours = {m: f"C{j % 10}" for j, m in enumerate(arms)}
-    styles = ["-", "--", ":", "-."]
+    # one line per arm (the mean over its seeds; every cell would be unreadable), in the accuracy figure's colours,
+    # one line style per k; the legend in the grid's spare panel
+    seeds = {(m, k): len(v) for m, by_k in series[LAG_PANEL].items() for k, v in by_k.items()}
     fig, axes = plt.subplots(3, 4, figsize=(17, 10))
-    fig.suptitle(f"per-step curves, cells at k = 1 and k = {GRID_K} (colour: arm; line style: seed)", fontsize=10)
+    fig.suptitle("per-step curves, the mean over seeds per arm, top_p 1, bf16 engine (colour: method, as in the "
+                 f"accuracy figure; line style: k = {', '.join(map(str, CURVE_KS))})", fontsize=10)
+    handles: dict[tuple[int, str], tuple[str, object]] = {}  # (k, method) -> (legend label, a line)
     for ax, (key, label) in zip(axes.flat, keys):
-        for name, s in shown.items():
-            method, k, seed = parse_cell(name)
-            if key == "curve":  # the checks, then the final evaluation's scores on the same first items
-                xs, ys = [c["step"] for c in s["curve"]], [c["correct"] / c["total"] for c in s["curve"]]
-                if s["curve"] and s["after"]:
-                    n = s["curve"][0]["total"]
-                    xs, ys = [*xs, len(s["steps"])], [*ys, sum(s["after"]["scores"][:n]) / n]
-            else:
-                xs = [r["step"] for r in s["steps"]]
-                ys = s["trained"] if key is None else [r.get(key, float("nan")) for r in s["steps"]]
-            ax.plot(xs, ys, label=name, color=colours[f"{method}_k{k}"], linestyle=styles[(seed - 1) % 4],
-                    linewidth=1)
+        for (method, k), points in curve_series(cells, key).items():
+            xs = sorted(points)
+            n = seeds[(method, k)]
+            (line,) = ax.plot(xs, [points[x] for x in xs], color=METHOD_STYLE.get(method, ("C0", "o"))[0],
+                              linestyle=K_LINESTYLE.get(k, "-"), linewidth=1.1)
+            handles.setdefault((k, method), (f"{method}_k{k} ({n} seed{'s' if n > 1 else ''})", line))
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("optimizer step", fontsize=8)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=6)
+    legend = [handles[arm] for arm in sorted(handles)]
+    axes.flat[-1].legend([line for _, line in legend], [lab for lab, _ in legend], fontsize=8, loc="center",
+                         frameon=False)
     fig.tight_layout()
     fig.savefig(curves_path, dpi=100)
     plt.close(fig)

@@ -347,3 +347,28 @@ def test_accuracy_figure_series_splits_the_lag_grid_from_the_controls(exp):
     assert set(exp.METHODS) <= set(exp.METHOD_STYLE)
     panel = [exp.METHOD_STYLE[m] for m in exp.METHODS if not m.startswith(("topp_", "f32_"))]
     assert len(set(panel)) == len(panel)
+
+
+def test_curve_series_averages_each_arm_over_the_seeds_that_logged_the_step(exp):
+    def cell(steps, trained=None, curve=(), after=None):
+        return {"steps": steps, "trained": trained or [1.0] * len(steps), "curve": list(curve), "after": after}
+
+    cells = {
+        "warmstart": cell([{"step": 1, "kl": 9.0}]),
+        # trl_k1: two seeds; seed 2 logged no kl at step 2 and a NaN at step 3, so those steps average seed 1 alone
+        "trl_k1_s1": cell([{"step": 1, "kl": 0.1}, {"step": 2, "kl": 0.3}, {"step": 3, "kl": 0.5}], [1.0, 0.5, 0.0]),
+        "trl_k1_s2": cell([{"step": 1, "kl": 0.3}, {"step": 2}, {"step": 3, "kl": float("nan")}], [0.0, 0.5, 1.0]),
+        # bypass at k = 32 (GRID_K): one seed, its check curve plus the final score on the same 4 first items
+        "bypass_k32_s1": cell([{"step": s, "kl": 0.2} for s in (1, 2, 3, 4)],
+                              curve=[{"step": 0, "correct": 1, "total": 4}, {"step": 2, "correct": 2, "total": 4}],
+                              after={"scores": [1, 1, 1, 0, 0, 0], "accuracy": 0.5}),
+        "tis_k8_s1": cell([{"step": 1}, {"step": 2}]),  # logged no kl: no line at all for it
+        "trl_k4_s1": cell([{"step": 1, "kl": 7.0}]),  # k not in CURVE_KS
+        "topp_trl_is_k1_s1": cell([{"step": 1, "kl": 7.0}]),  # a control, not a lag arm
+        "f32_rs_engine_k8_s1": cell([{"step": 1, "kl": 7.0}]),
+    }
+    kl = exp.curve_series(cells, "kl")
+    assert kl == {("trl", 1): {1: pytest.approx(0.2), 2: 0.3, 3: 0.5},
+                  ("bypass", 32): {1: 0.2, 2: 0.2, 3: 0.2, 4: 0.2}}
+    assert exp.curve_series(cells, None)[("trl", 1)] == {1: 0.5, 2: 0.5, 3: 0.5}
+    assert exp.curve_series(cells, "curve") == {("bypass", 32): {0: 0.25, 2: 0.5, 4: 0.75}}
