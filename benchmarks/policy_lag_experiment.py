@@ -154,9 +154,11 @@ GRID = [*(f"{m}_k{GRID_K}_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)),
 # After the grid (added 2026-12-06, when its 42 cells were done): bypass on-policy, the control that tells the
 # objective from the lag correction. Bypass held at k = 8 and 32 where plain TRL fell, but bypass's PPO-clip on
 # pi_theta / mu also absorbs the bf16 engine mismatch and clips the step; at k = 1 there is no lag, so its difference
-# from plain TRL of the same seed (``trl_k1``) is the objective's alone.
+# from plain TRL of the same seed (``trl_k1``) is the objective's alone. Then seed 4 of bypass at k = 32 (replays
+# ``trl_k32_s4``'s recording) and at k = 1, so that bypass is paired with all 4 seeds of plain TRL's calibration.
 OBJECTIVE_CONTROL = [f"bypass_k1_s{s}" for s in (1, 2, 3)]
-ORDER = [WARMSTART, *CALIBRATION, *CALIBRATION_MAX_LAG, *GRID, *OBJECTIVE_CONTROL]
+FOURTH_SEED = ["bypass_k32_s4", "bypass_k1_s4"]
+ORDER = [WARMSTART, *CALIBRATION, *CALIBRATION_MAX_LAG, *GRID, *OBJECTIVE_CONTROL, *FOURTH_SEED]
 # A grid of another CPU vendor (its own ``--results`` folder and warm start, ``check_vendor``): first the cells the
 # main grid still lacks, each with its same-seed reference (bypass and tis at k = 8, with trl at k = 8 and k = 1),
 # then the main grid's headline at k = 32 (plain TRL vs bypass) on this independent warm start, seed by seed, then

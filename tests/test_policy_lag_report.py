@@ -85,7 +85,8 @@ def test_order_runs_the_calibration_then_the_grid_at_the_calibrated_interval(exp
                                                                      "topp_recompute")]
     assert grid[24:29] == ["tis_k8_s2", "tis_k8_s3", "bypass_k8_s1", "bypass_k8_s2", "bypass_k8_s3"]
     assert grid[29:30] == ["trl_k32_s4"]
-    assert grid[30:] == ["bypass_k1_s1", "bypass_k1_s2", "bypass_k1_s3"]  # the objective's control, after the grid
+    assert grid[30:33] == ["bypass_k1_s1", "bypass_k1_s2", "bypass_k1_s3"]  # the objective's control, after the grid
+    assert grid[33:] == ["bypass_k32_s4", "bypass_k1_s4"]  # bypass paired with plain TRL's 4th seed
     assert len(set(exp.ORDER)) == len(exp.ORDER)
     # every grid cell at k > 1 has its paired plain-TRL reference in the order, at the same k and seed, before it
     for c in exp.ORDER[1:]:
