@@ -92,6 +92,11 @@ METHODS = {  # method -> (recipe config, extra flags after the common ones)
     "bypass": (NO_CORR, ["--rollout_corr_preset", "bypass_ppo_clip"]),
     "direct_gate": (NO_CORR, ["--rollout_corr_preset", "bypass_pg_token_icepop", "--max_policy_lag", "4"]),
     "trl_slow": (NO_CORR, ["--vllm_importance_sampling_correction", "false"]),  # lr halved in cell_flags
+    # issue 47: controls that tell correcting lag from anchoring to the start (k = 32: mu is the warm start)
+    "trl_lr4": (NO_CORR, ["--vllm_importance_sampling_correction", "false"]),  # lr / 4 (LR_SCALE)
+    "trl_lr8": (NO_CORR, ["--vllm_importance_sampling_correction", "false"]),  # lr / 8
+    "trl_beta01": (NO_CORR, ["--vllm_importance_sampling_correction", "false", "--beta", "0.1"]),  # KL to the start
+    "trl_beta1": (NO_CORR, ["--vllm_importance_sampling_correction", "false", "--beta", "1.0"]),
     # issue 23: RS on the lag split's engine factor vs on the whole ratio; float32 engine: the engine factor is 1
     "rs_engine": ("cpu_smollm2_decoupled", ["--policy_lag_split", "true", "--rollout_rs_on", "engine"]),
     "rs_direct": ("cpu_smollm2_decoupled", ["--policy_lag_split", "true"]),
@@ -103,6 +108,8 @@ METHODS = {  # method -> (recipe config, extra flags after the common ones)
     "topp_decoupled": ("cpu_smollm2_decoupled", ["--top_p", "0.9"]),
     "topp_recompute": ("cpu_smollm2_decoupled", ["--top_p", "0.9", "--rollout_support_matching", "recompute"]),
 }
+# Learning-rate factor per method (default 1): the effective-step controls.
+LR_SCALE = {"trl_slow": 0.5, "trl_lr4": 0.25, "trl_lr8": 0.125}
 TRL_IS_METHODS = ("trl_is", "topp_trl_is")  # run by the trainer with TRL's vLLM IS switched on (_trainer_class)
 
 
@@ -158,7 +165,13 @@ GRID = [*(f"{m}_k{GRID_K}_s{s}" for m in ("tis", "bypass") for s in (1, 2, 3)),
 # ``trl_k32_s4``'s recording) and at k = 1, so that bypass is paired with all 4 seeds of plain TRL's calibration.
 OBJECTIVE_CONTROL = [f"bypass_k1_s{s}" for s in (1, 2, 3)]
 FOURTH_SEED = ["bypass_k32_s4", "bypass_k1_s4"]
-ORDER = [WARMSTART, *CALIBRATION, *CALIBRATION_MAX_LAG, *GRID, *OBJECTIVE_CONTROL, *FOURTH_SEED]
+# Issue 47 (added 2026-12-07): at k = 32 mu is the warm start, so PPO-clip on pi_theta / mu is also a trust region
+# around the start. Plain TRL at lr / 4 and lr / 8 (the step-size axis, beyond trl_slow's lr / 2) and with TRL's KL
+# penalty to the start (beta 0.1 and 1.0: the anchor axis), all replaying plain TRL's recorded k = 32 rollouts of the
+# same seed, seed by seed so that each seed's frontier is complete before the next starts. Does bypass lie above the
+# frontier these arms trace in (KL from the start, accuracy), or on it?
+ANCHOR_CONTROL = [f"{m}_k{GRID_K}_s{s}" for s in (1, 2, 3) for m in ("trl_lr4", "trl_beta01", "trl_lr8", "trl_beta1")]
+ORDER = [WARMSTART, *CALIBRATION, *CALIBRATION_MAX_LAG, *GRID, *OBJECTIVE_CONTROL, *FOURTH_SEED, *ANCHOR_CONTROL]
 # A grid of another CPU vendor (its own ``--results`` folder and warm start, ``check_vendor``): first the cells the
 # main grid still lacks, each with its same-seed reference (bypass and tis at k = 8, with trl at k = 8 and k = 1),
 # then the main grid's headline at k = 32 (plain TRL vs bypass) on this independent warm start, seed by seed, then
@@ -208,7 +221,7 @@ def cell_flags(name: str, out: Path, args: argparse.Namespace, root: Path = ROOT
                 "--max_steps", str(args.warmstart_steps)]
     method, k, seed = parse_cell(name)
     config, extra = METHODS[method]
-    lr = args.lr / 2 if method == "trl_slow" else args.lr
+    lr = args.lr * LR_SCALE.get(method, 1.0)
     return ["--config", str(root / "recipes" / "configs" / f"{config}.yaml"), "--model_name_or_path",
             str(Path(args.out) / WARMSTART), "--rollout_sync_interval", str(k), "--seed", str(41 + seed),
             "--max_steps", str(args.steps), "--per_device_train_batch_size", str(4 * args.prompts),
@@ -1017,7 +1030,9 @@ METHOD_STYLE = {"trl": ("#222222", "o"), "trl_slow": ("#8c8c8c", "v"), "trl_is":
                 "direct_gate": ("#8c564b", "X"), "rs_engine": ("#2ca02c", "<"), "rs_direct": ("#bcbd22", ">"),
                 "f32_rs_engine": ("#2ca02c", "<"), "f32_rs_direct": ("#bcbd22", ">"),
                 "topp_trl_is": ("#9467bd", "P"), "topp_decoupled": ("#ff7f0e", "^"),
-                "topp_recompute": ("#17becf", "*")}
+                "topp_recompute": ("#17becf", "*"),
+                "trl_lr4": ("#b0b0b0", "1"), "trl_lr8": ("#d0d0d0", "2"),  # the step-size axis: ever lighter greys
+                "trl_beta01": ("#e377c2", "p"), "trl_beta1": ("#7f3f6f", "h")}  # the anchor axis
 
 
 def accuracy_series(cells: dict) -> dict[str, dict[str, dict[int, list[float]]]]:

@@ -86,7 +86,10 @@ def test_order_runs_the_calibration_then_the_grid_at_the_calibrated_interval(exp
     assert grid[24:29] == ["tis_k8_s2", "tis_k8_s3", "bypass_k8_s1", "bypass_k8_s2", "bypass_k8_s3"]
     assert grid[29:30] == ["trl_k32_s4"]
     assert grid[30:33] == ["bypass_k1_s1", "bypass_k1_s2", "bypass_k1_s3"]  # the objective's control, after the grid
-    assert grid[33:] == ["bypass_k32_s4", "bypass_k1_s4"]  # bypass paired with plain TRL's 4th seed
+    assert grid[33:35] == ["bypass_k32_s4", "bypass_k1_s4"]  # bypass paired with plain TRL's 4th seed
+    # issue 47's anchor/step-size controls at k = 32, seed by seed (each seed's frontier complete before the next)
+    assert grid[35:] == [f"{m}_k32_s{s}" for s in (1, 2, 3) for m in ("trl_lr4", "trl_beta01", "trl_lr8",
+                                                                       "trl_beta1")]
     assert len(set(exp.ORDER)) == len(exp.ORDER)
     # every grid cell at k > 1 has its paired plain-TRL reference in the order, at the same k and seed, before it
     for c in exp.ORDER[1:]:
@@ -374,3 +377,26 @@ def test_curve_series_averages_each_arm_over_the_seeds_that_logged_the_step(exp)
                   ("bypass", 32): {1: 0.2, 2: 0.2, 3: 0.2, 4: 0.2}}
     assert exp.curve_series(cells, None)[("trl", 1)] == {1: 0.5, 2: 0.5, 3: 0.5}
     assert exp.curve_series(cells, "curve") == {("bypass", 32): {0: 0.25, 2: 0.5, 4: 0.75}}
+
+
+def test_anchor_controls_carry_their_step_size_or_kl_penalty_and_replay_plain_trl(exp, tmp_path):
+    """Issue 47's k = 32 controls: plain TRL at lr / 4 and lr / 8, or with TRL's KL penalty to the start (beta 0.1,
+    1.0); their rollout key equals plain TRL's of the same seed, so they replay its recorded rollouts."""
+    import argparse
+
+    args = argparse.Namespace(out=str(tmp_path), lr=3e-5, steps=32, prompts=8, warmstart_steps=16)
+
+    def kv(cell):
+        f = exp.cell_flags(cell, tmp_path / cell, args)
+        return f, dict(zip(f[::2], f[1::2]))
+
+    expected = {"trl_lr4_k32_s2": ("7.5e-06", None), "trl_lr8_k32_s2": ("3.75e-06", None),
+                "trl_beta01_k32_s2": ("3e-05", "0.1"), "trl_beta1_k32_s2": ("3e-05", "1.0"),
+                "trl_slow_k32_s2": ("1.5e-05", None), "trl_k32_s2": ("3e-05", None)}
+    for cell, (lr, beta) in expected.items():
+        f, d = kv(cell)
+        assert (d["--learning_rate"], d.get("--beta"), d["--vllm_importance_sampling_correction"]) == \
+            (lr, beta, "false"), cell
+        assert d["--config"].endswith("cpu_smollm2_no_correction.yaml")
+        assert exp.rollout_key(f) == exp.rollout_key(kv("trl_k32_s2")[0]), cell
+        assert exp.reference_cell(cell) == ("trl_k32_s2" if cell != "trl_k32_s2" else "trl_k1_s2")
