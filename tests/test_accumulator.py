@@ -28,16 +28,24 @@ CFG = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, roll
 
 
 class TwinRank:
-    """Fake reducers for two ranks: the other rank holds ``other`` (its stats vector and its 1-D log ratios)."""
+    """Fake reducers for two ranks, this one rank 0: the other rank holds ``other`` (its stats vector and its 1-D log
+    ratios: one ratio name, a window small enough for the exact path, whose values rank 1 places after rank 0's in the
+    sketch's sum buffer, ``sketch.reduce_sketches``)."""
 
     def __init__(self, other_stats=None, other_values=None):
         self.other_stats, self.other_values, self.calls = other_stats, other_values, []
+        self.mine = None  # this rank's value count, between the sketch's count gather and its sum
 
     def reducers(self) -> Reducers:
-        return Reducers(world_size=2, sum=self.sum, max=self.max, min=self.min, gather=self.gather)
+        return Reducers(world_size=2, rank=0, sum=self.sum, max=self.max, min=self.min, gather=self.gather)
 
     def sum(self, t):
         self.calls.append("sum")
+        if self.mine is not None:
+            out, n = t.clone(), self.other_values.numel()
+            out[self.mine: self.mine + n] += self.other_values
+            self.mine = None
+            return out
         return t + self.other_stats[0]
 
     def max(self, t):
@@ -51,6 +59,7 @@ class TwinRank:
     def gather(self, t):
         self.calls.append("gather")
         if t.dtype == torch.long:  # the element counts
+            self.mine = int(t[0])
             return torch.cat([t, torch.tensor([self.other_values.numel()])])
         padded = torch.full_like(t, float("nan"))
         padded[: self.other_values.numel()] = self.other_values
@@ -136,7 +145,7 @@ def test_flush_is_exact_over_two_fake_ranks():
     acc.add_stats("train", compute_rollout_correction(lp[mine], mu[mine], mask[mine], CFG).stats)
     acc.add_log_ratios("train", {"engine": (lp[mine] - mu[mine])[mask[mine] != 0]})
     logged = acc.flush("train")
-    assert twin.calls[:3] == ["sum", "max", "min"] and twin.calls[3:] == ["gather", "gather"]
+    assert twin.calls[:3] == ["sum", "max", "min"] and twin.calls[3:] == ["gather", "sum"]
 
     single = RolloutCorrAccumulator()
     single.add_stats("train", compute_rollout_correction(lp, mu, mask, CFG).stats)
@@ -254,7 +263,7 @@ def test_a_rank_without_rows_adds_nothing_to_the_means(empty_rank):
     acc.add_stats("train", compute_rollout_correction(L_HAND, torch.zeros_like(L_HAND), mine, TIS).stats)
     acc.add_log_ratios("train", {"engine": L_HAND[mine != 0]})
     logged = acc.flush("train")
-    assert twin.calls == ["sum", "max", "min", "gather", "gather"]
+    assert twin.calls == ["sum", "max", "min", "gather", "sum"]
     if empty_rank == "both":
         assert logged == {"rollout_corr/num_valid_tokens": 0.0, "rollout_corr/num_valid_seqs": 0.0,
                           **{f"rollout_corr/len_{a}_{b}/num_seqs": 0.0
