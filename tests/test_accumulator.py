@@ -295,10 +295,11 @@ def _empty_rank_worker(rank, world, port, path):
 
     reducers = Reducers(world, sum=reduce(dist.ReduceOp.SUM), max=reduce(dist.ReduceOp.MAX),
                         min=reduce(dist.ReduceOp.MIN), gather=gather)
-    acc = RolloutCorrAccumulator(reducers)
     keep = torch.tensor([rank == 1, rank == 1])  # rank 0: every row over max_policy_lag
-    _add_step(acc, L_HAND, torch.ones(2, 2), torch.tensor([0, 0]) if rank else torch.tensor([3, 3]), keep)
-    torch.save(acc.flush("train"), f"{path}.{rank}")
+    for exact_max, suffix in ((None, ""), (0, ".sketch")):  # the exact quantiles, then the sketch's (real gloo)
+        acc = RolloutCorrAccumulator(reducers, exact_max=exact_max)
+        _add_step(acc, L_HAND, torch.ones(2, 2), torch.tensor([0, 0]) if rank else torch.tensor([3, 3]), keep)
+        torch.save(acc.flush("train"), f"{path}{suffix}.{rank}")
     dist.destroy_process_group()
 
 
@@ -320,8 +321,14 @@ def test_two_real_ranks_one_without_rows_equal_one_rank():
     reference = single.flush("train")
     assert reference["rollout_corr/rollout_is_mean"] == pytest.approx(5.0 / 4)
     assert reference["rollout_corr/policy_lag_dropped_fraction"] == 0.5
-    for rank in range(2):
-        got = torch.load(f"{path}.{rank}")
-        assert set(got) == set(reference), rank
-        for key, value in reference.items():
-            assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-12), (rank, key)
+    sketch = RolloutCorrAccumulator(exact_max=0)
+    _add_step(sketch, torch.cat([L_HAND, L_HAND]), torch.ones(4, 2), torch.tensor([3, 3, 0, 0]),
+              torch.tensor([False, False, True, True]))
+    sketched = sketch.flush("train")
+    assert sketched["rollout_corr/engine_ratio_p50"] != reference["rollout_corr/engine_ratio_p50"]  # read off buckets
+    for suffix, expected in (("", reference), (".sketch", sketched)):
+        for rank in range(2):
+            got = torch.load(f"{path}{suffix}.{rank}")
+            assert set(got) == set(expected), rank
+            for key, value in expected.items():
+                assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-12), (suffix, rank, key)
