@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from stale_rollout import StaleRollout
 from tiny_model import prompt_dataset, reward_len
@@ -82,3 +83,65 @@ def test_lag_split_holds_every_version_an_async_engine_publishes(llama_dir, tmp_
         for q in ("p01", "max"):
             assert abs(log[f"rollout_corr/engine_ratio_{q}"] - 1.0) < 1e-5, (log["step"], q)
     assert abs(logs[2]["rollout_corr/lag_ratio_max"] - 1.0) > 1e-3  # version 1 is one update behind step 2
+
+
+class SpanningRollout(StaleRollout):
+    """``StaleRollout(sync_interval=3)`` whose rows span a weight update on the stale steps: the first half of each
+    completion at the engine's version, the rest at the trainer's current step, reported per token. mu of each
+    token is the trainer's own log-prob at that token's version (float32): the engine's for the first half, the
+    current policy's (one forward here, unbatched) for the second. ``reported``: the per-token lists, per call."""
+
+    def __init__(self):
+        super().__init__(sync_interval=3)
+        self.reported: list[list[list[int]]] = []
+
+    def __call__(self, prompts, trainer):
+        out = super().__call__(prompts, trainer)
+        step, version = int(trainer.state.global_step), self.engine_version
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        per_token, logprobs = [], []
+        for prompt, completion, mu in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
+            half = len(completion) // 2
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float()
+            now = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(completion)[:, None])[:, 0].tolist()
+            logprobs.append(list(mu[:half]) + now[half:])
+            per_token.append([version] * half + [step] * (len(completion) - half))
+        out["logprobs"], out["policy_version"] = logprobs, per_token
+        self.reported.append(per_token)
+        return out
+
+
+def test_each_token_is_scored_at_its_own_version(llama_dir, tmp_path):
+    """Rows spanning a weight update at steps 1-2 (versions 0 then 1, and 0 then 2), mu = the trainer's log-prob at
+    each token's own version: engine-factor RS with a token_k1 band [0.999, 1.001] masks no token (it masked about
+    half of each spanning row when the split scored every token at the row's oldest version); the engine factor is 1
+    to 1e-5 and the staleness of the first halves is in the lag ratio; the lag metrics use the rows' oldest
+    versions; the records hold each token's version."""
+    from trl_rollout_corr.records import open_dump
+
+    rollout = SpanningRollout()
+    dump = tmp_path / "dump"
+    trainer, logs = _train(llama_dir, tmp_path, rollout, rollout_corr_preset=None, rollout_is="token",
+                           rollout_is_threshold="2.0", rollout_rs="token_k1", rollout_rs_threshold="0.999_1.001",
+                           rollout_rs_on="engine", rollout_dump_dir=str(dump))
+    assert rollout.calls == [(0, 0), (1, 0), (2, 0), (3, 3)]
+    spans = [any(min(r) != max(r) for r in call) for call in rollout.reported]
+    assert spans == [False, True, True, False]
+    assert [log["rollout_corr/policy_lag_max"] for log in logs] == [0, 1, 2, 0]  # rows: their oldest token's
+    for log in logs:
+        assert log["rollout_corr/rollout_rs_engine_masked_fraction"] == 0.0, log["step"]
+        for q in ("p01", "max"):
+            assert abs(log[f"rollout_corr/engine_ratio_{q}"] - 1.0) < 1e-5, (log["step"], q)
+    for log in logs[1:3]:
+        assert abs(log["rollout_corr/lag_ratio_p01"] - 1.0) > 1e-3 or abs(log["rollout_corr/lag_ratio_max"] - 1) > 1e-3
+    # one forward per stale version: version 0 at steps 1 and 2 (the second halves are the current step's: pi_old)
+    assert trainer.rollout_corr_forward_counts["version_log_probs"] == 2
+    table = open_dump(dump).read_table()
+    tokens = table.column("policy_version_tokens").to_pylist()
+    steps = table.column("step").to_pylist()
+    recorded = sorted(tuple(t) for t, s in zip(tokens, steps) if s in (1, 2))
+    assert recorded == sorted(tuple(r) for call in rollout.reported[1:3] for r in call)
+    assert all(t is None for t, s in zip(tokens, steps) if s in (0, 3))  # no row spans an update there
+    oldest = [min(t) for t, s in zip(tokens, steps) if s in (1, 2)]
+    assert oldest == [v for v, s in zip(table.column("policy_version").to_pylist(), steps) if s in (1, 2)]

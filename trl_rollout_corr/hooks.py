@@ -43,6 +43,9 @@ class GenerationBatch:
         started: ``time.time()`` when the batch started (unix seconds).
         rewards: (B_global, F) TRL's gathered rewards (``_calculate_rewards``), or None.
         versions: (B,) int64 policy version per local row (``PolicyLag``; ``lag.row_versions``).
+        token_versions: (B, T) int64 policy version per completion token when some row spans a weight update (a
+            ``rollout_func``'s per-token ``policy_version`` that differs within a row; ``lag.token_versions``), else
+            None. A list of per-row lists between ``after_generate`` and ``on_batch``.
         keep_rows: (B,) bool rows within ``max_policy_lag`` at generation; None: no bound (``PolicyLag``).
         routes: per-row expert choices (``RoutingReplay``: recorded by generate or a ``rollout_func``'s, checked).
         mu_captured: mu came from the generate capture, not from TRL (``BehaviourLogProbs``).
@@ -56,6 +59,7 @@ class GenerationBatch:
     started: float
     rewards: Optional[torch.Tensor] = None
     versions: Optional[torch.Tensor] = None
+    token_versions: Optional[Any] = None
     keep_rows: Optional[torch.Tensor] = None
     routes: Optional[list] = None
     mu_captured: bool = False

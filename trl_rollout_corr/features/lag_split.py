@@ -79,10 +79,11 @@ class LagSplit(Feature):
             del self.weights[version]
 
     def version_log_probs(self, trainer, batch: dict) -> Optional[torch.Tensor]:
-        """(B, T) float32 log pi_train@v of each row at its own version v, stored as
-        ``batch["rollout_version_log_probs"]`` (computed once per batch; the stored tensor afterwards); rows of the
-        current version reuse pi_old exactly (their lag ratio is 1). None while the batch has no pi_old or no
-        versions."""
+        """(B, T) float32 log pi_train@v of each token at its own version v, stored as
+        ``batch["rollout_version_log_probs"]`` (computed once per batch; the stored tensor afterwards). A token's
+        version is its row's, or, for a row that spans a weight update, its own (``rollout_policy_version_tokens``):
+        one forward per stale version over the rows holding a token of it. Tokens of the current version reuse
+        pi_old exactly (their lag ratio is 1). None while the batch has no pi_old or no versions."""
         if "rollout_version_log_probs" in batch:
             return batch["rollout_version_log_probs"]
         old = batch.get("old_per_token_logps", batch.get("rollout_old_log_probs"))
@@ -90,8 +91,11 @@ class LagSplit(Feature):
         if old is None or versions is None:
             return None
         step = trainer.state.global_step
+        tokens = batch.get("rollout_policy_version_tokens")
+        if tokens is None:
+            tokens = versions[:, None].expand(old.shape)
         version_log_probs = old.detach().float().clone()
-        for version in sorted(set(versions.tolist()) - {step}):
+        for version in sorted(set(tokens.unique().tolist()) - {step}):
             weights = self.weights.get(version)
             if weights is None:
                 raise ValueError(
@@ -102,10 +106,10 @@ class LagSplit(Feature):
                     "the engine with the trainer, or resume from a checkpoint at one of its weight syncs. Else "
                     "unset policy_lag_split."
                 )
-            rows = versions == version
-            version_log_probs[rows] = self._log_probs_at_version(trainer, weights, {
-                k: batch[k][rows] for k in _ROW_KEYS if k in batch
-            })
+            at = tokens == version
+            rows = at.any(dim=1)
+            scored = self._log_probs_at_version(trainer, weights, {k: batch[k][rows] for k in _ROW_KEYS if k in batch})
+            version_log_probs[rows] = torch.where(at[rows], scored, version_log_probs[rows])
         batch["rollout_version_log_probs"] = version_log_probs
         return version_log_probs
 

@@ -160,7 +160,8 @@ def micro_batch(step: int, inputs: dict, log_probs: Optional[torch.Tensor], *, t
             old_log_probs=inputs.get("old_per_token_logps", inputs.get("rollout_old_log_probs")),
             log_probs=log_probs, ref_log_probs=inputs.get("ref_per_token_logps"),
             rollout_is_weights=inputs.get("rollout_is_weights"), rollout_rs_mask=inputs.get("rollout_rs_mask"),
-            version_log_probs=inputs.get("rollout_version_log_probs"), **support,
+            version_log_probs=inputs.get("rollout_version_log_probs"),
+            policy_version_tokens=inputs.get("rollout_policy_version_tokens"), **support,
         ),
         routes=inputs.get("routed_experts") if num_experts is not None else None, num_experts=num_experts,
     )
