@@ -121,7 +121,8 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         rollout_generate_dtype (`str`, *optional*):
             Plain ``transformers.generate`` path only: sample from a ``bfloat16`` / ``float16`` / ``float32`` copy of
             the weights (``engines.transformers_generate.generate_in_dtype``), e.g. a bf16 rollout engine next to a
-            float32 trainer. Unset: generate with the weights as they are.
+            float32 trainer. Unset: generate with the weights as they are. Refused with ``use_vllm`` and with
+            ``use_transformers_continuous_batching`` (paths that never run it).
         max_policy_lag (`int`, *optional*):
             Drop every sample whose policy lag (optimizer steps between the version of the weights that generated
             it and the update that uses it; ``lag.py``) exceeds this, from the loss and (when the lag is already
@@ -301,6 +302,13 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             _refuse(
                 "rollout_generate_dtype applies to the transformers.generate path only; with use_vllm=True the "
                 "rollout dtype is vLLM's own (its model dtype); unset rollout_generate_dtype."
+            )
+        if self.use_transformers_continuous_batching:
+            _refuse(
+                "rollout_generate_dtype applies to the plain transformers.generate path only; with "
+                "use_transformers_continuous_batching=True TRL's generate_batch samples in the training dtype "
+                "(bf16 / fp16 / the weights' own) and returns no log-probs; unset rollout_generate_dtype, or set "
+                "use_transformers_continuous_batching=False."
             )
 
     def _check_routing_replay(self) -> None:

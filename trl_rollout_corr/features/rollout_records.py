@@ -177,6 +177,10 @@ def rollout_engine_record(trainer) -> dict:
                     rollout_dtype="checkpoint dtype (TRL's vLLM)")
     if trainer.rollout_func is not None:
         return dict(rollout_engine=f"rollout_func {type(trainer.rollout_func).__name__}")
+    if trainer.use_transformers_continuous_batching:
+        from ..model_card import continuous_batching_record
+
+        return continuous_batching_record(trainer)
     import transformers
 
     dtype = trainer.args.rollout_generate_dtype or str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
