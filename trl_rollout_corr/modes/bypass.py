@@ -149,7 +149,8 @@ class BypassMode(CorrectionMode):
 
     @staticmethod
     def _log_loss_metrics(trainer, keep, entropies, per_token_kl, out) -> None:
-        """TRL's loss metrics (``kl``, ``entropy``, ``clip_ratio/*``) for the bypass loss, over the kept tokens."""
+        """TRL's loss metrics (``kl``, ``entropy``, ``clip_ratio/*``, ``low_min`` / ``high_max`` included) for the
+        bypass loss, over the kept tokens."""
         reduce_sum = trainer.rollout_corr_reducers.all_reduce
         if per_token_kl is not None:
             trainer.trl_metric("kl", trl_compat.global_masked_mean(per_token_kl, keep, reduce_sum))
@@ -159,3 +160,7 @@ class BypassMode(CorrectionMode):
                        "clip_ratio/region_mean": out.clipped_high | out.clipped_low}
             for key, flags in clipped.items():
                 trainer.trl_metric(key, trl_compat.global_masked_mean(flags.float(), keep, reduce_sum))
+            low_min, high_max = trl_compat.clip_ratio_extremes(out.clipped_low, out.clipped_high, keep,
+                                                               trainer.accelerator.gather)
+            trainer.trl_metric("clip_ratio/low_min", low_min)
+            trainer.trl_metric("clip_ratio/high_max", high_max)
