@@ -477,6 +477,29 @@ def test_aggregate_loss_edge_cases():
 
 
 @pytest.mark.unit
+def test_wrap_optimizer_step_skips_when_not_allowed():
+    """skip_empty_steps' hook: the Trainer calls ``self.optimizer.step()`` once per optimizer step (pinned here); the
+    wrapper skips it when ``allow()`` is False (parameters and AdamW state untouched) and wraps an optimizer once."""
+    from transformers import Trainer
+
+    assert inspect.getsource(Trainer._inner_training_loop).count("self.optimizer.step()") == 1
+    param = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    optimizer = torch.optim.AdamW([param], lr=0.1)
+    param.grad = torch.tensor([0.5, 0.5])
+    optimizer.step()  # a real step first: AdamW now has momentum
+    after_first = param.detach().clone()
+    decisions = []
+    trl_compat.wrap_optimizer_step(optimizer, lambda: decisions.append(len(decisions)) or len(decisions) > 1)
+    trl_compat.wrap_optimizer_step(optimizer, lambda: True)  # a second wrap is a no-op
+    param.grad = torch.zeros(2)
+    optimizer.step()  # skipped
+    assert torch.equal(param.detach(), after_first) and optimizer.state[param]["step"].item() == 1
+    optimizer.step()  # allowed: momentum moves the parameter on a zero gradient
+    assert not torch.equal(param.detach(), after_first) and optimizer.state[param]["step"].item() == 2
+    assert decisions == [0, 1]
+
+
+@pytest.mark.unit
 def test_clip_ratio_extremes_by_hand():
     """Issue 44 (minor): bypass logs TRL's clip_ratio/low_min and high_max. Rows' kept tokens: 2, 3 and none; low
     clipped 1 of 2 and 2 of 3 (the third row's flags are outside the loss): min 0.5; high clipped 0 of 2 and 1 of 3:

@@ -133,6 +133,8 @@ class LossStep:
             scored and measured, missed tokens into the batch) instead of ``loss``.
         reuse: ``(input_ids, attention_mask, logits_to_keep, result)`` of a policy forward the mode ran itself in
             ``prepare_loss``; TRL's own loss forward over the same rows returns ``result`` instead of running again.
+        trained_tokens: 0-d int64, the tokens of this micro-batch that carry gradient (in the loss mask after RS and
+            the lag filter, with a non-zero IS weight), set by the correction modes' ``loss``; None otherwise.
     """
 
     original: dict
@@ -140,6 +142,7 @@ class LossStep:
     policy_log_probs: Optional[torch.Tensor] = None
     old_from_loss: bool = False
     reuse: Optional[tuple] = None
+    trained_tokens: Optional[torch.Tensor] = None
 
 
 # ---------------------------------------------------------------------------------------------- the protocols

@@ -467,6 +467,31 @@ def clip_ratio_extremes(clipped_low: torch.Tensor, clipped_high: torch.Tensor, k
             nanmax(gather(masked_seq_mean(clipped_high.detach()))).item())
 
 
+def wrap_optimizer_step(optimizer: Any, allow: Callable[[], bool]) -> None:
+    """Make ``optimizer.step()`` a no-op whenever ``allow()`` returns False (``features.empty_steps``).
+
+    The Trainer (transformers 5.x, ``_inner_training_loop``) calls ``self.optimizer.step()`` once per optimizer
+    step, on the optimizer ``accelerator.prepare`` returned (pinned in ``tests/test_trl_compat.py``); the wrapper is
+    set on that instance once (``_rollout_corr_step_wrapped``), and ``allow`` runs on every call (it may run a
+    collective: every rank calls ``step``).
+
+    Args:
+        optimizer: the prepared optimizer (``trainer.optimizer``).
+        allow: called at each ``step``; False skips the step.
+    """
+    if getattr(optimizer, "_rollout_corr_step_wrapped", False):
+        return
+    step = optimizer.step
+
+    def maybe_step(*args, **kwargs):
+        if allow():
+            return step(*args, **kwargs)
+        return None
+
+    optimizer.step = maybe_step
+    optimizer._rollout_corr_step_wrapped = True
+
+
 def check_vllm_server_logprobs(vllm_client: Any) -> None:
     """Refuse a TRL vLLM server whose log-probs are not those of the sampling distribution.
 

@@ -14,6 +14,8 @@ DEFAULT_TOLERANCE = 1e-5
 
 # Logged keys analyze cannot recompute from records, by prefix, and why (CheckResult.why_not_recomputed).
 NOT_RECOMPUTABLE = {
+    "rollout_corr/skipped_step_fraction": "a trainer event (skip_empty_steps skipped the optimizer), not a statistic "
+                                          "of the rows",
     "rollout_corr/routing_": "the trainer's own router top-k before replay is a forward of the model; the records "
                              "hold the replayed routes (routes_packed), not the trainer's choices",
 }

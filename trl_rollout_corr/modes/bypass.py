@@ -22,7 +22,7 @@ from ..correction import make_correction_fn
 from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep
 from ..lag import drop_stale_rows
 from ..losses import DEFAULT_DUAL_CLIP, PPOClip, bypass_policy_loss
-from .common import attach_mu, require_mu
+from .common import attach_mu, require_mu, trained_token_count
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
@@ -62,6 +62,9 @@ class BypassMode(CorrectionMode):
             all_reduce=self._batch_norm_sum(trainer, model),
         )
         keep = out.mask
+        # PPO-clip takes the IS weights as metrics only; REINFORCE multiplies them in (IcePop's zeros train nothing)
+        weights = out.correction.weights if trainer.rollout_correction.bypass_loss_type != "ppo_clip" else None
+        step.trained_tokens = trained_token_count(keep, weights)
         trainer.rollout_corr_metrics.add_stats(mode, out.correction.stats)
         direct = per_token_logps.detach().float() - inputs["rollout_log_probs"].float()
         trainer.rollout_corr_metrics.add_log_ratios(mode, {"direct": direct[keep & torch.isfinite(direct)]})

@@ -57,3 +57,13 @@ def trl_loss_with_ratios(trainer, model, step: LossStep, loss_inputs: dict,
                       "update": d.update[valid], "direct": d.direct[valid]}
         trainer.rollout_corr_metrics.add_log_ratios(trainer.metrics_mode, ratios)
     return loss
+
+
+def trained_token_count(mask: torch.Tensor, weights=None) -> torch.Tensor:
+    """0-d int64: the tokens that carry gradient, ``mask`` (B, T) where the IS weights (B, T) or (B, 1) are non-zero
+    (IcePop's zeros and rejected tokens carry none); ``skip_empty_steps`` sums it over an optimizer step."""
+    kept = mask.bool()
+    if weights is not None:
+        kept = kept & (weights != 0)
+    return kept.sum().to(torch.int64).detach()
+
