@@ -482,7 +482,8 @@ def test_wrap_optimizer_step_skips_when_not_allowed():
     wrapper skips it when ``allow()`` is False (parameters and AdamW state untouched) and wraps an optimizer once."""
     from transformers import Trainer
 
-    assert inspect.getsource(Trainer._inner_training_loop).count("self.optimizer.step()") == 1
+    assert inspect.getsource(Trainer._run_epoch).count("self.optimizer.step()") == 1
+    assert "self.optimizer.step()" not in inspect.getsource(Trainer._inner_training_loop)
     param = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
     optimizer = torch.optim.AdamW([param], lr=0.1)
     param.grad = torch.tensor([0.5, 0.5])

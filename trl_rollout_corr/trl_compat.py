@@ -470,7 +470,7 @@ def clip_ratio_extremes(clipped_low: torch.Tensor, clipped_high: torch.Tensor, k
 def wrap_optimizer_step(optimizer: Any, allow: Callable[[], bool]) -> None:
     """Make ``optimizer.step()`` a no-op whenever ``allow()`` returns False (``features.empty_steps``).
 
-    The Trainer (transformers 5.x, ``_inner_training_loop``) calls ``self.optimizer.step()`` once per optimizer
+    The Trainer (transformers 5.x, ``_run_epoch``) calls ``self.optimizer.step()`` once per optimizer
     step, on the optimizer ``accelerator.prepare`` returned (pinned in ``tests/test_trl_compat.py``); the wrapper is
     set on that instance once (``_rollout_corr_step_wrapped``), and ``allow`` runs on every call (it may run a
     collective: every rank calls ``step``).
