@@ -34,7 +34,8 @@ Two things this module does that the stock paths do not:
    ``model.layers.0.self_attn.q_proj.weight``; vLLM's ``load_weights`` fuses q/k/v and gate/up itself. After a sync
    the prefix cache is reset (prefix caching is on by default, and cached KV blocks were computed with the old
    weights). With tied embeddings ``lm_head.weight`` is dropped before loading (vLLM would write it over
-   ``embed_tokens``), after checking that it equals ``model.embed_tokens.weight``.
+   ``embed_tokens``), after checking that it equals ``model.embed_tokens.weight``; the tied head is then re-processed
+   (``reprocess_tied_layers``: without it a float32 engine kept multiplying with the old embedding's packed copy).
 
 This module knows vLLM, not TRL. The TRL ``rollout_func`` that drives this engine from ``GRPOTrainer``,
 ``VLLMCPURollout``, lives in ``engines/vllm_cpu_rollout.py`` (the one place here that reads TRL trainer attributes):
@@ -339,6 +340,39 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b))
 
 
+def reprocess_tied_layers(model: torch.nn.Module) -> list[str]:
+    """Re-run ``quant_method.process_weights_after_loading`` on every layer whose ``weight`` is another layer's
+    (a tied LM head), after a layer-by-layer reload; returns the names of the layers re-processed.
+
+    vLLM's layerwise reload (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``,
+    vllm/model_executor/model_loader/reload/layerwise.py) re-processes each layer whose weights its loader received. A
+    tied ``ParallelLMHead`` receives none (``lm_head.weight`` is skipped: it is ``embed_tokens.weight``), so vLLM logs
+    ``ParallelLMHead: Failed to load weights`` and puts the old layer back. Its parameter is the embedding's, already
+    updated, but on vLLM CPU the head multiplies with what ``process_weights_after_loading`` derived from the old
+    values (``dispatch_cpu_unquantized_gemm``: a packed weight or a oneDNN handle), so the logits stay those of the
+    previous weights. Measured on SmolLM2-135M with a float32 engine: after syncing a perturbed model (embedding
+    included) the engine was 0.44 nats (mean |log mu - log pi|, max 2.0) from it; with this re-processing 1e-5, float32
+    noise. A bf16 engine on an AVX2-only CPU multiplies with the weight itself (no packed copy) and was unaffected.
+
+    ``process_weights_after_loading`` is the hook vLLM itself calls once per layer after loading; for an unquantized
+    layer on CPU it only re-derives the GEMM from ``layer.weight`` (it does not change the weight).
+    """
+    seen: set[int] = set()
+    redone = []
+    for name, layer in model.named_modules():
+        weight = layer._parameters.get("weight")
+        if weight is None:
+            continue
+        if id(weight) not in seen:
+            seen.add(id(weight))
+            continue
+        quant_method = getattr(layer, "quant_method", None)
+        if quant_method is not None and callable(getattr(quant_method, "process_weights_after_loading", None)):
+            quant_method.process_weights_after_loading(layer)
+            redone.append(name)
+    return redone
+
+
 def sync_weights(llm: "LLM", weights: WeightsLike, *, reset_prefix_cache: bool = True) -> float:
     """Load trainer weights into the running engine in place; returns the seconds it took.
 
@@ -365,6 +399,7 @@ def sync_weights(llm: "LLM", weights: WeightsLike, *, reset_prefix_cache: bool =
         named = _drop_tied_head(named)
     with torch.no_grad():
         runner.reload_weights(weights_iterator=_cast(named, target), is_checkpoint_format=True)
+        reprocess_tied_layers(runner.get_model())
     if reset_prefix_cache and not llm.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset its prefix cache after a weight sync (requests still running?).")
     return time.perf_counter() - t0
