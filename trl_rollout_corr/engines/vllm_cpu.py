@@ -59,6 +59,7 @@ its thread count.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -371,6 +372,47 @@ def reprocess_tied_layers(model: torch.nn.Module) -> list[str]:
             quant_method.process_weights_after_loading(layer)
             redone.append(name)
     return redone
+
+
+@contextlib.contextmanager
+def layerwise_reload(model: torch.nn.Module, model_config: Any) -> Iterator[None]:
+    """Within the block, ``model.load_weights(...)`` calls (any number, any order) reload the engine's weights in
+    place the way vLLM's own ``reload_weights`` does; on exit every layer is processed and the tied head re-packed.
+
+    For a caller that drives ``load_weights`` itself (TRL 1.16's colocate ``VLLMGeneration.sync_weights`` loads one
+    parameter per call). Plain ``load_weights`` on a started vLLM CPU engine fails where
+    ``process_weights_after_loading`` replaced a layer's weight with a packed one (float32 here: ``AttributeError:
+    'Parameter' object has no attribute 'weight_loader'``). vLLM's layerwise reload
+    (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``,
+    vllm/model_executor/model_loader/reload/layerwise.py) puts the checkpoint-format parameters back (on the meta
+    device), buffers each layer's loads, and when a layer is complete loads, re-processes (re-packs) and copies it into
+    the original storage. ``reprocess_tied_layers`` then re-derives the tied LM head.
+
+    Args:
+        model: the engine's ``nn.Module`` (``get_engine_model`` or TRL's
+            ``llm.llm_engine.model_executor.driver_worker.model_runner.model``).
+        model_config: the engine's ``vllm.config.ModelConfig`` (``llm.llm_engine.model_config``).
+
+    Raises:
+        whatever ``load_weights`` raises inside the block (the layers are finalised first, so the engine holds a
+        mix of old and new layers: sync again before generating).
+    """
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    with torch.no_grad():
+        initialize_layerwise_reload(model)
+        try:
+            yield
+        finally:
+            finalize_layerwise_reload(model, model_config)
+        reprocess_tied_layers(model)
+
+
+def vllm_on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform here (``vllm.platforms.current_platform.is_cpu()``)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def sync_weights(llm: "LLM", weights: WeightsLike, *, reset_prefix_cache: bool = True) -> float:
