@@ -345,3 +345,46 @@ def test_float32_colocate_bypass_with_top_p_recompute(float32_bypass_top_p):
     for h in steps:
         assert abs(h["rollout_corr/kl"]) < 1e-4, h["rollout_corr/kl"]
         assert math.isfinite(h["loss"]) and h["grad_norm"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_recipe_main_job_on_trl_colocate(tmp_path):
+    """The main job's recipe with `--use_vllm --vllm_mode colocate` (2 steps): TRL's colocate engine samples in
+    the config's rollout dtype, greedy accuracy before/after comes from it, and the run summary, log and model card
+    name the path (trl_vllm_colocate) with the same engine record."""
+    _needs_vllm_and_model()
+    pytest.importorskip("reasoning_gym")
+    import json
+
+    from trl import ModelConfig, TrlParser
+
+    from script_module import load_script
+
+    recipe = load_script("recipes/grpo_rollout_corr.py", "grpo_rollout_corr_recipe_colocate")
+    parser = TrlParser((recipe.ScriptArguments, recipe.RolloutCorrGRPOConfig, ModelConfig))
+    out = tmp_path / "run"
+    script_args, training_args, model_args = parser.parse_args_and_config(args=[
+        "--config", str(ROOT / "recipes" / "configs" / "cpu_smollm2_decoupled.yaml"), "--model_name_or_path",
+        str(MODEL_DIR), "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "8",
+        "--max_completion_length", "32", "--eval_size", "8", "--train_size", "64", "--torch_threads", "1",
+        "--plots", "false", "--report_to", "none", "--use_vllm", "--vllm_mode", "colocate"])
+    threads = torch.get_num_threads()
+    try:
+        results = recipe.main(script_args, training_args, model_args)
+    finally:
+        torch.set_num_threads(threads)
+    engine = results["engine"]
+    assert engine["rollout_engine"] == "trl_vllm_colocate" and engine["rollout_dtype"] == "bfloat16"
+    assert engine["rollout_enforce_eager"] is True and engine["rollout_logprobs_mode"] == "processed_logprobs"
+    assert results["train"]["vllm_syncs"] == 2  # one per optimizer step, before its generation
+    assert results["train"]["vllm_generate_s"] > 0 and results["train"]["vllm_sync_s"] > 0
+    assert results["before"]["total"] == results["after"]["total"] == 8
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert {k: records[0]["run_config"][k] for k in engine} == engine
+    steps = [r for r in records[1:] if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert 0 < r["rollout_corr/k3_kl"] < 0.1 and r["rollout_corr/rollout_is_eff_sample_size"] > 0.8
+    assert "| `rollout_engine` | `trl_vllm_colocate` |" in (out / "README.md").read_text()
+    assert "trl_vllm_colocate" in (out / "summary.md").read_text()

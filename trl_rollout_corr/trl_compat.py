@@ -701,8 +701,10 @@ def colocate_generation_class() -> type:
       parameter per ``load_weights`` call, which fails on vLLM CPU's packed layers), timed.
     * ``generate``: TRL's, timed.
 
+    Added: ``describe()`` (the engine record) and ``close()`` (tear TRL's in-process CPU engine down in order).
+
     Attributes (of an instance): ``llm_kwargs``, ``layerwise_sync``, ``sync_seconds`` / ``generate_seconds``
-    (totals), ``num_syncs``, ``startup_seconds``; ``describe()`` gives the engine record.
+    (totals, seconds), ``num_syncs``, ``startup_seconds``.
     """
     if _COLOCATE_CLASS:
         return _COLOCATE_CLASS[0]
@@ -734,11 +736,23 @@ def colocate_generation_class() -> type:
             set_num_threads, start = torch.set_num_threads, time.perf_counter()
             trl_vllm.LLM = llm_with_extra_kwargs
             try:
-                return super()._init_vllm()
+                super()._init_vllm()
             finally:
                 trl_vllm.LLM = trl_llm
                 torch.set_num_threads = set_num_threads
                 self.startup_seconds = time.perf_counter() - start
+            if self.layerwise_sync:  # vLLM CPU in this process: torn down in order (close(), or at exit)
+                from .engines.vllm_cpu import track_for_shutdown
+
+                track_for_shutdown(self.llm)
+
+        def close(self) -> None:
+            """Shut TRL's in-process CPU engine down before ``Trainer.end()`` destroys the process group
+            (``engines.vllm_cpu.shutdown_cpu_llm``); nothing for another engine or in server mode."""
+            if self.mode == "colocate" and self.layerwise_sync:
+                from .engines.vllm_cpu import shutdown_cpu_llm
+
+                shutdown_cpu_llm(self.llm)
 
         def sync_weights(self):
             start = time.perf_counter()

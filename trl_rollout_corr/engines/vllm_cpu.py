@@ -151,7 +151,7 @@ def build_cpu_llm(
 
     llm = _start_llm(model, torch_dtype, max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
                      max_num_seqs=max_num_seqs, restore_set_num_threads=restore_set_num_threads, llm_kwargs=llm_kwargs)
-    _track_for_shutdown(llm)
+    track_for_shutdown(llm)
     actual = engine_dtype(llm)
     if actual != torch_dtype:
         raise RuntimeError(f"vLLM loaded the model in {actual}, expected {torch_dtype}.")
@@ -192,7 +192,9 @@ _LIVE: dict[int, Any] = {}
 _ATEXIT_REGISTERED = False
 
 
-def _track_for_shutdown(llm: "LLM") -> None:
+def track_for_shutdown(llm: "LLM") -> None:
+    """Let ``shutdown_cpu_llm`` (and the exit hook) tear ``llm`` down; ``build_cpu_llm`` does it for its engines,
+    ``trl_compat``'s colocate backend for TRL's in-process CPU engine."""
     global _ATEXIT_REGISTERED
     import weakref
 
@@ -351,9 +353,11 @@ def reprocess_tied_layers(model: torch.nn.Module) -> list[str]:
     ``ParallelLMHead: Failed to load weights`` and puts the old layer back. Its parameter is the embedding's, already
     updated, but on vLLM CPU the head multiplies with what ``process_weights_after_loading`` derived from the old
     values (``dispatch_cpu_unquantized_gemm``: a packed weight or a oneDNN handle), so the logits stay those of the
-    previous weights. Measured on SmolLM2-135M with a float32 engine: after syncing a perturbed model (embedding
-    included) the engine was 0.44 nats (mean |log mu - log pi|, max 2.0) from it; with this re-processing 1e-5, float32
-    noise. A bf16 engine on an AVX2-only CPU multiplies with the weight itself (no packed copy) and was unaffected.
+    previous weights. Measured on SmolLM2-135M (AMD EPYC with AVX-512 BF16): after syncing a perturbed model (embedding
+    included) a float32 engine was 0.44 nats (mean |log mu - log pi|, max 2.0) from it, and with this re-processing
+    1e-5 (float32 noise). A bf16 engine there also multiplies with a oneDNN handle and was as stale (0.44 nats); with
+    oneDNN capped at AVX2 (``benchmarks/avx2_kernels``, as the policy-lag cells ran) or on an AVX2-only CPU its head
+    multiplies with the weight itself and was not (0.075 nats, the bf16 mismatch).
 
     ``process_weights_after_loading`` is the hook vLLM itself calls once per layer after loading; for an unquantized
     layer on CPU it only re-derives the GEMM from ``layer.weight`` (it does not change the weight).
