@@ -161,6 +161,8 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
             raise ValueError(f"--rollout_vllm_dtype {training_args.rollout_vllm_dtype} and --rollout_dtype "
                              f"{script_args.rollout_dtype} disagree: set one of them.")
         training_args.rollout_vllm_dtype = script_args.rollout_dtype  # TRL's colocate engine samples in it
+        if training_args.vllm_max_model_length is None:  # TRL's default: the model's (8192 for SmolLM2)
+            training_args.vllm_max_model_length = script_args.rollout_max_model_len
         # vLLM CPU's KV cache: as the vllm_cpu engine's (TRL's default takes vllm_gpu_memory_utilization of the RAM)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(script_args.rollout_kv_cache_gib))
         say("vllm", f"TRL's vLLM colocate engine ({script_args.rollout_dtype}) starts with the trainer")

@@ -43,6 +43,11 @@ here                              TRL 1.16
                                   ``last_hidden_state[:, :-1]`` the head scores, and the head
                                   (``get_output_embeddings()``); ``unsupported_logit_transforms``: the config
                                   fields after which the head's logits are not ``hidden @ W.T + b``
+``trl_vllm_colocate``             ``self.vllm_generation = VLLMGeneration(...)`` in ``GRPOTrainer.__init__`` (1107,
+                                  the module-level name swapped for the block); ``colocate_generation_class``:
+                                  ``VLLMGeneration._init_vllm``'s one ``LLM(...)`` call (without
+                                  ``COLOCATE_LLM_KWARGS``), ``sync_weights``' colocate ``load_weights`` per
+                                  parameter, ``generate`` (pinned in ``tests/test_trl_vllm_colocate.py``)
 ================================  ==========================================================================
 
 Nothing here touches a trainer object: every function takes tensors and the few config values it needs, so each
