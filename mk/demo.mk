@@ -54,7 +54,8 @@ demo: demo-model
 	@$(VLLM_PY) recipes/print_run_summary.py $(DEMO_OUT)
 
 ## Tests that need real vLLM CPU, reasoning-gym and the converted model: tests/test_vllm_cpu.py, the end-to-end
-## tests/test_e2e_vllm_cpu.py (2 real training steps of the main job) and tests/test_recipe.py with reasoning-gym.
-## About 4 minutes on 2 cores (plus the install and conversion above when not done yet).
+## tests/test_e2e_vllm_cpu.py (2 real training steps of the main job), tests/test_recipe.py with reasoning-gym and
+## tests/test_trl_vllm_colocate.py (TRL's own vLLM colocate path: 3 trainers x 2 steps, the recipe's 2 steps).
+## About 7 minutes on 2 cores (test_trl_vllm_colocate.py: 3 of them), plus the install and conversion when not done.
 test-vllm: demo-model
-	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) tests/test_vllm_cpu.py tests/test_e2e_vllm_cpu.py tests/test_recipe.py tests/test_support_vllm.py
+	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) tests/test_vllm_cpu.py tests/test_e2e_vllm_cpu.py tests/test_recipe.py tests/test_support_vllm.py tests/test_trl_vllm_colocate.py

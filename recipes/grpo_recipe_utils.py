@@ -149,11 +149,16 @@ def split_reward_func(tasks: dict[str, ReasoningGymTask]) -> Callable[..., list[
 def check_flags(script_args: Any, training_args: Any, model_args: Any) -> None:
     """Refuse the flag combinations the recipe cannot honour, naming the flag and the fix.
 
+    ``--use_vllm`` with ``rollout_engine=vllm_cpu`` (the CPU config's engine) selects TRL's own vLLM path:
+    ``rollout_engine`` becomes ``trl_vllm`` (``--use_vllm --vllm_mode colocate`` on the main job's config).
+
     Raises:
         ValueError: ``--load_in_4bit`` / ``--load_in_8bit`` with ``rollout_engine=vllm_cpu`` (the engine loads the
-            trainer's full-precision weights at every sync); ``--use_vllm`` with an engine other than ``trl_vllm``
+            trainer's full-precision weights at every sync); ``--use_vllm`` with ``rollout_engine=transformers``
             (one engine samples); ``--eval_strategy`` other than ``no`` with ``eval_size 0`` (no held-out problems).
     """
+    if training_args.use_vllm and script_args.rollout_engine == "vllm_cpu":
+        script_args.rollout_engine = "trl_vllm"
     engine = script_args.rollout_engine
     for flag in ("load_in_4bit", "load_in_8bit"):
         if getattr(model_args, flag) and engine == "vllm_cpu":
@@ -556,7 +561,8 @@ def engine_record(rollout_engine: str, rollout_dtype: str, model_path: str, *, v
 
     Args:
         rollout_engine: ``"vllm_cpu"`` (placeholder until ``VLLMCPURollout.describe()`` replaces it),
-            ``"trl_vllm"`` (TRL's own vLLM path) or ``"transformers"`` (TRL's ``generate`` path).
+            ``"trl_vllm"`` (TRL's own vLLM path; placeholder until the trainer's ``rollout_engine_record`` replaces
+            it) or ``"transformers"`` (TRL's ``generate`` path).
         rollout_dtype: the requested rollout dtype, ``"bfloat16"`` or ``"float32"``.
         model_path: the checkpoint folder (read for its dtype with ``trl_vllm``).
         vllm_mode: TRL's ``vllm_mode`` (``"colocate"`` or ``"server"``), recorded with ``trl_vllm``.
@@ -566,11 +572,15 @@ def engine_record(rollout_engine: str, rollout_dtype: str, model_path: str, *, v
         ``{"rollout_engine", "rollout_dtype", "rollout_logprobs_mode", ...}``.
 
     Raises:
-        ValueError: unknown ``rollout_engine``; or ``trl_vllm`` with a ``rollout_dtype`` other than the checkpoint's
-            dtype (TRL's vLLM loads with ``dtype="auto"``, so the checkpoint dtype is what samples).
+        ValueError: unknown ``rollout_engine``; or ``trl_vllm`` in server mode with a ``rollout_dtype`` other than
+            the checkpoint's dtype (the server loads with ``dtype="auto"``; in colocate mode the trainer passes
+            ``rollout_dtype`` to TRL's engine as ``rollout_vllm_dtype``).
     """
     if rollout_engine == "vllm_cpu":
         return {"rollout_engine": "vllm_cpu", "rollout_dtype": rollout_dtype,
+                "rollout_logprobs_mode": "processed_logprobs"}
+    if rollout_engine == "trl_vllm" and vllm_mode == "colocate":  # the trainer passes rollout_dtype to TRL's LLM
+        return {"rollout_engine": "trl_vllm_colocate", "rollout_dtype": rollout_dtype,
                 "rollout_logprobs_mode": "processed_logprobs"}
     if rollout_engine == "trl_vllm":
         from transformers import AutoConfig

@@ -77,7 +77,9 @@ class ScriptArguments:
                   "checkpoint dtype, which TRL's vLLM uses."},
     )
     rollout_max_model_len: int = 512
-    rollout_kv_cache_gib: int = 1
+    rollout_kv_cache_gib: int = field(default=1, metadata={
+        "help": "vLLM CPU KV cache (GiB): the vllm_cpu engine's, and TRL's colocate engine's unless "
+        "VLLM_CPU_KVCACHE_SPACE is set."})
     rollout_seed: int = 0
     torch_threads: int = field(default=1, metadata={
         "help": "CPU threads for torch and the in-process vLLM CPU engine. Fixed (1) by default: the count changes "
@@ -154,6 +156,16 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         say("vllm", f"engine ready in {rollout.startup_seconds:.1f}s")
     elif script_args.rollout_engine == "trl_vllm" and not training_args.use_vllm:
         raise ValueError("rollout_engine=trl_vllm needs use_vllm: true (TRL's vLLM colocate/server path).")
+    elif script_args.rollout_engine == "trl_vllm" and training_args.vllm_mode == "colocate":
+        if training_args.rollout_vllm_dtype not in (None, script_args.rollout_dtype):
+            raise ValueError(f"--rollout_vllm_dtype {training_args.rollout_vllm_dtype} and --rollout_dtype "
+                             f"{script_args.rollout_dtype} disagree: set one of them.")
+        training_args.rollout_vllm_dtype = script_args.rollout_dtype  # TRL's colocate engine samples in it
+        if training_args.vllm_max_model_length is None:  # TRL's default: the model's (8192 for SmolLM2)
+            training_args.vllm_max_model_length = script_args.rollout_max_model_len
+        # vLLM CPU's KV cache: as the vllm_cpu engine's (TRL's default takes vllm_gpu_memory_utilization of the RAM)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(script_args.rollout_kv_cache_gib))
+        say("vllm", f"TRL's vLLM colocate engine ({script_args.rollout_dtype}) starts with the trainer")
 
     results: dict = {"engine": engine, "correction": ru.rollout_correction_record(training_args)}
     if rollout is not None and script_args.eval_size > 0:
@@ -174,6 +186,19 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         rollout_func=rollout, quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
+    vllm_generation = getattr(trainer, "vllm_generation", None)  # TRL's own vLLM path
+    if vllm_generation is not None:
+        from trl_rollout_corr.model_card import rollout_engine_record
+
+        engine = results["engine"] = rollout_engine_record(trainer)  # the same description as card and records
+        if training_args.vllm_mode == "colocate":
+            say("vllm", f"engine ready in {vllm_generation.startup_seconds:.1f}s")
+            if script_args.eval_size > 0:
+                say("eval", f"greedy accuracy before training on {held_out.size} held-out problems")
+                results["before"] = ru.greedy_accuracy(vllm_generation.llm, held_out,
+                                                       script_args.eval_max_tokens).to_dict()
+                say("eval", f"before: {results['before']['accuracy']:.3f} "
+                            f"({results['before']['correct']}/{held_out.size})")
     machine = ru.machine_record()
     identity = {"command": shlex.join([Path(sys.executable).name, *sys.argv]), "output_dir": training_args.output_dir,
                 "preset": training_args.rollout_corr_preset, "engine": f"{engine['rollout_engine']} "
@@ -213,10 +238,19 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         results["train"].update(vllm_generate_s=rollout.generate_seconds, vllm_sync_s=rollout.sync_seconds,
                                 vllm_syncs=rollout.num_syncs, vllm_async_wait_s=rollout.wait_seconds)
 
-    if rollout is not None and script_args.eval_size > 0:
-        rollout.sync_from(trainer)  # the trained weights, evaluated by the same engine as "before"
+    if vllm_generation is not None and hasattr(vllm_generation, "generate_seconds"):
+        results["train"].update(vllm_generate_s=vllm_generation.generate_seconds,
+                                vllm_sync_s=vllm_generation.sync_seconds, vllm_syncs=vllm_generation.num_syncs,
+                                vllm_startup_s=vllm_generation.startup_seconds)
+
+    eval_llm = rollout.llm if rollout is not None else getattr(vllm_generation, "llm", None)
+    if eval_llm is not None and "before" in results:
+        if rollout is not None:
+            rollout.sync_from(trainer)  # the trained weights, evaluated by the same engine as "before"
+        else:
+            vllm_generation.sync_weights()  # TRL's colocate engine: the same sync as training's
         say("eval", f"greedy accuracy after training on {held_out.size} held-out problems")
-        results["after"] = ru.greedy_accuracy(rollout.llm, held_out, script_args.eval_max_tokens).to_dict()
+        results["after"] = ru.greedy_accuracy(eval_llm, held_out, script_args.eval_max_tokens).to_dict()
         results["improvement"] = ru.paired_difference(results["before"]["scores"], results["after"]["scores"])
         improvement = results["improvement"]
         say("eval", f"after: {results['after']['accuracy']:.3f} ({results['after']['correct']}/{held_out.size}); "
@@ -241,6 +275,8 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         say("hub", f"pushed to {trainer.hub_model_id}")
     if rollout is not None:  # before trainer.end(), which destroys the process group vLLM's teardown needs
         rollout.close()
+    if callable(getattr(vllm_generation, "close", None)):  # TRL's colocate CPU engine, likewise
+        vllm_generation.close()
     if hasattr(trainer, "end"):  # transformers >= 5.18: finish the trackers (as TRL's grpo.py)
         trainer.end()
     return results

@@ -75,7 +75,7 @@ def test_rollout_engine_record_per_source(tmp_path):
     batching.args.bf16 = True
     assert model_card.rollout_engine_record(batching)["rollout_dtype"] == "bfloat16"
     assert model_card.rollout_engine_record(_trainer(tmp_path, use_vllm=True)) == {
-        "rollout_engine": "TRL vLLM (colocate)", "rollout_logprobs_mode": "processed_logprobs"}
+        "rollout_engine": "trl_vllm_colocate", "rollout_logprobs_mode": "processed_logprobs"}
     described = SimpleNamespace(describe=lambda: {"rollout_engine": "vllm_cpu", "rollout_dtype": "bfloat16"})
     assert model_card.rollout_engine_record(_trainer(tmp_path, rollout_func=described))["rollout_dtype"] == "bfloat16"
 

@@ -358,9 +358,10 @@ def test_synced_perturbation_tracks_trainer(engine_and_trainer):
 
     llm, trainer = engine_and_trainer
     g = torch.Generator().manual_seed(0)
-    perturbed = {
-        k: (v + 0.1 * v.std() * torch.randn(v.shape, generator=g)) if k.endswith("proj.weight") else v.clone()
-        for k, v in trainer.state_dict().items()
+    perturbed = {  # the tied embedding too: a bf16 head packed by oneDNN (AVX-512 BF16 CPUs) must follow it
+        k: (v + 0.1 * v.std() * torch.randn(v.shape, generator=g))
+        if k.endswith("proj.weight") or k == "model.embed_tokens.weight" else v.clone()
+        for k, v in trainer.state_dict().items() if k != "lm_head.weight"
     }
     try:
         sync_weights(llm, perturbed)
@@ -368,12 +369,47 @@ def test_synced_perturbation_tracks_trainer(engine_and_trainer):
     finally:
         sync_weights(llm, trainer)
     trainer_p = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32).eval()
-    trainer_p.load_state_dict(perturbed)
+    trainer_p.load_state_dict(perturbed, strict=False)  # lm_head.weight: tied to the perturbed embedding
     d_new = torch.cat([mu - pi for (_, _, mu), pi in zip(rows, _trainer_log_probs(trainer_p, rows))]).abs().mean()
     d_old = torch.cat([mu - pi for (_, _, mu), pi in zip(rows, _trainer_log_probs(trainer, rows))]).abs().mean()
     # Measured: 0.05 vs 1.17 nats.
     assert d_new < 0.15, d_new
     assert d_old > 0.3, d_old
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_float32_engine_sync_reaches_the_tied_head(engine_and_trainer):
+    """Issue 44 item 7: a float32 engine synced with a perturbed model, embedding included, matches that model to
+    float32 noise. vLLM CPU's float32 LM head multiplies with a packed copy of the tied embedding; the layerwise
+    reload left it stale (measured: 0.44 nats mean, 2.0 max |log mu - log pi|) until sync_weights re-processed it
+    (reprocess_tied_layers; measured after: 1e-5 mean, 6e-5 max)."""
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    from trl_rollout_corr.engines.vllm_cpu import build_cpu_llm, get_engine_model, shutdown_cpu_llm, sync_weights
+
+    _, trainer = engine_and_trainer  # the bf16 engine stays up (its vLLM groups are shared); torn down at exit
+    llm = build_cpu_llm(MODEL_DIR, "float32", max_model_len=256, seed=0)
+    try:
+        engine = get_engine_model(llm)
+        assert engine.lm_head.weight is engine.model.embed_tokens.weight  # tied in the engine, as in SmolLM2
+        g = torch.Generator().manual_seed(0)
+        perturbed = {k: v + 0.1 * v.std() * torch.randn(v.shape, generator=g)
+                     if k.endswith("proj.weight") or k == "model.embed_tokens.weight" else v.clone()
+                     for k, v in trainer.state_dict().items() if k != "lm_head.weight"}
+        sync_weights(llm, perturbed)
+        rows = _rollout(llm, SamplingParams(temperature=1.0, max_tokens=16, logprobs=0))
+    finally:
+        shutdown_cpu_llm(llm)
+    trainer_p = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32).eval()
+    trainer_p.load_state_dict(perturbed, strict=False)  # lm_head.weight: tied to the perturbed embedding
+    assert trainer_p.lm_head.weight.data_ptr() == trainer_p.model.embed_tokens.weight.data_ptr()
+    diff = torch.cat([mu - pi for (_, _, mu), pi in zip(rows, _trainer_log_probs(trainer_p, rows))]).abs()
+    d_old = torch.cat([mu - pi for (_, _, mu), pi in zip(rows, _trainer_log_probs(trainer, rows))]).abs()
+    assert diff.numel() >= 64
+    assert diff.max() < 1e-3 and diff.mean() < 1e-4, (diff.max(), diff.mean())  # float32 noise
+    assert d_old.mean() > 0.3, d_old.mean()  # the perturbation is large enough to see a stale head
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -645,8 +681,8 @@ def test_engine_teardown_after_trainer_end_destroyed_the_process_group(monkeypat
         parallel_state._TP = GroupCoordinator()
         calls = []
         llm, other = _EngineStandIn(parallel_state, calls), _EngineStandIn(parallel_state, calls)
-        vllm_cpu._track_for_shutdown(llm)
-        vllm_cpu._track_for_shutdown(other)
+        vllm_cpu.track_for_shutdown(llm)
+        vllm_cpu.track_for_shutdown(other)
         vllm_cpu.shutdown_cpu_llm(llm)  # another engine is alive: they share vLLM's groups, nothing is torn down
         assert calls == [] and parallel_state._TP is not None
         del other

@@ -52,9 +52,11 @@ def correction_record(args: Any) -> dict[str, Any]:
 def rollout_engine_record(trainer: Any) -> dict[str, Any]:
     """What produced mu in this trainer, for the card.
 
-    A ``rollout_func`` with a ``describe()`` method (``engines.vllm_cpu_rollout.VLLMCPURollout``) describes itself;
-    another ``rollout_func`` is named; otherwise TRL's vLLM path (``use_vllm``, processed log-probs) or the plain
-    ``transformers.generate`` path (processed scores; ``rollout_generate_dtype`` when set).
+    The one description of the engine (model card, rollout records, the recipe's run summary): a ``rollout_func``
+    with a ``describe()`` method (``engines.vllm_cpu_rollout.VLLMCPURollout``: ``vllm_cpu``) describes itself;
+    another ``rollout_func`` is named; otherwise TRL's vLLM path (``use_vllm``: the backend's ``describe()``, see
+    ``trl_compat.colocate_generation_class``, ``trl_vllm_colocate`` / ``trl_vllm_server``, processed log-probs) or
+    the plain ``transformers.generate`` path (processed scores; ``rollout_generate_dtype`` when set).
 
     Args:
         trainer: a ``GRPOTrainer`` (reads ``rollout_func``, ``use_vllm``, ``args``, ``model``).
@@ -68,7 +70,10 @@ def rollout_engine_record(trainer: Any) -> dict[str, Any]:
         return {"rollout_engine": f"rollout_func {name}", "rollout_logprobs_mode": "as returned by the rollout_func"}
     args = trainer.args
     if getattr(trainer, "use_vllm", False):
-        return {"rollout_engine": f"TRL vLLM ({args.vllm_mode})", "rollout_logprobs_mode": "processed_logprobs"}
+        describe = getattr(getattr(trainer, "vllm_generation", None), "describe", None)
+        if callable(describe):  # trl_compat.colocate_generation_class()
+            return dict(describe())
+        return {"rollout_engine": f"trl_vllm_{args.vllm_mode}", "rollout_logprobs_mode": "processed_logprobs"}
     if getattr(trainer, "use_transformers_continuous_batching", False):
         return continuous_batching_record(trainer)
     dtype = getattr(args, "rollout_generate_dtype", None)

@@ -74,6 +74,29 @@ def _accelerate_reducers(accelerator) -> Reducers:
     )
 
 
+def _trl_vllm_engine(args: RolloutCorrGRPOConfig):
+    """The context in which ``GRPOTrainer.__init__`` builds TRL's vLLM backend: for colocate mode,
+    ``trl_compat.trl_vllm_colocate`` (``rollout_vllm_dtype`` / ``rollout_vllm_enforce_eager`` passed to TRL's
+    ``vllm.LLM``; on vLLM's CPU platform eager by default and the weight sync inside vLLM's layerwise reload);
+    otherwise nothing."""
+    import contextlib
+
+    if not (args.use_vllm and args.vllm_mode == "colocate"):
+        return contextlib.nullcontext()
+    from .engines.vllm_cpu import vllm_on_cpu
+
+    on_cpu = vllm_on_cpu()
+    llm_kwargs: dict[str, Any] = {}
+    if args.rollout_vllm_dtype is not None:
+        llm_kwargs["dtype"] = args.rollout_vllm_dtype
+    eager = args.rollout_vllm_enforce_eager
+    if eager is None and on_cpu:
+        eager = True
+    if eager is not None:
+        llm_kwargs["enforce_eager"] = eager
+    return trl_compat.trl_vllm_colocate(llm_kwargs, layerwise_sync=on_cpu)
+
+
 class RolloutCorrGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` with rollout correction; see the module docstring.
 
@@ -126,7 +149,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 f"rollout-correction fields) or args=None, got {type(train_args).__name__}."
             )
         check_trainer_args(bound.arguments["args"], bound.arguments)  # before TRL loads the model or an engine
-        super().__init__(*bound.args[1:], **bound.kwargs)
+        with _trl_vllm_engine(bound.arguments["args"]):
+            super().__init__(*bound.args[1:], **bound.kwargs)
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction()
         self.rollout_corr_reducers = _accelerate_reducers(self.accelerator)
         self.rollout_corr_metrics = RolloutCorrAccumulator(self.rollout_corr_reducers)

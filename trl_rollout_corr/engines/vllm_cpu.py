@@ -34,7 +34,8 @@ Two things this module does that the stock paths do not:
    ``model.layers.0.self_attn.q_proj.weight``; vLLM's ``load_weights`` fuses q/k/v and gate/up itself. After a sync
    the prefix cache is reset (prefix caching is on by default, and cached KV blocks were computed with the old
    weights). With tied embeddings ``lm_head.weight`` is dropped before loading (vLLM would write it over
-   ``embed_tokens``), after checking that it equals ``model.embed_tokens.weight``.
+   ``embed_tokens``), after checking that it equals ``model.embed_tokens.weight``; the tied head is then re-processed
+   (``reprocess_tied_layers``: without it a float32 engine kept multiplying with the old embedding's packed copy).
 
 This module knows vLLM, not TRL. The TRL ``rollout_func`` that drives this engine from ``GRPOTrainer``,
 ``VLLMCPURollout``, lives in ``engines/vllm_cpu_rollout.py`` (the one place here that reads TRL trainer attributes):
@@ -58,6 +59,7 @@ its thread count.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -149,7 +151,7 @@ def build_cpu_llm(
 
     llm = _start_llm(model, torch_dtype, max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
                      max_num_seqs=max_num_seqs, restore_set_num_threads=restore_set_num_threads, llm_kwargs=llm_kwargs)
-    _track_for_shutdown(llm)
+    track_for_shutdown(llm)
     actual = engine_dtype(llm)
     if actual != torch_dtype:
         raise RuntimeError(f"vLLM loaded the model in {actual}, expected {torch_dtype}.")
@@ -190,7 +192,9 @@ _LIVE: dict[int, Any] = {}
 _ATEXIT_REGISTERED = False
 
 
-def _track_for_shutdown(llm: "LLM") -> None:
+def track_for_shutdown(llm: "LLM") -> None:
+    """Let ``shutdown_cpu_llm`` (and the exit hook) tear ``llm`` down; ``build_cpu_llm`` does it for its engines,
+    ``trl_compat``'s colocate backend for TRL's in-process CPU engine."""
     global _ATEXIT_REGISTERED
     import weakref
 
@@ -339,6 +343,82 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b))
 
 
+def reprocess_tied_layers(model: torch.nn.Module) -> list[str]:
+    """Re-run ``quant_method.process_weights_after_loading`` on every layer whose ``weight`` is another layer's
+    (a tied LM head), after a layer-by-layer reload; returns the names of the layers re-processed.
+
+    vLLM's layerwise reload (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``,
+    vllm/model_executor/model_loader/reload/layerwise.py) re-processes each layer whose weights its loader received. A
+    tied ``ParallelLMHead`` receives none (``lm_head.weight`` is skipped: it is ``embed_tokens.weight``), so vLLM logs
+    ``ParallelLMHead: Failed to load weights`` and puts the old layer back. Its parameter is the embedding's, already
+    updated, but on vLLM CPU the head multiplies with what ``process_weights_after_loading`` derived from the old
+    values (``dispatch_cpu_unquantized_gemm``: a packed weight or a oneDNN handle), so the logits stay those of the
+    previous weights. Measured on SmolLM2-135M (AMD EPYC with AVX-512 BF16): after syncing a perturbed model (embedding
+    included) a float32 engine was 0.44 nats (mean |log mu - log pi|, max 2.0) from it, and with this re-processing
+    1e-5 (float32 noise). A bf16 engine there also multiplies with a oneDNN handle and was as stale (0.44 nats); with
+    oneDNN capped at AVX2 (``benchmarks/avx2_kernels``, as the policy-lag cells ran) or on an AVX2-only CPU its head
+    multiplies with the weight itself and was not (0.075 nats, the bf16 mismatch).
+
+    ``process_weights_after_loading`` is the hook vLLM itself calls once per layer after loading; for an unquantized
+    layer on CPU it only re-derives the GEMM from ``layer.weight`` (it does not change the weight).
+    """
+    seen: set[int] = set()
+    redone = []
+    for name, layer in model.named_modules():
+        weight = layer._parameters.get("weight")
+        if weight is None:
+            continue
+        if id(weight) not in seen:
+            seen.add(id(weight))
+            continue
+        quant_method = getattr(layer, "quant_method", None)
+        if quant_method is not None and callable(getattr(quant_method, "process_weights_after_loading", None)):
+            quant_method.process_weights_after_loading(layer)
+            redone.append(name)
+    return redone
+
+
+@contextlib.contextmanager
+def layerwise_reload(model: torch.nn.Module, model_config: Any) -> Iterator[None]:
+    """Within the block, ``model.load_weights(...)`` calls (any number, any order) reload the engine's weights in
+    place the way vLLM's own ``reload_weights`` does; on exit every layer is processed and the tied head re-packed.
+
+    For a caller that drives ``load_weights`` itself (TRL 1.16's colocate ``VLLMGeneration.sync_weights`` loads one
+    parameter per call). Plain ``load_weights`` on a started vLLM CPU engine fails where
+    ``process_weights_after_loading`` replaced a layer's weight with a packed one (float32 here: ``AttributeError:
+    'Parameter' object has no attribute 'weight_loader'``). vLLM's layerwise reload
+    (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``,
+    vllm/model_executor/model_loader/reload/layerwise.py) puts the checkpoint-format parameters back (on the meta
+    device), buffers each layer's loads, and when a layer is complete loads, re-processes (re-packs) and copies it into
+    the original storage. ``reprocess_tied_layers`` then re-derives the tied LM head.
+
+    Args:
+        model: the engine's ``nn.Module`` (``get_engine_model`` or TRL's
+            ``llm.llm_engine.model_executor.driver_worker.model_runner.model``).
+        model_config: the engine's ``vllm.config.ModelConfig`` (``llm.llm_engine.model_config``).
+
+    Raises:
+        whatever ``load_weights`` raises inside the block (the layers are finalised first, so the engine holds a
+        mix of old and new layers: sync again before generating).
+    """
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    with torch.no_grad():
+        initialize_layerwise_reload(model)
+        try:
+            yield
+        finally:
+            finalize_layerwise_reload(model, model_config)
+        reprocess_tied_layers(model)
+
+
+def vllm_on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform here (``vllm.platforms.current_platform.is_cpu()``)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def sync_weights(llm: "LLM", weights: WeightsLike, *, reset_prefix_cache: bool = True) -> float:
     """Load trainer weights into the running engine in place; returns the seconds it took.
 
@@ -365,6 +445,7 @@ def sync_weights(llm: "LLM", weights: WeightsLike, *, reset_prefix_cache: bool =
         named = _drop_tied_head(named)
     with torch.no_grad():
         runner.reload_weights(weights_iterator=_cast(named, target), is_checkpoint_format=True)
+        reprocess_tied_layers(runner.get_model())
     if reset_prefix_cache and not llm.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset its prefix cache after a weight sync (requests still running?).")
     return time.perf_counter() - t0

@@ -173,8 +173,9 @@ def rollout_engine_record(trainer) -> dict:
     if callable(describe):
         return dict(describe())
     if trainer.use_vllm:
-        return dict(rollout_engine=f"trl_vllm_{trainer.args.vllm_mode}", rollout_logprobs_mode="processed_logprobs",
-                    rollout_dtype="checkpoint dtype (TRL's vLLM)")
+        from ..model_card import rollout_engine_record as describe_engine  # the one description of TRL's vLLM path
+
+        return describe_engine(trainer)
     if trainer.rollout_func is not None:
         return dict(rollout_engine=f"rollout_func {type(trainer.rollout_func).__name__}")
     if trainer.use_transformers_continuous_batching:
