@@ -54,7 +54,7 @@ CASES = {
     "bypass": dict(rollout_corr_preset="bypass_pg_is"),
     "policy_lag_split": dict(rollout_corr_preset="decoupled_token_is", policy_lag_split=True),
     "support_recompute": dict(rollout_corr_preset="decoupled_token_is", rollout_support_matching="recompute"),
-    "max_policy_lag": dict(rollout_corr_preset="decoupled_token_is", max_policy_lag=1),
+    "max_policy_lag": dict(rollout_corr_preset="decoupled_token_is", max_policy_lag=0),  # rank 0's stale rows dropped
     "records": dict(rollout_corr_preset="decoupled_token_is"),  # + rollout_dump_dir (set in run_case)
     # bypass + batch normalisation with gradient accumulation: the batch-norm window forward (once per step)
     "bypass_bn_window": dict(rollout_corr_preset="bypass_pg_is", rollout_is_batch_normalize=True,

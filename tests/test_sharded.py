@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import socket
 import subprocess
 import sys
 import types
@@ -87,7 +88,120 @@ def test_sharded_backend_and_full_parameter_bytes():
     assert trl_compat.sharded_backend(accelerator(ds=ns(zero_stage=3))) == "DeepSpeed ZeRO-3"
     assert trl_compat.sharded_backend(accelerator(fsdp=ns(fsdp_version=2))) == "FSDP2"
     assert trl_compat.sharded_backend(accelerator(fsdp=ns(fsdp_version=1))) == "FSDP1"
+    args = types.SimpleNamespace
+    assert trl_compat.dropped_fsdp(args(fsdp_plugin_args={"fsdp_version": 2}), accelerator())  # CPU: dropped
+    assert not trl_compat.dropped_fsdp(args(fsdp_plugin_args={"fsdp_version": 2}),
+                                       accelerator(fsdp=ns(fsdp_version=2)))
+    assert not trl_compat.dropped_fsdp(args(fsdp_plugin_args=None), accelerator())
     model = torch.nn.Linear(3, 5)  # 15 + 5 float32 = 80 bytes
     assert trl_compat.full_parameter_bytes(model) == 80
     model.weight.ds_numel = 1000  # ZeRO-3: the full size, the tensor itself empty
     assert trl_compat.full_parameter_bytes(model) == 4 * (1000 + 5)
+
+
+@pytest.mark.slow
+def test_fsdp_dropped_by_accelerate_on_cpu_is_refused(llama_dir, tmp_path, make_trainer):
+    """``fsdp=`` with ``use_cpu=True``: accelerate 1.15 drops the plugin and would run without FSDP; the trainer
+    refuses, naming where FSDP runs and the alternatives (a trainer load: seconds)."""
+    with pytest.raises(ValueError, match=r"accelerate 1.15 keeps FSDP only on accelerator devices .* fsdp2.yaml"):
+        make_trainer(llama_dir, tmp_path, fsdp="full_shard", fsdp_config={"fsdp_version": 2})
+
+
+# ---------------------------------------------------------------------------------------------- 2 CPU ranks
+CASES = ("none", "decoupled", "bypass", "policy_lag_split", "support_recompute", "max_policy_lag", "records",
+         "bypass_bn_window", "plain_generate")
+# 2 ranks vs 1 rank: the same float32 math over a different reduction order (max |diff| / max(1, |value|));
+# measured up to ~2e-6 on these runs, the issue's 1e-6..7.5e-6
+TOL = 2e-5
+# what each backend refuses at construction, and why (a fragment of the message)
+REFUSED = {
+    ("zero3", "policy_lag_split"): "policy_lag_split is not supported on DeepSpeed ZeRO-3",
+    ("fsdp2", "policy_lag_split"): "policy_lag_split is not supported on FSDP2",
+    ("zero3", "support_recompute"): "DeepSpeed ZeRO-3 holds only this rank's shard",
+}
+
+
+def _launch(nproc: int, backend: str, out_dir, model_dir) -> list[dict]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = os.path.join(out_dir, f"{backend}{nproc}.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
+           os.path.join(os.path.dirname(__file__), "dist_sharded_worker.py"), out, str(model_dir), backend,
+           ",".join(CASES)]
+    # a hang (a forward some rank does not join) ends at the timeout: TimeoutExpired fails the test
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.load(open(f"{out}.rank{r}")) for r in range(nproc)]
+
+
+def max_diff(got: list[dict], ref: list[dict]) -> tuple[float, str]:
+    """The largest relative difference over every logged key of every step (the keys must be the same)."""
+    worst = (0.0, "")
+    assert len(got) == len(ref) > 0
+    for a, b in zip(got, ref):
+        assert set(a) == set(b), set(a) ^ set(b)
+        for key in a:
+            diff = abs(a[key] - b[key]) / max(1.0, abs(b[key]))
+            worst = max(worst, (diff, key))
+    return worst
+
+
+def check_backend(backend: str, two: list[dict], one: dict) -> dict:
+    """The assertions of ``test_sharded_backend_matches_one_rank``; returns {case: max diff or refusal}."""
+    table = {}
+    for case in CASES:
+        r0, r1 = two[0]["cases"][case], two[1]["cases"][case]
+        reason = REFUSED.get((backend, case))
+        if reason is not None:
+            assert reason in r0.get("refused", "") and r0 == r1, (case, r0)
+            table[case] = r0["refused"]
+            continue
+        assert "refused" not in r0, (case, r0["refused"])
+        # really sharded: this rank holds part of the parameter only
+        assert r0["sharded"]["local"] < r0["sharded"]["full"], r0["sharded"]
+        assert r0["distributed_type"] == ("DistributedType.DEEPSPEED" if backend == "zero3" else
+                                          "DistributedType.FSDP")
+        # the rule: every forward on every rank the same number of times (also with rank-local stale rows)
+        assert r0["forwards"] == r1["forwards"] and r0["model_calls"] == r1["model_calls"], case
+        assert r0["logs"] == r1["logs"]  # every rank logs the same values
+        if case == "plain_generate":  # sampled per rank: no 1-rank twin; mu is the float32 policy's own
+            (log,) = r0["logs"]
+            assert abs(log["rollout_corr/kl"]) < 1e-5 and log["rollout_corr/num_valid_tokens"] > 0
+            table[case] = f"mu captured: kl {log['rollout_corr/kl']:.1e}"
+            continue
+        diff, key = max_diff(r0["logs"], one["cases"][case]["logs"])
+        assert diff < TOL, (case, key, diff)
+        assert r0["forwards"] == one["cases"][case]["forwards"], case
+        table[case] = (diff, key)
+    return table
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["zero3", "fsdp2"])
+def test_sharded_backend_matches_one_rank(backend, llama_dir, tmp_path_factory, sharded_reference):
+    """2 CPU ranks, parameters really sharded, every case of ``dist_sharded_worker.CASES``: equal to 1 rank on the
+    same rows (loss, grad_norm, every rollout_corr/* value of 3 steps, within ``TOL``) or refused at construction
+    with the reason (``REFUSED``); the same forwards on both ranks (stale rows on rank 0 only included)."""
+    if backend == "zero3":
+        pytest.importorskip("deepspeed")
+    two = _launch(2, backend, tmp_path_factory.mktemp(backend), llama_dir)
+    table = check_backend(backend, two, sharded_reference)
+    assert set(table) == set(CASES)
+
+
+@pytest.fixture(scope="module")
+def sharded_reference(llama_dir, tmp_path_factory):
+    """The 1-rank run of every case (torchrun, 1 process, DDP path)."""
+    (one,) = _launch(1, "ddp", tmp_path_factory.mktemp("ref"), llama_dir)
+    for case in CASES:
+        assert "refused" not in one["cases"][case], (case, one["cases"][case])
+    # the stale rows' cases really have stale rows (1-rank: the prompts rank 0 holds with 2 ranks)
+    lag = one["cases"]["max_policy_lag"]["logs"]
+    assert [log["rollout_corr/policy_lag_max"] for log in lag] == [0.0, 1.0, 1.0]
+    assert lag[1]["rollout_corr/policy_lag_mean"] == 0.5
+    # max_policy_lag=0: rank 0's stale half of the rows is out of the loss
+    assert [log["rollout_corr/policy_lag_dropped_fraction"] for log in lag] == [0.0, 0.5, 0.5]
+    assert one["cases"]["policy_lag_split"]["forwards"]["version_log_probs"] == 2  # steps 1 and 2
+    return one

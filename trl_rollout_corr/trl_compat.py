@@ -706,6 +706,13 @@ def sharded_backend(accelerator: Any) -> Optional[str]:
     return None
 
 
+def dropped_fsdp(args: Any, accelerator: Any) -> bool:
+    """True when ``args`` asks for FSDP (``fsdp=...``: transformers builds ``args.fsdp_plugin_args``) but the
+    accelerator runs without it: accelerate 1.15's ``AcceleratorState`` keeps an FSDP plugin only on accelerator
+    device types (``MULTI_GPU``, ``MULTI_XPU``, ...), so on CPU ranks (``use_cpu=True``) it silently runs DDP."""
+    return bool(getattr(args, "fsdp_plugin_args", None)) and getattr(accelerator.state, "fsdp_plugin", None) is None
+
+
 def full_parameter_bytes(model: torch.nn.Module, world_size: int = 1) -> int:
     """Bytes of the full (unsharded) parameters of ``model``, whatever shards them.
 
