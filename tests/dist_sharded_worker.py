@@ -61,6 +61,8 @@ CASES = {
                              gradient_accumulation_steps=2),
     # the plain transformers.generate path (no rollout_func) with a correction on: mu captured from generate
     "plain_generate": dict(rollout_corr_preset="decoupled_token_is"),
+    # fsdp= on CPU ranks without the harness's cpu_fsdp_state: accelerate drops it (run by the zero3 launch only)
+    "fsdp_dropped": dict(rollout_corr_preset="decoupled_token_is"),
 }
 
 
@@ -144,7 +146,9 @@ def run_case(case: str, backend: str, model_dir: str, work: str, world: int) -> 
         learning_rate=1e-3, beta=0.0, seed=0, disable_tqdm=True, bf16=False, shuffle_dataset=False,
         top_p=0.9 if case == "support_recompute" else 1.0, **fields,
     )
-    if backend == "zero3":
+    if case == "fsdp_dropped":
+        kwargs.update(FSDP2)
+    elif backend == "zero3":
         kwargs["deepspeed"] = ZERO3
     elif backend == "fsdp2":
         kwargs.update(FSDP2, accelerator_config={"use_configured_state": True})
