@@ -61,7 +61,7 @@ CASES = {
                              gradient_accumulation_steps=2),
     # the plain transformers.generate path (no rollout_func) with a correction on: mu captured from generate
     "plain_generate": dict(rollout_corr_preset="decoupled_token_is"),
-    # fsdp= on CPU ranks without the harness's cpu_fsdp_state: accelerate drops it (run by the zero3 launch only)
+    # fsdp= on CPU ranks without the harness's cpu_fsdp_state: accelerate drops it (last in the fsdp2 launch only)
     "fsdp_dropped": dict(rollout_corr_preset="decoupled_token_is"),
 }
 

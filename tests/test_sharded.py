@@ -114,11 +114,13 @@ REFUSED = {
     ("zero3", "policy_lag_split"): "policy_lag_split is not supported on DeepSpeed ZeRO-3",
     ("fsdp2", "policy_lag_split"): "policy_lag_split is not supported on FSDP2",
     ("zero3", "support_recompute"): "DeepSpeed ZeRO-3 holds only this rank's shard",
-    # fsdp= with use_cpu=True on 2 torchrun ranks: accelerate 1.15 would silently run DDP (1 process: transformers'
-    # own "Using fsdp only works in distributed training")
-    ("zero3", "fsdp_dropped"): "accelerate 1.15 keeps FSDP only on accelerator devices",
+    # fsdp= with use_cpu=True on 2 torchrun ranks, last in the FSDP2 launch (its args reset accelerate's state, so
+    # the harness's cpu_fsdp_state no longer applies): accelerate 1.15 would silently run DDP (1 process:
+    # transformers' own "Using fsdp only works in distributed training"; in a DeepSpeed launch: "Using --fsdp xxx
+    # together with --deepspeed is not possible")
+    ("fsdp2", "fsdp_dropped"): "accelerate 1.15 keeps FSDP only on accelerator devices",
 }
-EXTRA = {"zero3": ("fsdp_dropped",)}  # cases one launch only runs
+EXTRA = {"fsdp2": ("fsdp_dropped",)}  # cases one launch only runs
 
 
 def _launch(nproc: int, backend: str, out_dir, model_dir, cases=CASES) -> list[dict]:
