@@ -215,7 +215,13 @@ def test_accelerate_configs_are_valid(config):
     assert cfg.num_processes >= 1
     if "deepspeed" in config.name:
         assert cfg.distributed_type.value == "DEEPSPEED"
-        assert cfg.deepspeed_config["zero_stage"] in (2, 3)
+        stage = cfg.deepspeed_config.get("zero_stage")
+        if "deepspeed_config_file" in cfg.deepspeed_config:  # the stage and the rest in DeepSpeed's own JSON
+            import json
+
+            ds = json.loads((ROOT / cfg.deepspeed_config["deepspeed_config_file"]).read_text())
+            stage = ds["zero_optimization"]["stage"]
+        assert stage in (2, 3)
 
 
 def test_vllm_server_start_needs_the_server_path_and_the_server_dtype_is_checked(tmp_path):

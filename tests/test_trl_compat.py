@@ -784,3 +784,21 @@ def test_trl_coupling_vllm_client_cpu_weight_sync_hook():
     src_build = inspect.getsource(vllm_serve.build_command)
     assert '"vllm.entrypoints.cli.main"' in src_build and 'json.dumps({"backend": "nccl"})' in src_build
     assert 'env["VLLM_SERVER_DEV_MODE"] = "1"' in inspect.getsource(vllm_serve.main)
+
+
+def test_trl_coupling_fsdp2_generate_wrapper_pin():
+    """``trl_compat.fsdp2_wrapped_method`` recognises torch's ``register_fsdp_forward_method`` wrapper by the code
+    object of its nested ``wrapped_method`` (``functools.wraps`` hides its name), and transformers' Trainer sets that
+    wrapper on ``model.generate`` under FSDP; accelerate keeps the sharding config where ``sharded_backend`` reads
+    it."""
+    import accelerate.state
+    import transformers.trainer
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    code = trl_compat._fsdp2_wrapper_code()
+    assert code is not None and code.co_name == "wrapped_method"
+    src = inspect.getsource(register_fsdp_forward_method)
+    assert "@functools.wraps(orig_method)" in src and "def wrapped_method(self, *args, **kwargs)" in src
+    assert 'register_fsdp_forward_method(self.model, "generate")' in inspect.getsource(transformers.trainer.Trainer)
+    state_src = inspect.getsource(accelerate.state.AcceleratorState)
+    assert "self.fsdp_plugin = fsdp_plugin" in state_src and "deepspeed_plugin" in state_src

@@ -173,7 +173,8 @@ FEATURES = (
     Feature("ds3_gather_for_generation (DeepSpeed ZeRO-3)", "training arguments",
             dict(ds3_gather_for_generation=False), train=False, outcome=_untested(),
             note="the capture instruments the unwrapped model TRL generates with; ZeRO-2 is trained in "
-                 "tests/test_distributed.py, ZeRO-3 is untested here"),
+                 "tests/test_distributed.py, ZeRO-3 on 2 CPU ranks in tests/test_sharded.py with the default True "
+                 "(plain generate: mu captured, kl 2e-9); False is untested here"),
     # ----------------------------------------------------------------- TrainingArguments that GRPOConfig re-defaults
     Feature("gradient_checkpointing (GRPOConfig default True)", "training arguments",
             dict(gradient_checkpointing=True)),

@@ -131,7 +131,9 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         TypeError: if ``args`` is neither None nor a ``RolloutCorrGRPOConfig``.
         ValueError: what a feature or the mode refuses, naming the fix: at construction (before TRL loads anything
             where it can) or at the first generation (no behaviour log-probs, misaligned ones, missing or misshapen
-            routes); each feature's class docstring (``features/``) lists its errors.
+            routes); each feature's class docstring (``features/``) lists its errors. ``fsdp=`` set where
+            accelerate drops it (CPU ranks: ``trl_compat.dropped_fsdp``).
+        NotImplementedError: ``policy_lag_split`` on DeepSpeed ZeRO-3 / FSDP (``features.lag_split``).
     """
 
     _tag_names = [*GRPOTrainer._tag_names, *model_card.TAGS]  # on the model (add_model_tags) and in every card
@@ -153,6 +155,14 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             trl_compat.install_vllm_client_cpu_weight_sync()  # CPU trainers: gloo weight sync; CUDA: TRL's NCCL
         with _trl_vllm_engine(bound.arguments["args"]):
             super().__init__(*bound.args[1:], **bound.kwargs)
+        if trl_compat.dropped_fsdp(self.args, self.accelerator):
+            raise ValueError(
+                f"fsdp={self.args.fsdp!r} is set, but accelerate runs {self.accelerator.distributed_type} without "
+                "FSDP: accelerate 1.15 keeps FSDP only on accelerator devices (GPU, XPU, ...), and on CPU ranks "
+                "(use_cpu=True) silently runs DDP. Run FSDP on GPUs (recipes/accelerate/fsdp2.yaml), or unset fsdp "
+                "to train with DDP, or DeepSpeed ZeRO-3 for sharding on CPU ranks "
+                "(recipes/accelerate/CPU_MULTI_RANK.md)."
+            )
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction()
         self.rollout_corr_reducers = _accelerate_reducers(self.accelerator)
         self.rollout_corr_metrics = RolloutCorrAccumulator(self.rollout_corr_reducers)

@@ -110,12 +110,15 @@ def plain_generate_has_no_mu(trainer, model) -> Optional[str]:
     ``generation_kwargs``), or ``generate`` is not transformers' own: an instance attribute on the model (as
     ``unittest.mock.patch.object(model, "generate", ...)`` sets, TRL's own tool/environment tests do this) or a
     patched ``GenerationMixin.generate``. A replacement never runs transformers' logits processing, so the capture
-    would see no processed scores.
+    would see no processed scores. FSDP2's wrapper (``torch.distributed.fsdp.register_fsdp_forward_method``, which
+    transformers' Trainer sets on the model's ``generate`` under FSDP to all-gather the shards first) is not a
+    replacement: the method it wraps is checked instead (``trl_compat.fsdp2_wrapped_method``).
     """
     config = trainer.generation_config
     if not config.do_sample or (config.num_beams or 1) > 1:
         return "generation does not sample (do_sample=False or num_beams > 1 in generation_kwargs)"
     own = vars(model).get("generate")
+    own = trl_compat.fsdp2_wrapped_method(own) or own  # FSDP2's all-gathering wrapper (transformers' Trainer's)
     if own is not None and not (isinstance(own, types.MethodType) and own.__func__ is _TRANSFORMERS_GENERATE):
         return f"model.generate has been replaced by {own!r}, which does not run transformers' sampling"
     if GenerationMixin.generate is not _TRANSFORMERS_GENERATE:

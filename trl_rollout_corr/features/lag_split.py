@@ -34,6 +34,10 @@ class LagSplit(Feature):
     """The weights of every version in use, and the per-version log-probs (module docstring).
 
     Raises:
+        NotImplementedError: at construction, on a backend that shards the parameters (DeepSpeed ZeRO-3, FSDP1,
+            FSDP2): the version copies are whole-model copies (``state_dict`` of the unwrapped model, a deep copy
+            for the scratch model), which those backends cannot make, and the version forward runs only on the
+            ranks holding stale rows, which is a collective there (the message gives the memory it would need).
         ValueError: (``after_score``) a row's version is one whose weights this trainer never held (a version
             that is not a step at which it generated or trained, or one before the checkpoint it resumed from) or no
             longer holds (versions going backwards).
@@ -46,6 +50,7 @@ class LagSplit(Feature):
         return bool(args.policy_lag_split)
 
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
+        refuse_sharded(trainer)
         self.weights: dict[int, dict[str, torch.Tensor]] = {}  # version (optimizer step) -> state dict
         self.model: Optional[torch.nn.Module] = None  # the scratch copy that scores old versions
 
@@ -124,3 +129,24 @@ class LagSplit(Feature):
         with torch.no_grad():
             lp, _, _ = trainer.policy_forward(call, fwd, batch_size=trainer.args.per_device_train_batch_size)
         return support.invalidate_misses(lp.float(), call.miss)  # support matching: missed tokens NaN, as mu's
+
+
+def refuse_sharded(trainer) -> None:
+    """``policy_lag_split`` on a parameter-sharding backend: NotImplementedError naming the backend, the reasons and
+    the memory its whole-model copies would take (see ``LagSplit``'s Raises)."""
+    backend = trl_compat.sharded_backend(trainer.accelerator)
+    if backend is None:
+        return
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    gib = trl_compat.full_parameter_bytes(model, trainer.accelerator.num_processes) / 2**30
+    lag = trainer.args.max_policy_lag
+    copies = (f"{lag + 2} copies = {(lag + 2) * gib:.3g} GiB per rank at max_policy_lag={lag}" if lag is not None
+              else f"k + 1 copies = (k + 1) x {gib:.3g} GiB per rank at a lag of k steps")
+    raise NotImplementedError(
+        f"policy_lag_split is not supported on {backend}: it keeps a whole-model copy of the weights per version in "
+        f"flight plus a scratch copy for the version forward ({gib:.3g} GiB each here: {copies}), which {backend} "
+        "cannot take from its sharded parameters, and a rank runs the version forward only for the stale "
+        "versions it holds, while on a sharded model every forward is a collective that all ranks must join (a "
+        "hang when only some ranks hold stale rows). Use DDP or DeepSpeed ZeRO-1/2, or unset policy_lag_split "
+        "(the rollout_corr/* diagnostics and the correction itself work on sharded backends)."
+    )

@@ -47,7 +47,8 @@ class SupportMatching(Feature):
     Raises:
         ValueError: matching requested where it cannot be delivered (each message names the fix): a
             ``rollout_func`` that declares no sampler, replay on a path that cannot return kept-token sets, a
-            processor the trainer cannot reproduce, a model whose LM head rescales its logits, ZeRO-3/FSDP.
+            processor the trainer cannot reproduce, a model whose LM head rescales its logits, DeepSpeed ZeRO-3 or
+            FSDP1 (FSDP2 is supported).
         RuntimeError: (generation) matching on and ``generate`` applied other processors than the contract's.
     """
 
@@ -262,7 +263,9 @@ def check_deliverable(trainer, spec: Optional[support.SamplerSpec], matching: st
     if transforms:
         fail(f"the model's LM head rescales its logits ({', '.join(transforms)}), which support matching does "
              "not reproduce; set rollout_support_matching='off'.")
-    ds = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    if trainer.is_fsdp_enabled or (ds is not None and getattr(ds, "zero_stage", 0) == 3):
-        fail("the support computation reads the full LM head outside the model's forward, which ZeRO-3 / FSDP "
-             "shard; use DDP or ZeRO-1/2, or rollout_support_matching='off'.")
+    backend = trl_compat.sharded_backend(trainer.accelerator)
+    if backend in ("DeepSpeed ZeRO-3", "FSDP1"):
+        fail(f"the support computation reads the LM head's weight in a hook on the backbone, outside the head's "
+             f"own forward, and saves it for the backward; {backend} holds only this rank's shard of it there "
+             "(an empty tensor by the backward). Use FSDP2 (fsdp_version: 2, where the hook sees the whole "
+             "weight: tested to match 1 rank), DDP or ZeRO-1/2, or rollout_support_matching='off'.")
