@@ -629,3 +629,46 @@ def skip_fused_lm_head() -> Iterator[None]:
         yield
     finally:
         _trl_utils._ChunkedLogProbFunction = trl_head
+
+
+# ------------------------------------------------------------------------------- asynchronous generation (issue 45)
+def generate_every(args: Any, num_iterations: int) -> int:
+    """Micro-steps between two generations in training: TRL 1.16's ``_prepare_inputs`` regenerates when ``_step %
+    (steps_per_generation * num_iterations) == 0``; its ``RepeatSampler`` yields each generation batch that many
+    times in a row (``repeat_count``), one dataloader item per micro-step."""
+    return int(args.steps_per_generation) * int(num_iterations)
+
+
+def first_optimizer_step(batch: int, every: int, gradient_accumulation_steps: int) -> int:
+    """The optimizer step (``state.global_step``) during which TRL generates generation batch ``batch``: its first
+    micro-step is ``batch * every`` and ``global_step`` advances every ``gradient_accumulation_steps`` micro-steps."""
+    return (int(batch) * int(every)) // int(gradient_accumulation_steps)
+
+
+def micro_step(trainer: Any) -> int:
+    """TRL's micro-step counter ``GRPOTrainer._step`` (incremented in ``training_step``)."""
+    return trainer._step
+
+
+def generation_prompt_ids(trainer: Any, items: list) -> list:
+    """The prompt token ids TRL 1.16 generates for a generation batch's dataloader items:
+    ``_generate_and_score_completions`` takes ``[x["prompt"] for x in inputs]`` and ``_generate`` tokenises a deep
+    copy with ``_tokenize_prompts`` (no rollout_func, no environments). Returns one list of ints per row."""
+    prompts = copy.deepcopy([x["prompt"] for x in items])
+    prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
+    return [list(ids) for ids in prompt_ids]
+
+
+def truncating_sampler_settings(config: Any) -> list[str]:
+    """The settings of a resolved ``GenerationConfig`` under which sampling is not ``softmax(logits /
+    temperature)`` of the full vocabulary (greedy, top-k, top-p, min-p, typical, repetition penalty), as
+    ``name=value``."""
+    out = []
+    if not config.do_sample or (config.num_beams or 1) > 1:
+        out.append(f"do_sample={config.do_sample}, num_beams={config.num_beams}")
+    for name, neutral in (("top_k", (None, 0)), ("top_p", (None, 1.0)), ("min_p", (None, 0.0)),
+                          ("typical_p", (None, 1.0)), ("repetition_penalty", (None, 1.0))):
+        value = getattr(config, name, None)
+        if value not in neutral:
+            out.append(f"{name}={value!r}")
+    return out
