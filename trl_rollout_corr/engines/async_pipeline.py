@@ -48,6 +48,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncRolloutPipeline", "BatchResult", "EngineError", "TransformersProcessEngine", "request_seed"]
 
 
+# The child's start-up (a fresh interpreter importing torch and transformers, then the model) may take longer than
+# one request; it gets at least this long (seconds).
+STARTUP_TIMEOUT_S = 300.0
+
+
 def request_seed(seed: int, batch: int, row: int) -> int:
     """The sampling seed of row ``row`` of generation batch ``batch`` in a run seeded ``seed``: NumPy's
     ``SeedSequence([seed, batch, row])`` (well mixed, platform independent), an int in [0, 2**63).
@@ -178,7 +183,8 @@ class TransformersProcessEngine:
         max_tokens: completion tokens per row at most.
         eos_token_ids: ids that end a completion (kept in it).
         threads: torch threads of the child.
-        timeout_s: seconds any request may take (a load, a batch, the start-up) before the engine counts as hung.
+        timeout_s: seconds one request (a load, a batch) may take before the engine counts as hung; the start-up
+            gets at least ``STARTUP_TIMEOUT_S``.
         log_path: the child's log file (its last lines go into every ``EngineError``).
 
     Raises:
@@ -198,6 +204,7 @@ class TransformersProcessEngine:
         self.log_path = str(log_path)
         self.process = None
         self._conn = None
+        self._hung = False
 
     @property
     def pid(self) -> Optional[int]:
@@ -218,7 +225,7 @@ class TransformersProcessEngine:
                                             env=env)
         theirs.close()
         self._conn = Connection(ours.detach())
-        self._answer("start-up")
+        self._answer("start-up", max(self.timeout_s, STARTUP_TIMEOUT_S))
 
     def load(self, version: int, state: dict) -> None:
         """Load ``state`` (name -> tensor, the policy's ``state_dict`` keys) as ``version``."""
@@ -238,20 +245,27 @@ class TransformersProcessEngine:
                               f"{self.process.poll()}).\n{self.log_tail()}") from err
         return self._answer(what)
 
-    def _answer(self, what: str):
-        deadline = time.monotonic() + self.timeout_s
+    def _answer(self, what: str, timeout_s: Optional[float] = None):
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         while not self._conn.poll(0.05):
             if self.process.poll() is not None:
                 raise EngineError(f"the rollout engine (pid {self.pid}) died (exit code {self.process.returncode}) "
                                   f"during its {what}.\n{self.log_tail()}")
             if time.monotonic() > deadline:
+                self._hung = True  # close kills it at once
                 raise EngineError(f"the rollout engine (pid {self.pid}) did not answer its {what} within "
-                                  f"{self.timeout_s:g} s (hung?); raise rollout_async_timeout_s if it is only "
+                                  f"{timeout_s:g} s (hung?); raise rollout_async_timeout_s if it is only "
                                   f"slow.\n{self.log_tail()}")
         try:
             status, value = _recv(self._conn)
         except (EOFError, OSError) as err:
-            raise EngineError(f"the rollout engine (pid {self.pid}) closed its pipe during its {what}.\n"
+            try:
+                code = self.process.wait(1.0)
+            except subprocess.TimeoutExpired:
+                code = None
+            state = "closed its socket" if code is None else f"died (exit code {code})"
+            raise EngineError(f"the rollout engine (pid {self.pid}) {state} during its {what}.\n"
                               f"{self.log_tail()}") from err
         if status == "error":
             raise EngineError(f"the rollout engine failed its {what}:\n{value}\n{self.log_tail()}")
@@ -266,7 +280,8 @@ class TransformersProcessEngine:
         return f"engine log {self.log_path}, last lines:\n" + "\n".join(f"  {line}" for line in text)
 
     def close(self, grace_s: float = 5.0) -> None:
-        """Ask the child to exit; terminate, then kill it if it has not within ``grace_s``. Idempotent."""
+        """Ask the child to exit; terminate, then kill it if it has not within ``grace_s`` (a hung child: killed at
+        once). Idempotent."""
         process, self.process = self.process, None
         if process is None:
             return
@@ -275,7 +290,7 @@ class TransformersProcessEngine:
                 _send(self._conn, ("close",))
         except OSError:
             pass
-        for stop in (None, process.terminate, process.kill):
+        for stop in ((process.kill,) if self._hung else (None, process.terminate, process.kill)):
             if stop is not None:
                 stop()
             try:
