@@ -611,3 +611,20 @@ def check_server_dtype(trainer, rollout_dtype: str) -> None:
     if served != rollout_dtype:
         raise ValueError(f"The vLLM server at {client.base_url} serves {served}, but rollout_dtype={rollout_dtype!r}: "
                          f"set --rollout_dtype {served} (or restart the server with --dtype {rollout_dtype}).")
+
+
+class ServerChat:
+    """``greedy_accuracy``'s ``llm`` for TRL's vLLM server: ``chat(conversations, params)`` through TRL's
+    ``VLLMClient.chat`` (the server renders the chat template, as ``LLM.chat``), completions detokenized here with
+    the model's tokenizer (special tokens skipped, as vLLM's ``text``)."""
+
+    def __init__(self, client: Any, tokenizer: Any):
+        self.client, self.tokenizer = client, tokenizer
+
+    def chat(self, conversations: list, params: Any, use_tqdm: bool = False) -> list:
+        from types import SimpleNamespace
+
+        out = self.client.chat(conversations, n=1, temperature=params.temperature, max_tokens=params.max_tokens,
+                               logprobs=None)
+        return [SimpleNamespace(outputs=[SimpleNamespace(text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                                                         token_ids=ids)]) for ids in out["completion_ids"]]

@@ -137,7 +137,8 @@ def run(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mode
     ``trainer_cls`` lets a benchmark swap in a ``RolloutCorrGRPOTrainer`` subclass.
 
     Returns:
-        ``results``: ``engine``, ``correction``, ``train`` and, with the vllm_cpu engine and ``eval_size > 0``,
+        ``results``: ``engine``, ``correction``, ``train`` and, with the vllm_cpu engine or TRL's vLLM server and
+        ``eval_size > 0``,
         ``before`` / ``after`` / ``improvement`` (what ``results.json`` holds).
 
     Raises:
@@ -188,9 +189,19 @@ def run(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mode
     engine.update(engine_extra or {})
 
     results: dict = {"engine": engine, "correction": ru.rollout_correction_record(training_args)}
-    if rollout is not None and script_args.eval_size > 0:
+    server_eval = None  # TRL's vLLM server: the same greedy evaluation, through the server (ru.ServerChat)
+    if training_args.use_vllm and training_args.vllm_mode == "server" and script_args.eval_size > 0:
+        from transformers import AutoTokenizer
+        from trl.generation.vllm_client import VLLMClient
+
+        base_url = training_args.vllm_server_base_url or (f"http://{training_args.vllm_server_host}:"
+                                                          f"{training_args.vllm_server_port}")
+        client = VLLMClient(base_url=base_url, connection_timeout=training_args.vllm_server_timeout)
+        server_eval = ru.ServerChat(client, AutoTokenizer.from_pretrained(model_path))
+    if (rollout is not None or server_eval is not None) and script_args.eval_size > 0:
         say("eval", f"greedy accuracy before training on {held_out.size} held-out problems")
-        results["before"] = ru.greedy_accuracy(rollout.llm, held_out, script_args.eval_max_tokens).to_dict()
+        results["before"] = ru.greedy_accuracy(rollout.llm if rollout is not None else server_eval, held_out,
+                                               script_args.eval_max_tokens).to_dict()
         say("eval", f"before: {results['before']['accuracy']:.3f} ({results['before']['correct']}/{held_out.size})")
 
     # As TRL's grpo.py: the trainer loads the model (model_init_kwargs), with the quantization and PEFT configs.
@@ -247,10 +258,14 @@ def run(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mode
         results["train"].update(vllm_generate_s=rollout.generate_seconds, vllm_sync_s=rollout.sync_seconds,
                                 vllm_syncs=rollout.num_syncs, vllm_async_wait_s=rollout.wait_seconds)
 
-    if rollout is not None and script_args.eval_size > 0:
-        rollout.sync_from(trainer)  # the trained weights, evaluated by the same engine as "before"
+    if (rollout is not None or server_eval is not None) and script_args.eval_size > 0:
+        if rollout is not None:
+            rollout.sync_from(trainer)  # the trained weights, evaluated by the same engine as "before"
+        else:
+            trainer.vllm_generation.sync_weights()  # the last step's update (TRL syncs before generating only)
         say("eval", f"greedy accuracy after training on {held_out.size} held-out problems")
-        results["after"] = ru.greedy_accuracy(rollout.llm, held_out, script_args.eval_max_tokens).to_dict()
+        results["after"] = ru.greedy_accuracy(rollout.llm if rollout is not None else server_eval, held_out,
+                                              script_args.eval_max_tokens).to_dict()
         results["improvement"] = ru.paired_difference(results["before"]["scores"], results["after"]["scores"])
         improvement = results["improvement"]
         say("eval", f"after: {results['after']['accuracy']:.3f} ({results['after']['correct']}/{held_out.size}); "

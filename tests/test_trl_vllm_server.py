@@ -143,6 +143,20 @@ def test_sync_makes_the_engine_score_like_the_trainer_and_mu_is_processed(client
     assert (mu - raw).abs().max().item() > 0.01
 
 
+def test_a_failed_sync_names_backend_and_versions_and_the_server_recovers(client):
+    """A tensor the model does not have: the server refuses it (vLLM's load_weights), drains the broadcast, leaves
+    its reload; the trainer's error names the backend and both sides' versions; a full sync afterwards restores the
+    engine exactly."""
+    import torch
+
+    with pytest.raises(RuntimeError, match=r"weight sync failed(.|\n)*trl_rollout_corr_gloo(.|\n)*trainer \{"):
+        client.update_named_params([("model.no_such_layer.weight", "float32", [4, 4])],
+                                   iter([("model.no_such_layer.weight", torch.ones(4, 4))]))
+    base = _load_model()
+    _sync(client, base)
+    assert _max_gap(client, base, 1.0) < FLOAT32_NOISE
+
+
 def test_sync_refuses_mismatched_metadata_before_sending(client):
     import torch
 
@@ -153,12 +167,19 @@ def test_sync_refuses_mismatched_metadata_before_sending(client):
         send_tensors(client.communicator, [("a", "float32", [2])], [("a", torch.zeros(3))])
 
 
-@pytest.mark.parametrize("preset", ["decoupled_token_is", "bypass_ppo_clip"])
-def test_trainer_trains_two_steps_in_server_mode(server, tmp_path, preset):
+FEATURES = dict(policy_lag_split=True, rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01, rollout_rs_on="engine",
+                max_policy_lag=1, rollout_support_matching="recompute", top_p=0.9)
+
+
+@pytest.mark.parametrize("preset,extra", [("decoupled_token_is", {}), ("bypass_ppo_clip", {}),
+                                          ("decoupled_token_is", FEATURES)], ids=["decoupled", "bypass", "features"])
+def test_trainer_trains_two_steps_in_server_mode(server, tmp_path, preset, extra):
     """RolloutCorrGRPOTrainer(use_vllm=True, vllm_mode="server") against the real server: 2 steps, one sync per
-    step through TRL's VLLMGeneration.sync_weights (gloo), mu of every row = the trainer's log-probs of the weights
-    of the step that generated it (float32 noise), rollout_policy_version = that step, rollout_corr/* at the
-    float32-engine size."""
+    step through TRL's VLLMGeneration.sync_weights (gloo), rollout_policy_version = the step that generated each row,
+    rollout_corr/* at the float32-engine size. Without top-p every row's mu equals the trainer's log-probs of that
+    step's weights (float32 noise, an independent forward); "features" adds policy_lag_split, RS on the engine
+    factor, max_policy_lag, rollout records and support matching (recompute, top_p 0.9: the trainer's log-probs
+    renormalised on the engine's top-p set, so kl stays at float32 noise only if the recompute matches vLLM's)."""
     import torch
     from datasets import Dataset
 
@@ -176,7 +197,7 @@ def test_trainer_trains_two_steps_in_server_mode(server, tmp_path, preset):
                 p = out["prompt_ids"][r][out["prompt_mask"][r].bool()].tolist()
                 keep = out["completion_mask"][r].bool()
                 c = out["completion_ids"][r][keep].tolist()
-                if c:
+                if c and "top_p" not in extra:
                     pi = _trainer_log_probs(model, p, c, self.args.temperature)
                     gap = max(gap, (out["rollout_log_probs"][r][keep].float() - pi).abs().max().item())
             checks.append((self.state.global_step, out["rollout_policy_version"].tolist(), gap))
@@ -190,6 +211,7 @@ def test_trainer_trains_two_steps_in_server_mode(server, tmp_path, preset):
         max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=16,
         temperature=0.7, learning_rate=1e-5, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
         save_strategy="no", beta=0.0, seed=0, disable_tqdm=True,
+        rollout_dump_dir=str(tmp_path / "dump") if extra else None, **extra,
     )
     def reward(completions, **kwargs):
         return [float(len(c)) for c in completions]
@@ -217,6 +239,13 @@ def test_trainer_trains_two_steps_in_server_mode(server, tmp_path, preset):
             assert abs(h["rollout_corr/kl"]) < 1e-4 and 0 <= h["rollout_corr/k3_kl"] < 1e-6
             if "rollout_corr/rollout_is_eff_sample_size" in h:
                 assert 0.999 < h["rollout_corr/rollout_is_eff_sample_size"] <= 1.0
+            if extra:
+                assert h["rollout_corr/policy_lag_max"] == 0 and h["rollout_corr/policy_lag_dropped_fraction"] == 0
+        if extra:
+            from trl_rollout_corr.records import open_dump
+
+            table = open_dump(tmp_path / "dump").read_table()
+            assert sorted(set(zip(table["step"].to_pylist(), table["policy_version"].to_pylist()))) == [(0, 0), (1, 1)]
         # the last step's update is not on the server yet; one more sync makes it so
         trainer.vllm_generation.sync_weights()
         client = trainer.vllm_generation.vllm_client

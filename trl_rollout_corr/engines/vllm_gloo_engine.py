@@ -141,19 +141,36 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         if self.channel is None:
             raise RuntimeError(f"{BACKEND}: weight sync not initialized; call init_weight_transfer_engine first.")
         tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
+        chunks = receive_tensors(
+            self.channel, update_info.names, update_info.dtype_names, update_info.shapes, self.chunk_bytes
+        )
         try:
             with torch.no_grad():
-                for chunk in receive_tensors(
-                    self.channel, update_info.names, update_info.dtype_names, update_info.shapes, self.chunk_bytes
-                ):
+                for chunk in chunks:
                     weights = [(name, t) for name, t in chunk if not (tied and name == TIED_HEAD)]
                     if weights:
                         self.model.load_weights(weights)
         except Exception as exc:
-            raise RuntimeError(f"weight sync failed ({type(exc).__name__}: {exc}); {self._context()}") from exc
+            # The trainer is still broadcasting the rest: receive it (nothing is loaded) so that it does not wait
+            # for the gloo timeout, then leave vLLM's reload so that the server keeps serving.
+            for _ in chunks:
+                pass
+            self._abort_reload()
+            raise RuntimeError(
+                f"weight sync failed ({type(exc).__name__}: {exc}); the server's weights may be partly updated: "
+                f"sync again or restart the server; {self._context()}"
+            ) from exc
 
     def finish_weight_update(self) -> None:
         """Finish the layer-by-layer reload, then re-pack a tied LM head (see the module docstring)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        repack_tied_head(self.model, self.model_config)
+
+    def _abort_reload(self) -> None:
+        """After a failed update: finish vLLM's layerwise reload (layers that received nothing get their tensors
+        back) and re-pack a tied head; the worker then ends the update (``_weight_update_active = False``)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
