@@ -138,8 +138,7 @@ def run(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mode
 
     Returns:
         ``results``: ``engine``, ``correction``, ``train`` and, with the vllm_cpu engine or TRL's vLLM server and
-        ``eval_size > 0``,
-        ``before`` / ``after`` / ``improvement`` (what ``results.json`` holds).
+        ``eval_size > 0``, ``before`` / ``after`` / ``improvement`` (what ``results.json`` holds).
 
     Raises:
         ValueError: a flag the recipe cannot honour (``grpo_recipe_utils.check_flags``), or from the trainer.
