@@ -110,6 +110,7 @@ def one_run(args) -> None:
 
     spec = importlib.util.spec_from_file_location("grpo_rollout_corr_bench", ROOT / "recipes" / "grpo_rollout_corr.py")
     recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe  # dataclasses resolve the module by name
     spec.loader.exec_module(recipe)
     flags = ["--config", str(CONFIG), "--model_name_or_path", MODEL, "--output_dir", args.output_dir,
              "--max_steps", str(args.steps), "--eval_size", "0", "--torch_threads", "1", "--report_to", "none",
