@@ -27,7 +27,9 @@ DEMO_ARGS ?=
 VLLM_SERVE_DTYPE ?= bfloat16
 VLLM_SERVE_PORT ?= 8000
 
-.PHONY: demo demo-install demo-model test-vllm vllm-serve
+DEMO_SERVER_ARGS := --rollout_engine trl_vllm --use_vllm true --vllm_mode server --vllm_server_start true
+
+.PHONY: demo demo-install demo-model demo-server test-vllm vllm-serve
 
 $(VLLM_VENV)/.installed: pyproject.toml mk/demo.mk $(CONSTRAINTS)
 	@echo ">>> [install 1/5] venv $(VLLM_VENV)"
@@ -55,6 +57,12 @@ demo: demo-model
 	@echo ">>> [demo] $(DEMO_CONFIG) -> $(DEMO_OUT)"
 	$(VLLM_PY) recipes/grpo_rollout_corr.py --config $(DEMO_CONFIG) --model_name_or_path $(SMOLLM2_DIR) --output_dir $(DEMO_OUT) $(DEMO_ARGS)
 	@$(VLLM_PY) recipes/print_run_summary.py $(DEMO_OUT)
+
+## The main job on TRL's server path: the recipe starts `trl-rollout-corr vllm-serve` (bf16, 127.0.0.1, free port)
+## as a subprocess, trains through TRL's use_vllm server mode (gloo weight sync), evaluates before/after through
+## the server, and stops it (also on an error). Output in $(DEMO_OUT)-server.
+demo-server: demo-model
+	$(MAKE) demo DEMO_OUT=$(DEMO_OUT)-server DEMO_ARGS="$(DEMO_SERVER_ARGS) $(DEMO_ARGS)"
 
 ## TRL's vLLM server for the main job's model (foreground; Ctrl-C stops it): `trl-rollout-corr vllm-serve`, i.e.
 ## `trl vllm-serve` with the CPU weight sync (gloo), eager, on 127.0.0.1:$(VLLM_SERVE_PORT). Train against it with
