@@ -24,7 +24,12 @@ DEMO_CONFIG ?= recipes/configs/cpu_smollm2_decoupled.yaml
 DEMO_OUT ?= outputs/demo
 DEMO_ARGS ?=
 
-.PHONY: demo demo-install demo-model test-vllm
+VLLM_SERVE_DTYPE ?= bfloat16
+VLLM_SERVE_PORT ?= 8000
+
+DEMO_SERVER_ARGS := --rollout_engine trl_vllm --use_vllm true --vllm_mode server --vllm_server_start true
+
+.PHONY: demo demo-install demo-model demo-server test-vllm vllm-serve
 
 $(VLLM_VENV)/.installed: pyproject.toml mk/demo.mk $(CONSTRAINTS)
 	@echo ">>> [install 1/5] venv $(VLLM_VENV)"
@@ -53,8 +58,22 @@ demo: demo-model
 	$(VLLM_PY) recipes/grpo_rollout_corr.py --config $(DEMO_CONFIG) --model_name_or_path $(SMOLLM2_DIR) --output_dir $(DEMO_OUT) $(DEMO_ARGS)
 	@$(VLLM_PY) recipes/print_run_summary.py $(DEMO_OUT)
 
+## The main job on TRL's server path: the recipe starts `trl-rollout-corr vllm-serve` (bf16, 127.0.0.1, free port)
+## as a subprocess, trains through TRL's use_vllm server mode (gloo weight sync), evaluates before/after through
+## the server, and stops it (also on an error). Output in $(DEMO_OUT)-server.
+demo-server: demo-model
+	$(MAKE) demo DEMO_OUT=$(DEMO_OUT)-server DEMO_ARGS="$(DEMO_SERVER_ARGS) $(DEMO_ARGS)"
+
+## TRL's vLLM server for the main job's model (foreground; Ctrl-C stops it): `trl-rollout-corr vllm-serve`, i.e.
+## `trl vllm-serve` with the CPU weight sync (gloo), eager, on 127.0.0.1:$(VLLM_SERVE_PORT). Train against it with
+## the recipe's --rollout_engine trl_vllm --use_vllm --vllm_mode server (or let the recipe start its own server:
+## --vllm_server_start).
+vllm-serve: demo-model
+	$(VLLM_VENV)/bin/trl-rollout-corr vllm-serve --model $(SMOLLM2_DIR) --dtype $(VLLM_SERVE_DTYPE) \
+		--host 127.0.0.1 --port $(VLLM_SERVE_PORT) --max_model_len 512
+
 ## Tests that need real vLLM CPU, reasoning-gym and the converted model: tests/test_vllm_cpu.py, the end-to-end
 ## tests/test_e2e_vllm_cpu.py (2 real training steps of the main job) and tests/test_recipe.py with reasoning-gym.
 ## About 4 minutes on 2 cores (plus the install and conversion above when not done yet).
 test-vllm: demo-model
-	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) tests/test_vllm_cpu.py tests/test_e2e_vllm_cpu.py tests/test_recipe.py tests/test_support_vllm.py
+	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) tests/test_vllm_cpu.py tests/test_e2e_vllm_cpu.py tests/test_recipe.py tests/test_support_vllm.py tests/test_trl_vllm_server.py

@@ -559,7 +559,8 @@ def engine_record(rollout_engine: str, rollout_dtype: str, model_path: str, *, v
             ``"trl_vllm"`` (TRL's own vLLM path) or ``"transformers"`` (TRL's ``generate`` path).
         rollout_dtype: the requested rollout dtype, ``"bfloat16"`` or ``"float32"``.
         model_path: the checkpoint folder (read for its dtype with ``trl_vllm``).
-        vllm_mode: TRL's ``vllm_mode`` (``"colocate"`` or ``"server"``), recorded with ``trl_vllm``.
+        vllm_mode: TRL's ``vllm_mode`` (``"colocate"`` or ``"server"``), recorded with ``trl_vllm``; in server mode
+            ``rollout_dtype`` is the server's ``--dtype`` (``check_server_dtype`` compares it with the server).
         bf16: the trainer's ``bf16`` flag (``transformers`` generates under the trainer's autocast).
 
     Returns:
@@ -577,6 +578,10 @@ def engine_record(rollout_engine: str, rollout_dtype: str, model_path: str, *, v
 
         config = AutoConfig.from_pretrained(model_path)
         checkpoint = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)).removeprefix("torch.")
+        if vllm_mode == "server":  # the server's --dtype; checked against the server (check_server_dtype)
+            return {"rollout_engine": "trl_vllm_server", "rollout_dtype": rollout_dtype,
+                    "rollout_logprobs_mode": "processed_logprobs",
+                    "rollout_weight_sync": "TRL VLLMGeneration.sync_weights (CPU: trl_rollout_corr_gloo)"}
         if checkpoint != rollout_dtype:
             raise ValueError(
                 f"TRL's vLLM path loads the checkpoint with dtype='auto' = {checkpoint}, but rollout_dtype="
@@ -590,3 +595,36 @@ def engine_record(rollout_engine: str, rollout_dtype: str, model_path: str, *, v
                 "rollout_dtype": "bfloat16 (autocast)" if bf16 else "trainer dtype",
                 "rollout_logprobs_mode": "processed scores (after logits processors)"}
     raise ValueError(f"Unknown rollout_engine {rollout_engine!r}: use vllm_cpu, trl_vllm or transformers.")
+
+
+def check_server_dtype(trainer, rollout_dtype: str) -> None:
+    """Refuse a run whose TRL vLLM server serves another dtype than ``rollout_dtype`` (what the run records).
+
+    Raises:
+        ValueError: naming both dtypes and the flag.
+    """
+    vllm = getattr(trainer, "vllm_generation", None)
+    client = getattr(vllm, "vllm_client", None)
+    if client is None:  # not the main process, or not server mode
+        return
+    served = str(client.get_server_info()["model_config"]["dtype"]).removeprefix("torch.")
+    if served != rollout_dtype:
+        raise ValueError(f"The vLLM server at {client.base_url} serves {served}, but rollout_dtype={rollout_dtype!r}: "
+                         f"set --rollout_dtype {served} (or restart the server with --dtype {rollout_dtype}).")
+
+
+class ServerChat:
+    """``greedy_accuracy``'s ``llm`` for TRL's vLLM server: ``chat(conversations, params)`` through TRL's
+    ``VLLMClient.chat`` (the server renders the chat template, as ``LLM.chat``), completions detokenized here with
+    the model's tokenizer (special tokens skipped, as vLLM's ``text``)."""
+
+    def __init__(self, client: Any, tokenizer: Any):
+        self.client, self.tokenizer = client, tokenizer
+
+    def chat(self, conversations: list, params: Any, use_tqdm: bool = False) -> list:
+        from types import SimpleNamespace
+
+        out = self.client.chat(conversations, n=1, temperature=params.temperature, max_tokens=params.max_tokens,
+                               logprobs=None)
+        return [SimpleNamespace(outputs=[SimpleNamespace(text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                                                         token_ids=ids)]) for ids in out["completion_ids"]]

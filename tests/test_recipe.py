@@ -216,3 +216,30 @@ def test_accelerate_configs_are_valid(config):
     if "deepspeed" in config.name:
         assert cfg.distributed_type.value == "DEEPSPEED"
         assert cfg.deepspeed_config["zero_stage"] in (2, 3)
+
+
+def test_vllm_server_start_needs_the_server_path_and_the_server_dtype_is_checked(tmp_path):
+    """--vllm_server_start is refused outside --rollout_engine trl_vllm --use_vllm --vllm_mode server (before anything
+    starts); in server mode the engine record takes the server's --dtype, and a server serving another dtype than
+    --rollout_dtype is refused by name."""
+    config = ROOT / "recipes" / "configs" / "cpu_smollm2_decoupled.yaml"
+    script_args, training_args, model_args = _parse(config, "--vllm_server_start", "true", "--output_dir",
+                                                    str(tmp_path))
+    with pytest.raises(ValueError, match="--rollout_engine trl_vllm --use_vllm --vllm_mode server"):
+        _recipe().main(script_args, training_args, model_args)
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32", "model_type": "llama"}))
+    record = ru.engine_record("trl_vllm", "bfloat16", str(tmp_path), vllm_mode="server")
+    assert record["rollout_engine"] == "trl_vllm_server" and record["rollout_dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="dtype='auto' = float32"):
+        ru.engine_record("trl_vllm", "bfloat16", str(tmp_path), vllm_mode="colocate")
+
+    class Client:
+        base_url = "http://127.0.0.1:1"
+
+        def get_server_info(self):
+            return {"model_config": {"dtype": "torch.float32"}}
+
+    trainer = SimpleNamespace(vllm_generation=SimpleNamespace(vllm_client=Client()))
+    ru.check_server_dtype(trainer, "float32")
+    with pytest.raises(ValueError, match="serves float32, but rollout_dtype='bfloat16'"):
+        ru.check_server_dtype(trainer, "bfloat16")

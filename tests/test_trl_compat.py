@@ -698,3 +698,44 @@ def test_skip_fused_lm_head_runs_the_backbone_only_and_support_entropy_is_trls(l
     torch.testing.assert_close(score.entropy[trained], trl_out.entropy[:, -T:][trained], atol=1e-5, rtol=0)
     assert torch.all(score.entropy[~trained] == 0)
     torch.testing.assert_close(hidden[0], model.model(input_ids=ids, attention_mask=attn).last_hidden_state)
+
+
+def test_trl_coupling_vllm_client_cpu_weight_sync_hook():
+    """What ``trl_compat.install_vllm_client_cpu_weight_sync`` relies on in TRL 1.16's ``VLLMClient`` /
+    ``VLLMGeneration`` and ``trl vllm-serve`` (``engines/vllm_serve.server_command``)."""
+    from trl.generation import vllm_client, vllm_generation
+    from trl.scripts import vllm_serve
+
+    cls = vllm_client.VLLMClient
+    trl_methods = getattr(cls, "_trl_rollout_corr_trl_methods", None) or {
+        name: getattr(cls, name) for name in trl_compat.VLLM_CLIENT_HOOKED}
+    sig = {name: list(inspect.signature(fn).parameters) for name, fn in trl_methods.items()}
+    assert sig == {"init_communicator": ["self", "device"], "close_communicator": ["self"],
+                   "update_named_params": ["self", "metadata", "named_params"]}
+    assert inspect.signature(trl_methods["init_communicator"]).parameters["device"].default == 0
+    src_init = inspect.getsource(trl_methods["init_communicator"])
+    # the path the hook replaces is the one TRL refuses: a non-CUDA device
+    assert 'if device.type != "cuda":' in src_init and "raise NotImplementedError" in src_init
+    assert 'self.get_server_info()["weight_transfer_config"]' in src_init and "self.communicator = " in src_init
+    assert '"master_port": self.group_port' in src_init and "self.get_world_size() + 1" in src_init
+    src_update = inspect.getsource(trl_methods["update_named_params"])
+    for line in ("if not self._updating_weights:", "self._start_weight_update()", "self._finish_weight_update()",
+                 'f"{self.base_url}/update_weights", json={"update_info": update_info}',
+                 'update_info = {"names": names, "dtype_names": dtype_names, "shapes": shapes}'):
+        assert line in src_update, line
+    assert "self.communicator = None" in inspect.getsource(trl_methods["close_communicator"])
+    src_client_init = inspect.getsource(cls.__init__)
+    assert "self.group_port = group_port" in src_client_init and "self._updating_weights = False" in src_client_init
+    assert "self._updating_weights = True" in inspect.getsource(cls.weight_update)
+    for name in ("_post", "_get", "_start_weight_update", "_finish_weight_update", "get_world_size",
+                 "reset_prefix_cache"):
+        assert callable(getattr(cls, name)), name
+    # the trainer's calls
+    gen = vllm_generation.VLLMGeneration
+    assert "self.vllm_client.init_communicator(device=accelerator.device)" in inspect.getsource(gen._init_vllm)
+    assert ("self.vllm_client.update_named_params(self._weight_metadata, self._iter_named_params())"
+            in inspect.getsource(gen.sync_weights))
+    # trl vllm-serve: the entry point and the backend the CPU command replaces
+    src_build = inspect.getsource(vllm_serve.build_command)
+    assert '"vllm.entrypoints.cli.main"' in src_build and 'json.dumps({"backend": "nccl"})' in src_build
+    assert 'env["VLLM_SERVER_DEV_MODE"] = "1"' in inspect.getsource(vllm_serve.main)

