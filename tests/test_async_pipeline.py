@@ -90,8 +90,8 @@ def test_trl_pins_for_async():
 def test_config_refusals(make_args, tmp_path):
     with pytest.raises(ValueError, match="rollout_async_depth must be an int >= 0"):
         make_args(tmp_path, rollout_async_depth=-1)
-    with pytest.raises(ValueError, match="use_vllm=True"):
-        make_args(tmp_path, rollout_async_depth=1, use_vllm=True, vllm_mode="server")
+    with pytest.raises(ValueError, match="vllm_mode=.colocate."):
+        make_args(tmp_path, rollout_async_depth=1, use_vllm=True, vllm_mode="colocate")
     with pytest.raises(ValueError, match="rollout_async_timeout_s"):
         make_args(tmp_path, rollout_async_depth=1, rollout_async_timeout_s=0)
 

@@ -18,9 +18,11 @@ Per-step metrics (averaged by TRL's ``log``): ``rollout_async/trainer_wait_s`` (
 ``rollout_async/engine_idle_s`` (the engine waiting for the batch's weights), ``rollout_async/generate_s`` (the
 engine generating it), ``rollout_async/publish_s`` (the trainer copying weights), ``rollout_async/version``.
 
-Supported: one process, ``use_vllm=False`` (the engine is ``engines.async_pipeline.TransformersProcessEngine``, a
-child process sampling the temperature-scaled distribution), no tools / environments / ``rollout_func`` /
-images, no PEFT, no resume from a checkpoint; anything else is refused with the reason.
+Engines: ``use_vllm=False``: ``engines.async_pipeline.TransformersProcessEngine``, a child process sampling the
+temperature-scaled distribution; ``use_vllm=True, vllm_mode="server"``: TRL's vLLM server through TRL's client
+(``engines.async_vllm_server.VLLMServerEngine``). Supported: one process, no tools / environments /
+``rollout_func`` / images, no PEFT, no resume from a checkpoint, no evaluation in server mode; anything else is
+refused with the reason.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from transformers import TrainerCallback
 
 from . import trl_compat
 from .engines.async_pipeline import AsyncRolloutPipeline, TransformersProcessEngine, request_seed
+from .engines.async_vllm_server import VLLMServerEngine
 
 if TYPE_CHECKING:
     from .trainer import RolloutCorrGRPOTrainer
@@ -67,7 +70,10 @@ def check_async_trainer(trainer: "RolloutCorrGRPOTrainer") -> None:
         why = "PEFT adapters are not published to its engine"
     elif args.routing_replay != "off" or args.rollout_support_matching == "replay":
         why = "routing replay and support replay record inside the trainer's own generate"
-    else:
+    elif trainer.use_vllm and args.eval_strategy != "no":
+        why = ("evaluation would sync TRL's vLLM server from the trainer while the pipeline's worker owns it; "
+               "set eval_strategy='no'")
+    elif not trainer.use_vllm:
         config = trl_compat.resolved_generation_config(trainer.accelerator.unwrap_model(trainer.model),
                                                        trainer.generation_config)
         unsupported = trl_compat.truncating_sampler_settings(config)
@@ -135,8 +141,8 @@ class AsyncGeneration:
         depth: ``rollout_async_depth`` (d >= 1).
         generate_every: micro-steps per generation batch (TRL's ``steps_per_generation * num_iterations``).
         pipeline: the running ``AsyncRolloutPipeline`` (None outside ``train``).
-        engine_pid: the engine process's pid while it runs (tests).
-        log_path: the engine's log file.
+        engine_pid: the engine process's pid while it runs (tests; None for TRL's server, which is not ours).
+        log_path: the transformers engine's log file.
     """
 
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
@@ -179,14 +185,21 @@ class AsyncGeneration:
             raise ValueError(
                 f"rollout_async_depth={self.depth}: resuming at optimizer step {trainer.state.global_step} is not "
                 "supported (the pipeline's versions start at step 0); resume with rollout_async_depth=0.")
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        self._dir = tempfile.TemporaryDirectory(prefix="rollout_async_")
-        model.save_pretrained(self._dir.name)
         args = trainer.args
-        self.engine = TransformersProcessEngine(
-            self._dir.name, temperature=args.temperature, max_tokens=args.max_completion_length,
-            eos_token_ids=trainer.eos_token_ids, threads=args.rollout_async_engine_threads,
-            timeout_s=args.rollout_async_timeout_s, log_path=self.log_path)
+        if trainer.use_vllm:  # TRL's vLLM server, through TRL's client
+            vllm = trainer.vllm_generation
+            self.engine = VLLMServerEngine(
+                vllm.vllm_client, sampling=trl_compat.vllm_server_sampling(vllm),
+                param_name=lambda name: trl_compat.vllm_param_name(vllm, name),
+                timeout_s=args.rollout_async_timeout_s, log_path=args.rollout_async_server_log)
+        else:
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            self._dir = tempfile.TemporaryDirectory(prefix="rollout_async_")
+            model.save_pretrained(self._dir.name)
+            self.engine = TransformersProcessEngine(
+                self._dir.name, temperature=args.temperature, max_tokens=args.max_completion_length,
+                eos_token_ids=trainer.eos_token_ids, threads=args.rollout_async_engine_threads,
+                timeout_s=args.rollout_async_timeout_s, log_path=self.log_path)
         self.engine.start()
         self.pipeline = AsyncRolloutPipeline(self.engine, batch_version=self.batch_version,
                                              timeout_s=args.rollout_async_timeout_s)
@@ -217,9 +230,7 @@ class AsyncGeneration:
         if self.pipeline is None or not self.pipeline.needs(version):
             return
         started = time.perf_counter()
-        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        state = {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
-        self.pipeline.publish(version, state)
+        self.pipeline.publish(version, self.engine.snapshot(self.trainer.accelerator.unwrap_model(self.trainer.model)))
         self.trainer.trl_metric("rollout_async/publish_s", time.perf_counter() - started)
 
     def submit(self, items: list) -> None:

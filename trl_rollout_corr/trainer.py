@@ -206,13 +206,13 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """TRL's generation; on the plain ``transformers.generate`` path the features' ``plain_generate`` hooks run
         around it (``BehaviourLogProbs`` captures mu there). Returns ``(completion_ids, logprobs)``."""
+        if self.rollout_async is not None and self.model.training:  # generated ahead, by the engine's process
+            return self.rollout_async.take(prompt_ids)
         if self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
         gen = self._gen or GenerationBatch(started=time.time())  # outside a generation batch: nothing handed on
-        if self.rollout_async is not None and self.model.training:  # generated ahead, in the engine's process
-            return self.rollout_async.take(prompt_ids)
         call = PlainGenerate(self.accelerator.unwrap_model(self.model), prompt_ids)
         with self.rollout_corr_features.around("plain_generate", self, gen, call):
             call.completion_ids, call.log_probs = super()._generate_single_turn(

@@ -134,11 +134,15 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             batches (taken ahead from TRL's dataloader) while the trainer trains; the batch first trained at
             optimizer step s is generated with the weights of step ``max(0, s - d)`` exactly, and its rows carry that
             version (policy lag, ``max_policy_lag``). Logs ``rollout_async/{trainer_wait_s,engine_idle_s,
-            generate_s,publish_s,version}``. 0: synchronous (TRL's path, unchanged). Needs ``use_vllm=False`` and
-            one process; refused (with the reason) with tools, a ``rollout_func``, PEFT, truncating samplers,
-            routing replay or a resume.
+            generate_s,publish_s,version}``. 0: synchronous (TRL's path, unchanged). The engine: TRL's vLLM server
+            (``use_vllm=True, vllm_mode="server"``; one request per row with its own seed) or, with
+            ``use_vllm=False``, a transformers model in a child process. One process; refused (with the reason)
+            with colocate vLLM, tools, a ``rollout_func``, PEFT, truncating samplers on the transformers engine,
+            routing replay, evaluation in server mode or a resume.
         rollout_async_timeout_s (`float`, defaults to `600.0`):
             Seconds the asynchronous engine may take for one request before the run fails with its last log lines.
+        rollout_async_server_log (`str`, *optional*):
+            The vLLM server's log file (server mode), quoted in the error when the server fails.
         rollout_async_engine_threads (`int`, defaults to `1`):
             Torch threads of the asynchronous engine's process.
         policy_lag_split (`bool`, defaults to `False`):
@@ -240,14 +244,18 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         metadata={
             "help": "Asynchronous GRPO: an engine in its own process generates the next d generation batches while "
             "the trainer trains; the batch first trained at optimizer step s is generated with the weights of step "
-            "max(0, s - d) exactly. 0 (default): synchronous, TRL's own path. Needs use_vllm=False (the engine is "
-            "a transformers model in a child process)."
+            "max(0, s - d) exactly. 0 (default): synchronous, TRL's own path. The engine: TRL's vLLM server "
+            "(vllm_mode='server'), or with use_vllm=False a transformers model in a child process."
         },
     )
     rollout_async_timeout_s: float = field(
         default=600.0,
         metadata={"help": "Asynchronous GRPO: seconds the engine may take for one request (start-up, weight load, "
                   "generation batch) before the run fails naming its last log lines."},
+    )
+    rollout_async_server_log: Optional[str] = field(
+        default=None,
+        metadata={"help": "Asynchronous GRPO with TRL's vLLM server: the server's log file, quoted when it fails."},
     )
     rollout_async_engine_threads: int = field(
         default=1,
@@ -363,11 +371,12 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             _refuse(f"rollout_async_engine_threads must be an int >= 1, got {self.rollout_async_engine_threads!r}.")
         if not (isinstance(self.rollout_async_timeout_s, (int, float)) and self.rollout_async_timeout_s > 0):
             _refuse(f"rollout_async_timeout_s must be > 0 seconds, got {self.rollout_async_timeout_s!r}.")
-        if depth and self.use_vllm:
+        if depth and self.use_vllm and self.vllm_mode != "server":
             _refuse(
-                f"rollout_async_depth={depth} with use_vllm=True: the asynchronous pipeline's engine is a "
-                "transformers model in its own process (the vLLM server engine is not wired yet); set "
-                "use_vllm=False, or rollout_async_depth=0 (VLLMCPURollout(async_depth=d) emulates the staleness)."
+                f"rollout_async_depth={depth} with vllm_mode={self.vllm_mode!r}: the asynchronous engine runs in its "
+                "own process, TRL's vLLM server (vllm_mode='server') or, with use_vllm=False, a transformers model; "
+                "colocate vLLM shares the trainer's process. Use one of those, or rollout_async_depth=0 "
+                "(VLLMCPURollout(async_depth=d) emulates the staleness)."
             )
         if depth and self.rollout_generate_dtype is not None:
             _refuse(f"rollout_async_depth={depth}: its engine samples in float32; unset rollout_generate_dtype.")

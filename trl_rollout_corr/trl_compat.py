@@ -821,3 +821,21 @@ def truncating_sampler_settings(config: Any) -> list[str]:
         if value not in neutral:
             out.append(f"{name}={value!r}")
     return out
+
+
+def vllm_server_sampling(vllm_generation: Any) -> dict:
+    """The ``VLLMClient.generate`` keyword arguments (all but ``prompts``, ``features`` and ``n``) of TRL 1.16's
+    server-mode generation (``VLLMGeneration.generate``: ``repetition_penalty``, ``temperature``, ``top_p``,
+    ``top_k``, ``min_p`` (None -> 0.0), ``max_tokens=max_completion_length``, ``logprobs``,
+    ``structured_outputs_regex``, ``generation_kwargs``), read from TRL's ``trainer.vllm_generation``."""
+    g = vllm_generation
+    return {"repetition_penalty": g.repetition_penalty, "temperature": g.temperature, "top_p": g.top_p,
+            "top_k": g.top_k, "min_p": 0.0 if g.min_p is None else g.min_p, "max_tokens": g.max_completion_length,
+            "logprobs": g.logprobs, "structured_outputs_regex": g.structured_outputs_regex,
+            "generation_kwargs": dict(g.generation_kwargs or {})}
+
+
+def vllm_param_name(vllm_generation: Any, name: str) -> str:
+    """A policy parameter's name on TRL's vLLM server (``VLLMGeneration._fix_param_name_to_vllm``, no PEFT)."""
+    return vllm_generation._fix_param_name_to_vllm(name)
+

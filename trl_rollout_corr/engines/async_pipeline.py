@@ -227,6 +227,10 @@ class TransformersProcessEngine:
         self._conn = Connection(ours.detach())
         self._answer("start-up", max(self.timeout_s, STARTUP_TIMEOUT_S))
 
+    def snapshot(self, model: torch.nn.Module) -> dict:
+        """A CPU copy of the policy's ``state_dict`` (what ``load`` takes)."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
+
     def load(self, version: int, state: dict) -> None:
         """Load ``state`` (name -> tensor, the policy's ``state_dict`` keys) as ``version``."""
         self._call(("load", int(version), state), f"load of version {version}")
@@ -306,8 +310,9 @@ class AsyncRolloutPipeline:
     """The worker thread between the trainer and an engine (module docstring).
 
     Args:
-        engine: started, with ``load(version, state)``, ``generate(batch, prompts, seeds) -> (ids, log-probs,
-            version)``, ``log_tail()`` and ``close()``.
+        engine: started, with ``snapshot(model)``, ``load(version, state)``, ``generate(batch, prompts, seeds) ->
+            (ids, log-probs, version)``, ``log_tail()`` and ``close()`` (``TransformersProcessEngine``,
+            ``engines.async_vllm_server.VLLMServerEngine``).
         batch_version: generation batch index j -> the version it must be generated with.
         timeout_s: seconds ``take`` waits for a batch beyond the engine's own timeouts.
 
