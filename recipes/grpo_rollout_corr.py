@@ -10,10 +10,11 @@ GPU (TRL's own vLLM colocate path, scaled with accelerate / DeepSpeed):
     accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml \
         recipes/grpo_rollout_corr.py --config recipes/configs/gpu_qwen2.5-7b_decoupled_token_is.yaml
 
-Asynchronous GRPO (`--rollout_async_depth d`): with `--rollout_engine transformers` an engine process generates the
-next d generation batches while the trainer trains (the batch trained at step s comes from the weights of step
-s - d exactly; `rollout_async/*` metrics); with `--rollout_engine vllm_cpu` the in-process engine emulates the same
-staleness without the overlap.
+Asynchronous GRPO (`--rollout_async_depth d`): with `--rollout_engine trl_vllm --use_vllm --vllm_mode server
+--vllm_server_start` (or `--rollout_engine transformers`) an engine process, TRL's vLLM server (or a transformers
+model), generates the next d generation batches while the trainer trains (the batch trained at step s comes from the
+weights of step s - d exactly; `rollout_async/*` metrics); with `--rollout_engine vllm_cpu` the in-process engine
+emulates the same staleness without the overlap.
 
 Every RolloutCorrGRPOConfig / GRPOConfig / ModelConfig flag does what TRL's own `trl/scripts/grpo.py` does with it
 (`--use_peft` and `--lora_*`, `--load_in_4bit`, `--resume_from_checkpoint`, `--eval_strategy` with the held-out split
@@ -126,6 +127,8 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
     with server:
         print(f"[vllm] server ready at {server.base_url} in {server.startup_s:.1f}s", flush=True)
         training_args.vllm_server_base_url = server.base_url
+        if training_args.rollout_async_depth and training_args.rollout_async_server_log is None:
+            training_args.rollout_async_server_log = str(server.log_path)  # quoted if the server fails
         return run(script_args, training_args, model_args, trainer_cls,
                    engine_extra={"vllm_server_startup_s": round(server.startup_s, 1)})
 
