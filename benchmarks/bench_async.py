@@ -1,26 +1,29 @@
 """Asynchronous GRPO's step time on the main job (issue 45): synchronous at 1 and 2 torch threads vs asynchronous at
-d = 1 and 2 (engine process 1 thread + trainer 1 thread), split into generate / train / wait / publish.
+d = 1 and 2 (engine 1 thread + trainer 1 thread), split into generate / train / wait / publish.
 
 Every run is a fresh process (``--worker``) training SmolLM2-135M-Instruct (float32) on the main job's task
 (reasoning-gym chain_sum, the CPU config's batch: 16 completions per step, 32 tokens, ``decoupled_k3_rs_token_tis``)
-for ``--steps`` optimizer steps with ``use_vllm=False``:
+for ``--steps`` optimizer steps. ``--engine server`` (default): every setting generates with TRL's vLLM server
+(``trl-rollout-corr vllm-serve``, float32, started per run with the setting's thread count, gloo weight sync):
 
-* ``sync_t1`` / ``sync_t2``: TRL's own ``transformers.generate`` path in the trainer (``rollout_async_depth=0``) at 1 /
-  2 torch threads. generate = the time inside ``_generate_single_turn``; train = step - generate.
-* ``async_d1`` / ``async_d2``: ``rollout_async_depth=d``, trainer at 1 thread, engine process at 1 thread.
-  generate = the engine's ``rollout_async/generate_s``; wait = ``trainer_wait_s``; publish = ``publish_s``;
-  train = step - wait - publish. Overlap efficiency = max(generate, train) / step (1.0: perfect overlap; the goal is
-  >= 0.9).
+* ``sync_t1`` / ``sync_t2``: TRL's own server path (sync weights, then generate, every step; ``rollout_async_depth=0``),
+  trainer and server at 1 / 2 threads. generate = the time inside ``_generate_single_turn`` (the weight sync
+  included); train = step - generate.
+* ``async_d1`` / ``async_d2``: ``rollout_async_depth=d``, trainer at 1 thread, server at 1 thread.
+  generate = the engine's ``rollout_async/generate_s``; wait = ``trainer_wait_s``; publish = ``publish_s`` (the CPU
+  copy; the push to the server runs on the worker thread); train = step - wait - publish. Overlap efficiency =
+  max(generate, train) / step (1.0: perfect overlap; the goal is >= 0.9).
+
+``--engine transformers``: the synchronous runs use transformers' batched ``generate`` in the trainer and the
+asynchronous ones the transformers engine process (one row at a time): not the same generator.
 
 Step times are wall clock per optimizer step (a callback's ``on_step_begin`` -> ``on_step_end``); step 1 (warm-up,
 and nothing to overlap with yet) is left out of the medians. The settings run interleaved (``sync_t1, sync_t2,
-async_d1, async_d2``, the order reversed every other round). The engines differ: the synchronous runs use
-transformers' batched ``generate``, the asynchronous engine samples one row at a time (exact per-row seeds), so
-compare the overlap efficiency within a run and the step times as measured, not as the same generator. Needs both
-cores and nothing else running:
+async_d1, async_d2``, the order reversed every other round). Needs both cores and nothing else running (the vLLM
+venv, with this package installed there):
 
-    .venv/bin/python benchmarks/bench_async.py [--model models/SmolLM2-135M-Instruct] [--steps 6] [--rounds 2]
-        [--out outputs/bench_async]
+    .venv-vllm/bin/python benchmarks/bench_async.py [--engine server] [--model models/SmolLM2-135M-Instruct]
+        [--steps 6] [--rounds 2] [--out outputs/bench_async]
 """
 
 from __future__ import annotations
@@ -38,8 +41,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"sync_t1": (0, 1), "sync_t2": (0, 2), "async_d1": (1, 1), "async_d2": (2, 1)}  # (depth, trainer threads)
 
 
-def worker(setting: str, model: str, steps: int, out: Path) -> None:
+def worker(setting: str, model: str, steps: int, out: Path, engine: str) -> None:
     """One run in this process; writes ``out/<setting>.json`` with the per-step split."""
+    if engine == "server":  # TRL's vLLM server (float32, threads as the trainer's), started for this run
+        from trl_rollout_corr.engines.vllm_serve import VLLMServer
+
+        threads = str(SETTINGS[setting][1])
+        with VLLMServer(model, "float32", log_path=str(out / f"{setting}_server.log"), timeout_s=600,
+                        extra_args=["--max_model_len", "1024"],
+                        env={"OMP_NUM_THREADS": threads, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}) as server:
+            return _train(setting, model, steps, out, server)
+    return _train(setting, model, steps, out, None)
+
+
+def _train(setting: str, model: str, steps: int, out: Path, server) -> None:
     depth, threads = SETTINGS[setting]
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
@@ -49,6 +64,7 @@ def worker(setting: str, model: str, steps: int, out: Path) -> None:
     from transformers import TrainerCallback
 
     import grpo_recipe_utils as ru
+    from trl_rollout_corr.engines.vllm_serve import free_port
     from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
     train_task, _ = ru.make_task_splits("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1,
@@ -80,12 +96,19 @@ def worker(setting: str, model: str, steps: int, out: Path) -> None:
         max_steps=steps, learning_rate=3e-5, lr_scheduler_type="constant", temperature=1.0, beta=0.0,
         loss_type="dapo", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=42,
         disable_tqdm=True, rollout_corr_preset="decoupled_k3_rs_token_tis", rollout_async_depth=depth,
-        rollout_async_engine_threads=1, model_init_kwargs={"dtype": torch.float32})
+        rollout_async_engine_threads=1, model_init_kwargs={"dtype": torch.float32},
+        **({} if server is None else dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=server.base_url,
+                                          vllm_group_port=free_port(), vllm_server_timeout=60,
+                                          rollout_async_server_log=str(server.log_path))))
     trainer = Timed(model=model, reward_funcs=[ru.split_reward_func({"train": train_task})], args=args,
                     train_dataset=ru.split_dataset(train_task, "train"))
     clock = Clock()
     trainer.add_callback(clock)
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        if server is not None:
+            trainer.vllm_generation.vllm_client.close_communicator()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     rows = []
     for i, (step_s, h) in enumerate(zip(clock.steps, logs)):
@@ -122,10 +145,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "outputs" / "bench_async"))
     parser.add_argument("--worker", choices=list(SETTINGS))
+    parser.add_argument("--engine", choices=["server", "transformers"], default="server",
+                        help="server: TRL's vLLM server (float32) for every setting (sync: TRL's server path); "
+                        "transformers: TRL's generate in the trainer (sync) vs the transformers engine process")
     a = parser.parse_args()
     out = Path(a.out)
     if a.worker:
-        worker(a.worker, a.model, a.steps, out)
+        worker(a.worker, a.model, a.steps, out, a.engine)
         return
     runs: dict[str, list[dict]] = {s: [] for s in SETTINGS}
     for r in range(a.rounds):
@@ -135,7 +161,7 @@ def main() -> None:
             rout.mkdir(parents=True, exist_ok=True)
             started = time.time()
             subprocess.run([sys.executable, __file__, "--worker", setting, "--model", a.model, "--steps",
-                            str(a.steps), "--out", str(rout)], check=True)
+                            str(a.steps), "--out", str(rout), "--engine", a.engine], check=True)
             runs[setting].append(json.loads((rout / f"{setting}.json").read_text()))
             print(f"round {r} {setting}: {time.time() - started:.0f} s", flush=True)
     table = summarise(runs)
