@@ -6,7 +6,7 @@ Every run is a fresh process (``--worker``) training SmolLM2-135M-Instruct (floa
 for ``--steps`` optimizer steps. ``--engine server`` (default): every setting generates with TRL's vLLM server
 (``trl-rollout-corr vllm-serve``, float32, started per run with the setting's thread count, gloo weight sync):
 
-* ``sync_t1`` / ``sync_t2``: TRL's own server path (sync weights, then generate, every step; ``rollout_async_depth=0``),
+* ``sync_t1`` / ``sync_t2``: TRL's own server path (sync, then generate, every step; ``rollout_async_depth=0``),
   trainer and server at 1 / 2 threads. generate = the time inside ``_generate_single_turn`` (the weight sync
   included); train = step - generate.
 * ``async_d1`` / ``async_d2``: ``rollout_async_depth=d``, trainer at 1 thread, server at 1 thread.
