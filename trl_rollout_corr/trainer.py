@@ -12,7 +12,8 @@ forward) and pi_ref (TRL's ``beta`` KL anchor, never used for the correction).
 
 The class holds only TRL 1.16's overrides, each a few lines of dispatch in TRL's call order (``__init__``,
 ``_generate_single_turn``, ``_generate``, ``_calculate_rewards``, ``_get_per_token_logps_and_entropies``,
-``_generate_and_score_completions``, ``_compute_loss``, ``log``, ``create_model_card``), and the services that read
+``_generate_and_score_completions``, ``_compute_loss``, ``log``, ``create_model_card``; ``get_train_dataloader`` and
+``train`` for asynchronous generation, ``async_generation.py``), and the services that read
 TRL's private state (``_metrics``, ``_logs``, ``_buffered_inputs``, ``_step``). The work is done by:
 
 * the correction mode (``modes/``: diagnostics without a correction, decoupled or bypass), which scores each
