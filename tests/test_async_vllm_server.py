@@ -69,6 +69,10 @@ def test_async_depth1_on_the_real_server(tmp_path):
         logs = [h for h in trainer.state.log_history if "loss" in h]
         assert [h["rollout_async/version"] for h in logs] == [0, 0, 1]
         assert [h["rollout_corr/policy_lag_mean"] for h in logs] == [0, 1, 1]
+        for h in logs:  # the measured values, for the record (pytest -s)
+            print({k: h[k] for k in ("rollout_async/version", "rollout_corr/engine_ratio_max",
+                                     "rollout_corr/engine_ratio_p01", "rollout_corr/lag_ratio_max",
+                                     "rollout_async/generate_s", "rollout_async/trainer_wait_s")})
         engine = trainer.rollout_async.engine
         assert engine.record[:3] == [(0, 0), (1, 0), (2, 1)]  # the engine's loads, in order
         for h in logs:
