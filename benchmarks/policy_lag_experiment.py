@@ -168,9 +168,12 @@ FOURTH_SEED = ["bypass_k32_s4", "bypass_k1_s4"]
 # Issue 47 (added 2026-12-07): at k = 32 mu is the warm start, so PPO-clip on pi_theta / mu is also a trust region
 # around the start. Plain TRL at lr / 4 and lr / 8 (the step-size axis, beyond trl_slow's lr / 2) and with TRL's KL
 # penalty to the start (beta 0.1 and 1.0: the anchor axis), all replaying plain TRL's recorded k = 32 rollouts of the
-# same seed, seed by seed so that each seed's frontier is complete before the next starts. Does bypass lie above the
-# frontier these arms trace in (KL from the start, accuracy), or on it?
-ANCHOR_CONTROL = [f"{m}_k{GRID_K}_s{s}" for s in (1, 2, 3) for m in ("trl_lr4", "trl_beta01", "trl_lr8", "trl_beta1")]
+# same seed. Does bypass lie above the frontier these arms trace in (KL from the start, accuracy), or on it? Seed 1's
+# lr / 4 cell (262/512, above bypass's 197 and on-policy's 221, at a KL from the start near bypass's) moved lr / 4's
+# seeds 2-3 forward, right after seed 1's KL-penalty cell; the rest follows seed by seed.
+ANCHOR_CONTROL = ["trl_lr4_k32_s1", "trl_beta01_k32_s1", "trl_lr4_k32_s2", "trl_lr4_k32_s3",
+                  *(f"{m}_k{GRID_K}_s1" for m in ("trl_lr8", "trl_beta1")),
+                  *(f"{m}_k{GRID_K}_s{s}" for s in (2, 3) for m in ("trl_beta01", "trl_lr8", "trl_beta1"))]
 ORDER = [WARMSTART, *CALIBRATION, *CALIBRATION_MAX_LAG, *GRID, *OBJECTIVE_CONTROL, *FOURTH_SEED, *ANCHOR_CONTROL]
 # A grid of another CPU vendor (its own ``--results`` folder and warm start, ``check_vendor``): first the cells the
 # main grid still lacks, each with its same-seed reference (bypass and tis at k = 8, with trl at k = 8 and k = 1),

@@ -87,9 +87,11 @@ def test_order_runs_the_calibration_then_the_grid_at_the_calibrated_interval(exp
     assert grid[29:30] == ["trl_k32_s4"]
     assert grid[30:33] == ["bypass_k1_s1", "bypass_k1_s2", "bypass_k1_s3"]  # the objective's control, after the grid
     assert grid[33:35] == ["bypass_k32_s4", "bypass_k1_s4"]  # bypass paired with plain TRL's 4th seed
-    # issue 47's anchor/step-size controls at k = 32, seed by seed (each seed's frontier complete before the next)
-    assert grid[35:] == [f"{m}_k32_s{s}" for s in (1, 2, 3) for m in ("trl_lr4", "trl_beta01", "trl_lr8",
-                                                                       "trl_beta1")]
+    # issue 47's anchor/step-size controls at k = 32: lr / 4 on every seed first after seed 1's KL penalty, then the
+    # rest seed by seed; every arm on seeds 1-3
+    assert grid[35:39] == ["trl_lr4_k32_s1", "trl_beta01_k32_s1", "trl_lr4_k32_s2", "trl_lr4_k32_s3"]
+    assert sorted(grid[35:]) == sorted(f"{m}_k32_s{s}" for s in (1, 2, 3) for m in ("trl_lr4", "trl_beta01",
+                                                                                    "trl_lr8", "trl_beta1"))
     assert len(set(exp.ORDER)) == len(exp.ORDER)
     # every grid cell at k > 1 has its paired plain-TRL reference in the order, at the same k and seed, before it
     for c in exp.ORDER[1:]:
