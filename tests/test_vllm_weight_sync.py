@@ -118,7 +118,7 @@ def test_server_command_is_trls_with_the_cpu_backend_launcher_and_eager():
     assert "--enforce-eager" not in explicit
 
 
-def test_server_command_refusals_name_the_fix(tmp_path):
+def test_server_command_refusals_name_the_fix(tmp_path, monkeypatch):
     from trl_rollout_corr.engines.vllm_serve import server_command
 
     with pytest.raises(ValueError, match="--dtype bfloat16 or --dtype float32"):
@@ -127,6 +127,10 @@ def test_server_command_refusals_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="no such directory"):
         server_command(_script_args(model=str(tmp_path / "missing")), [], cpu=True)
     server_command(_script_args(model="Org/name"), [], cpu=True)  # a Hub id is left to vLLM
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    with pytest.raises(ValueError, match="no such directory"):  # models/X next to a models/ folder: a local path
+        server_command(_script_args(model="models/SmolLM3"), [], cpu=True)
     with pytest.raises(ValueError, match="remove it"):
         server_command(_script_args(), ["--weight-transfer-config", "{}"], cpu=True)
 

@@ -745,14 +745,16 @@ def _init_cpu_communicator(client: Any) -> None:
         "world_size": client.get_world_size() + 1, "chunk_bytes": DEFAULT_CHUNK_BYTES,
         "timeout_s": DEFAULT_TIMEOUT_S, "trainer_versions": trainer_versions(),
     }
-    with ThreadPoolExecutor(max_workers=1) as executor:  # the server blocks in the rendezvous while answering
+    executor = ThreadPoolExecutor(max_workers=1)  # the server blocks in the rendezvous while answering
+    try:
         future = executor.submit(client._post, f"{client.base_url}/init_weight_transfer_engine",
                                  json={"init_info": init_info})
-        try:
-            channel = GlooChannel(address, client.group_port, 0, init_info["world_size"], DEFAULT_TIMEOUT_S)
-            future.result()
-        except Exception as exc:
-            raise RuntimeError(f"weight-sync set-up failed: {exc} ({_sync_context(client)})") from exc
+        channel = GlooChannel(address, client.group_port, 0, init_info["world_size"], DEFAULT_TIMEOUT_S)
+        future.result()
+    except Exception as exc:
+        raise RuntimeError(f"weight-sync set-up failed: {exc} ({_sync_context(client)})") from exc
+    finally:
+        executor.shutdown(wait=False)  # after a failed rendezvous the request returns only at the server's timeout
     channel.chunk_bytes = DEFAULT_CHUNK_BYTES
     client.communicator = channel
     atexit.register(client.close_communicator)

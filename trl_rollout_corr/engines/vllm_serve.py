@@ -59,7 +59,11 @@ def parse_serve_args(argv: Sequence[str]):
 
 
 def _looks_like_path(model: str) -> bool:
-    return model.startswith(("/", ".", "~")) or model.count("/") != 1
+    """A local path rather than a Hub id (``org/name``): absolute, relative with ``.``/``~``, not two parts, or
+    under a local folder (``models/X`` next to a ``models/`` folder)."""
+    parts = Path(model).parts
+    return (model.startswith(("/", ".", "~")) or len(parts) != 2 or model.count("/") != 1
+            or Path(parts[0]).is_dir())
 
 
 def port_in_use(host: str, port: int) -> bool:
