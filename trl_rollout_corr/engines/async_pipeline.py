@@ -245,9 +245,16 @@ class TransformersProcessEngine:
         try:
             _send(self._conn, message)
         except OSError as err:
-            raise EngineError(f"the rollout engine (pid {self.pid}) cannot be reached for its {what} (exit code "
-                              f"{self.process.poll()}).\n{self.log_tail()}") from err
+            raise EngineError(f"the rollout engine (pid {self.pid}) {self._gone()} before its {what}.\n"
+                              f"{self.log_tail()}") from err
         return self._answer(what)
+
+    def _gone(self) -> str:
+        """How the child's end of the socket went away: its exit code once it is reaped (1 s at most)."""
+        try:
+            return f"died (exit code {self.process.wait(1.0)})"
+        except subprocess.TimeoutExpired:
+            return "closed its socket"
 
     def _answer(self, what: str, timeout_s: Optional[float] = None):
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -264,12 +271,7 @@ class TransformersProcessEngine:
         try:
             status, value = _recv(self._conn)
         except (EOFError, OSError) as err:
-            try:
-                code = self.process.wait(1.0)
-            except subprocess.TimeoutExpired:
-                code = None
-            state = "closed its socket" if code is None else f"died (exit code {code})"
-            raise EngineError(f"the rollout engine (pid {self.pid}) {state} during its {what}.\n"
+            raise EngineError(f"the rollout engine (pid {self.pid}) {self._gone()} during its {what}.\n"
                               f"{self.log_tail()}") from err
         if status == "error":
             raise EngineError(f"the rollout engine failed its {what}:\n{value}\n{self.log_tail()}")
