@@ -21,7 +21,8 @@ and advantages and the gathered rewards, so the test can recompute the group bas
 
 With ``lag`` as the third argument only the policy-lag run happens: a stale engine (``stale_rollout.StaleRollout``,
 sync interval 3) with ``num_iterations=2`` and ``max_policy_lag=2``, 8 rows per step over all ranks; each rank
-reports the logged ``rollout_corr/policy_lag_*`` values and the versions of the rows that reached its loss.
+reports the logged ``rollout_corr/policy_lag_*`` values and the versions of the rows that reached its loss. With
+``skip``: ``skip_empty_steps`` on 2 ranks (``skip_run``).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ DEEPSPEED_ZERO2 = {
 }
 USE_DEEPSPEED = len(sys.argv) > 3 and sys.argv[3] == "deepspeed"
 LAG_ONLY = len(sys.argv) > 3 and sys.argv[3] == "lag"
+SKIP_ONLY = len(sys.argv) > 3 and sys.argv[3] == "skip"
 
 
 def make_args(out_dir: str, **kwargs) -> RolloutCorrGRPOConfig:
@@ -117,11 +119,55 @@ def lag_run(out_path: str, model_dir: str) -> None:
         json.dump({"world": run.accelerator.num_processes, "logs": logs, "seen": seen}, f)
 
 
+def skip_run(out_path: str, model_dir: str) -> None:
+    """``skip_empty_steps`` across ranks (issue 44): a stale engine (sync interval 3) with ``max_policy_lag=0``; at
+    step 1 rank 1 reports its rows as fresh (kept) while rank 0's are dropped, at step 2 every row is dropped. Each
+    rank reports the skipped steps, the logged fraction and a checksum of its weights after every step."""
+    from transformers import TrainerCallback
+
+    from stale_rollout import StaleRollout
+    from trl_rollout_corr.features import SkipEmptySteps
+
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+
+    class RankOneFreshAtStep1(StaleRollout):
+        def __call__(self, prompts, trainer):
+            out = super().__call__(prompts, trainer)
+            step = int(trainer.state.global_step)
+            if trainer.accelerator.process_index == 1 and step == 1:
+                out["policy_version"] = [step] * len(out["policy_version"])
+            return out
+
+    run = RolloutCorrGRPOTrainer(
+        model=model_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8),
+        rollout_func=RankOneFreshAtStep1(sync_interval=3),
+        args=make_args(os.path.join(os.path.dirname(out_path), "skip"), rollout_corr_preset="decoupled_token_is",
+                       max_policy_lag=0, skip_empty_steps=True, max_steps=4))
+    sums = []
+
+    class Checksum(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            model = run.accelerator.unwrap_model(run.model)
+            sums.append(float(sum(p.detach().double().abs().sum() for p in model.parameters())))
+
+    run.add_callback(Checksum())
+    run.train()
+    logs = [{k: v for k, v in h.items() if k in ("rollout_corr/skipped_step_fraction",
+                                                 "rollout_corr/policy_lag_dropped_fraction")}
+            for h in run.state.log_history if "loss" in h]
+    with open(f"{out_path}.rank{run.accelerator.process_index}", "w") as f:
+        json.dump({"world": run.accelerator.num_processes, "logs": logs, "sums": sums,
+                   "skipped": run.rollout_corr_features.get(SkipEmptySteps).skipped}, f)
+
+
 def main() -> None:
     out_path, model_dir = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     if LAG_ONLY:
         lag_run(out_path, model_dir)
+        return
+    if SKIP_ONLY:
+        skip_run(out_path, model_dir)
         return
     work = os.path.dirname(out_path)
     trainer = RolloutCorrGRPOTrainer(model=model_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8),

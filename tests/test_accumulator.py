@@ -28,16 +28,24 @@ CFG = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, roll
 
 
 class TwinRank:
-    """Fake reducers for two ranks: the other rank holds ``other`` (its stats vector and its 1-D log ratios)."""
+    """Fake reducers for two ranks, this one rank 0: the other rank holds ``other`` (its stats vector and its 1-D log
+    ratios: one ratio name, a window small enough for the exact path, whose values rank 1 places after rank 0's in the
+    sketch's sum buffer, ``sketch.reduce_sketches``)."""
 
     def __init__(self, other_stats=None, other_values=None):
         self.other_stats, self.other_values, self.calls = other_stats, other_values, []
+        self.mine = None  # this rank's value count, between the sketch's count gather and its sum
 
     def reducers(self) -> Reducers:
-        return Reducers(world_size=2, sum=self.sum, max=self.max, min=self.min, gather=self.gather)
+        return Reducers(world_size=2, rank=0, sum=self.sum, max=self.max, min=self.min, gather=self.gather)
 
     def sum(self, t):
         self.calls.append("sum")
+        if self.mine is not None:
+            out, n = t.clone(), self.other_values.numel()
+            out[self.mine: self.mine + n] += self.other_values
+            self.mine = None
+            return out
         return t + self.other_stats[0]
 
     def max(self, t):
@@ -51,6 +59,7 @@ class TwinRank:
     def gather(self, t):
         self.calls.append("gather")
         if t.dtype == torch.long:  # the element counts
+            self.mine = int(t[0])
             return torch.cat([t, torch.tensor([self.other_values.numel()])])
         padded = torch.full_like(t, float("nan"))
         padded[: self.other_values.numel()] = self.other_values
@@ -136,7 +145,7 @@ def test_flush_is_exact_over_two_fake_ranks():
     acc.add_stats("train", compute_rollout_correction(lp[mine], mu[mine], mask[mine], CFG).stats)
     acc.add_log_ratios("train", {"engine": (lp[mine] - mu[mine])[mask[mine] != 0]})
     logged = acc.flush("train")
-    assert twin.calls[:3] == ["sum", "max", "min"] and twin.calls[3:] == ["gather", "gather"]
+    assert twin.calls[:3] == ["sum", "max", "min"] and twin.calls[3:] == ["gather", "sum"]
 
     single = RolloutCorrAccumulator()
     single.add_stats("train", compute_rollout_correction(lp, mu, mask, CFG).stats)
@@ -254,7 +263,7 @@ def test_a_rank_without_rows_adds_nothing_to_the_means(empty_rank):
     acc.add_stats("train", compute_rollout_correction(L_HAND, torch.zeros_like(L_HAND), mine, TIS).stats)
     acc.add_log_ratios("train", {"engine": L_HAND[mine != 0]})
     logged = acc.flush("train")
-    assert twin.calls == ["sum", "max", "min", "gather", "gather"]
+    assert twin.calls == ["sum", "max", "min", "gather", "sum"]
     if empty_rank == "both":
         assert logged == {"rollout_corr/num_valid_tokens": 0.0, "rollout_corr/num_valid_seqs": 0.0,
                           **{f"rollout_corr/len_{a}_{b}/num_seqs": 0.0
@@ -286,10 +295,11 @@ def _empty_rank_worker(rank, world, port, path):
 
     reducers = Reducers(world, sum=reduce(dist.ReduceOp.SUM), max=reduce(dist.ReduceOp.MAX),
                         min=reduce(dist.ReduceOp.MIN), gather=gather)
-    acc = RolloutCorrAccumulator(reducers)
     keep = torch.tensor([rank == 1, rank == 1])  # rank 0: every row over max_policy_lag
-    _add_step(acc, L_HAND, torch.ones(2, 2), torch.tensor([0, 0]) if rank else torch.tensor([3, 3]), keep)
-    torch.save(acc.flush("train"), f"{path}.{rank}")
+    for exact_max, suffix in ((None, ""), (0, ".sketch")):  # the exact quantiles, then the sketch's (real gloo)
+        acc = RolloutCorrAccumulator(reducers, exact_max=exact_max)
+        _add_step(acc, L_HAND, torch.ones(2, 2), torch.tensor([0, 0]) if rank else torch.tensor([3, 3]), keep)
+        torch.save(acc.flush("train"), f"{path}{suffix}.{rank}")
     dist.destroy_process_group()
 
 
@@ -311,8 +321,14 @@ def test_two_real_ranks_one_without_rows_equal_one_rank():
     reference = single.flush("train")
     assert reference["rollout_corr/rollout_is_mean"] == pytest.approx(5.0 / 4)
     assert reference["rollout_corr/policy_lag_dropped_fraction"] == 0.5
-    for rank in range(2):
-        got = torch.load(f"{path}.{rank}")
-        assert set(got) == set(reference), rank
-        for key, value in reference.items():
-            assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-12), (rank, key)
+    sketch = RolloutCorrAccumulator(exact_max=0)
+    _add_step(sketch, torch.cat([L_HAND, L_HAND]), torch.ones(4, 2), torch.tensor([3, 3, 0, 0]),
+              torch.tensor([False, False, True, True]))
+    sketched = sketch.flush("train")
+    assert sketched["rollout_corr/engine_ratio_p50"] != reference["rollout_corr/engine_ratio_p50"]  # read off buckets
+    for suffix, expected in (("", reference), (".sketch", sketched)):
+        for rank in range(2):
+            got = torch.load(f"{path}{suffix}.{rank}")
+            assert set(got) == set(expected), rank
+            for key, value in expected.items():
+                assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-12), (suffix, rank, key)

@@ -94,6 +94,20 @@ def test_two_ranks_policy_lag_match_one_rank(llama_dir, tmp_path):
     assert [log["rollout_corr/policy_lag_fraction_2_3"] for log in logs] == [0.0, 0.0, 1.0, 1.0]
 
 
+def test_two_ranks_skip_empty_steps_is_one_global_decision(llama_dir, tmp_path):
+    """skip_empty_steps on 2 ranks: at step 1 only rank 1 trains tokens (rank 0's rows are all dropped), so both
+    ranks step (the weights move); at step 2 no rank trains a token, so both skip (the weights stay bit-identical)."""
+    two = _launch(2, tmp_path / "skip.json", llama_dir, _free_port(), "skip")
+    assert [r["world"] for r in two] == [2, 2]
+    assert two[0]["skipped"] == two[1]["skipped"] == [2]
+    assert two[0]["sums"] == two[1]["sums"]  # DDP: one model
+    sums = two[0]["sums"]
+    assert sums[1] != sums[0] and sums[2] == sums[1] and sums[3] != sums[2]
+    logs = two[0]["logs"]
+    assert [log["rollout_corr/skipped_step_fraction"] for log in logs] == [0.0, 0.0, 1.0, 0.0]
+    assert [log["rollout_corr/policy_lag_dropped_fraction"] for log in logs] == [0.0, 0.5, 1.0, 0.0]
+
+
 def test_deepspeed_zero2_two_ranks_trains_logs_exactly_and_exits_cleanly(llama_dir, tmp_path):
     """ZeRO-2 DeepSpeedEngine on 2 CPU ranks (torchrun + deepspeed= config): exit code 0 on every rank, and the
     rollout_corr/* values equal the 1-rank values on the same global batch."""

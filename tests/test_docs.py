@@ -28,7 +28,7 @@ def test_hook_table_lists_exactly_the_overriding_features():
     rows = {line.split("|")[1].strip(" `"): line.split("|")[4].strip() for line in hook_table().splitlines()[2:]}
     assert rows["forward"] == "RoutingReplay, SupportMatching"  # around: list order
     assert rows["after_generate"] == "RoutingReplay, PolicyLag, BehaviourLogProbs"  # after: reverse order
-    assert rows["after_log"] == "RolloutRecords" and rows["before_loss"] == "PolicyLag"
+    assert rows["after_log"] == "RolloutRecords" and rows["before_loss"] == "PolicyLag, LagSplit"
 
 
 def test_docgen_prints_each_table(capsys):

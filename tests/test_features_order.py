@@ -16,6 +16,7 @@ from trl_rollout_corr.features import (
     PolicyLag,
     RolloutRecords,
     RoutingReplay,
+    SkipEmptySteps,
     SupportMatching,
 )
 from trl_rollout_corr.hooks import AFTER_HOOKS, AROUND_HOOKS, BEFORE_HOOKS, Feature, Features
@@ -32,7 +33,8 @@ def test_the_one_feature_order():
     """Behaviour first (mu exists before anything reads it; its generate capture encloses routing's recorder),
     policy lag before the mode scores, routing before support (replay encloses support scoring), records last
     (nothing is written before every other part accepted the setup)."""
-    assert FEATURES == (BehaviourLogProbs, PolicyLag, RoutingReplay, SupportMatching, LagSplit, RolloutRecords)
+    assert FEATURES == (BehaviourLogProbs, PolicyLag, RoutingReplay, SupportMatching, LagSplit, SkipEmptySteps,
+                        RolloutRecords)
     assert len(set(FEATURES)) == len(FEATURES) and all(issubclass(f, Feature) for f in FEATURES)
 
 

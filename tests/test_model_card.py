@@ -67,6 +67,13 @@ def test_rollout_engine_record_per_source(tmp_path):
     assert model_card.rollout_engine_record(trainer)["rollout_dtype"] == "bfloat16 (autocast)"
     trainer.args.rollout_generate_dtype = "float16"
     assert model_card.rollout_engine_record(trainer)["rollout_dtype"] == "float16"
+    # issue 44, item 6: TRL's continuous batching (generate_batch) casts to the training dtype and returns no mu
+    batching = _trainer(tmp_path, use_transformers_continuous_batching=True)
+    assert model_card.rollout_engine_record(batching) == {
+        "rollout_engine": "transformers continuous batching (generate_batch)", "rollout_dtype": "float32",
+        "rollout_logprobs_mode": "none (continuous batching returns no log-probs)"}
+    batching.args.bf16 = True
+    assert model_card.rollout_engine_record(batching)["rollout_dtype"] == "bfloat16"
     assert model_card.rollout_engine_record(_trainer(tmp_path, use_vllm=True)) == {
         "rollout_engine": "TRL vLLM (colocate)", "rollout_logprobs_mode": "processed_logprobs"}
     described = SimpleNamespace(describe=lambda: {"rollout_engine": "vllm_cpu", "rollout_dtype": "bfloat16"})

@@ -74,7 +74,7 @@ def test_schema_is_versioned_and_has_room_for_lag_support_and_routes():
                  "generation_start_time", "generation_end_time", "rewards", "advantage", "termination"):
         assert name in REQUIRED_COLUMNS  # spec section 10's per-sample fields
     reserved = {c.name: c.spec for c in COLUMNS if c.reserved}
-    assert reserved == {"policy_version_tokens": "7"}
+    assert reserved == {}  # policy_version_tokens (spec 7) is filled since issue 44
     # 1.1: the columns that follow policy_lag_split, support matching and R3 (optional: adding them is not a break)
     added = {"version_log_probs": "7", "support_log_mass": "8", "support_size": "8", "support_miss": "8",
              "routes_packed": "9"}

@@ -337,9 +337,17 @@ def test_support_stats_merge_equals_one_pass():
                                        mask[i:i + 2, -T:]) for i in (0, 2)]
     merged = parts[0].merge(parts[1])
     assert merged.finalize() == pytest.approx(whole.finalize(), rel=1e-12)
-    # two "ranks": sums added, sizes gathered
-    reduced = parts[0].reduce(lambda t: t + parts[1].sums, lambda v: torch.cat([v, parts[1].sizes[0]]))
-    assert reduced.finalize() == pytest.approx(whole.finalize(), rel=1e-12)
+    # two ranks (threads): sums added, sizes exact (a small window) or counted; either equals one pass
+    from thread_ranks import run_ranks
+
+    for exact_max in (None, 0):
+        whole = S.SupportStats.from_score(scorer.score(hidden, weight, None, ids, mask, T), mask[:, -T:],
+                                          exact_max=exact_max)
+        reduced = run_ranks(2, lambda rank, reducers: S.SupportStats.from_score(
+            scorer.score(hidden[2 * rank:2 * rank + 2], weight, None, ids[2 * rank:2 * rank + 2],
+                         mask[2 * rank:2 * rank + 2], T), mask[2 * rank:2 * rank + 2, -T:],
+            exact_max=exact_max).reduce(reducers).finalize())
+        assert reduced[0] == reduced[1] == pytest.approx(whole.finalize(), rel=1e-12)
     empty = S.SupportStats.from_score(scorer.score(hidden, weight, None, ids, mask, T), torch.zeros_like(mask[:, -T:]))
     assert empty.finalize() == {}  # no token: no statistic (never 0)
 

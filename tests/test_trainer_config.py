@@ -168,6 +168,11 @@ def test_rollout_generate_dtype_is_validated(tmp_path, make_args):
     assert make_args(tmp_path, rollout_generate_dtype="bfloat16").rollout_generate_dtype == "bfloat16"
     with pytest.raises(ValueError, match="rollout_generate_dtype must be one of"):
         make_args(tmp_path, rollout_generate_dtype="bf16")
+    # issue 44, item 6: TRL's continuous batching never runs our generate (it was accepted and silently ignored)
+    assert make_args(tmp_path, use_transformers_continuous_batching=True).rollout_generate_dtype is None
+    with pytest.raises(ValueError, match=r"rollout_generate_dtype applies to the plain transformers.generate path "
+                                         r"only; with use_transformers_continuous_batching=True"):
+        make_args(tmp_path, rollout_generate_dtype="bfloat16", use_transformers_continuous_batching=True)
 
 
 def test_trainer_takes_args_by_position_or_keyword(llama_dir, tmp_path, make_args):

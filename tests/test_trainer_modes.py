@@ -381,6 +381,20 @@ def test_bypass_losses_equal_hand_computed_values(llama_dir, tmp_path, make_trai
     # IS weights are computed for metrics only (not multiplied in): mean of min(R, 2) over the 5 valid tokens
     assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx((2 + 1.1 + 0.7 + 0.9 + 1.3) / 5, abs=1e-5)
 
+    # TRL's clip_ratio/low_min and high_max (issue 44): per row, the fraction of its kept tokens clipped; min / max
+    # over rows. epsilon 0.2: low clip ratio < 0.8 with A < 0, high clip ratio > 1.2 with A > 0.
+    for ratios, advantages, key, expected in [
+        ([[0.7, 1.1, 0.6], [0.6, 1.3, 1.0]], [-1.0, -0.5], "clip_ratio/low_min", 0.5),  # rows: 2/3, 1/2
+        ([[1.5, 1.1, 1.3], [1.25, 0.9, 1.0]], [1.0, 0.5], "clip_ratio/high_max", 2 / 3),  # rows: 2/3, 1/2
+    ]:
+        inputs, logp, log_direct = loss_inputs(trainer, ratios, advantages)
+        inputs["rollout_log_probs"] = logp - log_direct
+        trainer._metrics["train"].clear()
+        trainer._compute_loss(trainer.model, inputs)
+        assert trainer._metrics["train"][key] == [pytest.approx(expected, abs=1e-6)], key
+        other = "clip_ratio/high_max" if key.endswith("low_min") else "clip_ratio/low_min"
+        assert trainer._metrics["train"][other] == [0.0]
+
     # REINFORCE with sequence TIS (U=2): -A * w * log pi_theta
     trainer = make_trainer(llama_dir, tmp_path / "pg", rollout_corr_preset="bypass_pg_is", loss_type="grpo")
     trainer.model.train()

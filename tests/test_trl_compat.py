@@ -89,6 +89,12 @@ def test_trl_coupling_formulas_mirrored_in_trl_compat():
     # global_masked_mean: token-level sums reduced across processes
     assert "local_sum, local_count = (x * mask).sum(), mask.sum().float()" in src_loss
     assert 'totals = self.accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")' in src_loss
+    # clip_ratio_extremes: per-row masked means (NaN without tokens), gathered, nanmin / nanmax
+    assert "return (x * mask).sum(-1) / mask.sum(-1)" in src_loss
+    assert "gathered_low_clip = self.accelerator.gather(masked_seq_mean(is_low_clipped.float()))" in src_loss
+    assert '_metrics[mode]["clip_ratio/low_min"].append(nanmin(gathered_low_clip).item())' in src_loss
+    assert "gathered_high_clip = self.accelerator.gather(masked_seq_mean(is_high_clipped.float()))" in src_loss
+    assert '_metrics[mode]["clip_ratio/high_max"].append(nanmax(gathered_high_clip).item())' in src_loss
     # SUPPORTED_LOSS_TYPES["decoupled"]: every one of them is a branch of TRL's loss
     for loss_type in trl_compat.SUPPORTED_LOSS_TYPES["decoupled"]:
         assert f'"{loss_type}"' in src_loss, loss_type
@@ -469,6 +475,45 @@ def test_aggregate_loss_edge_cases():
         trl_compat.aggregate_loss(torch.ones(2, 3), empty, "dapo", accumulation_steps=1, max_completion_length=3)
     with pytest.raises(ValueError, match="supports loss_type in"):
         trl_compat.aggregate_loss(torch.ones(2, 3), empty, "cispo", accumulation_steps=1, max_completion_length=3)
+
+
+@pytest.mark.unit
+def test_wrap_optimizer_step_skips_when_not_allowed():
+    """skip_empty_steps' hook: the Trainer calls ``self.optimizer.step()`` once per optimizer step (pinned here); the
+    wrapper skips it when ``allow()`` is False (parameters and AdamW state untouched) and wraps an optimizer once."""
+    from transformers import Trainer
+
+    assert inspect.getsource(Trainer._run_epoch).count("self.optimizer.step()") == 1
+    assert "self.optimizer.step()" not in inspect.getsource(Trainer._inner_training_loop)
+    param = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    optimizer = torch.optim.AdamW([param], lr=0.1)
+    param.grad = torch.tensor([0.5, 0.5])
+    optimizer.step()  # a real step first: AdamW now has momentum
+    after_first = param.detach().clone()
+    decisions = []
+    trl_compat.wrap_optimizer_step(optimizer, lambda: decisions.append(len(decisions)) or len(decisions) > 1)
+    trl_compat.wrap_optimizer_step(optimizer, lambda: True)  # a second wrap is a no-op
+    param.grad = torch.zeros(2)
+    optimizer.step()  # skipped
+    assert torch.equal(param.detach(), after_first) and optimizer.state[param]["step"].item() == 1
+    optimizer.step()  # allowed: momentum moves the parameter on a zero gradient
+    assert not torch.equal(param.detach(), after_first) and optimizer.state[param]["step"].item() == 2
+    assert decisions == [0, 1]
+
+
+@pytest.mark.unit
+def test_clip_ratio_extremes_by_hand():
+    """Issue 44 (minor): bypass logs TRL's clip_ratio/low_min and high_max. Rows' kept tokens: 2, 3 and none; low
+    clipped 1 of 2 and 2 of 3 (the third row's flags are outside the loss): min 0.5; high clipped 0 of 2 and 1 of 3:
+    max 1/3. A second rank whose row is all high-clipped raises the max to 1; no kept token anywhere gives NaN."""
+    keep = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]]).bool()
+    low = torch.tensor([[1, 0, 1], [1, 1, 0], [1, 1, 1]]).bool()
+    high = torch.tensor([[0, 0, 1], [0, 0, 1], [1, 1, 1]]).bool()
+    low_min, high_max = trl_compat.clip_ratio_extremes(low, high, keep, lambda t: t)
+    assert low_min == 0.5 and high_max == pytest.approx(1 / 3, abs=1e-7)
+    rank2 = lambda t: torch.cat([t, torch.tensor([1.0])])  # noqa: E731  (another rank: one row, fraction 1)
+    assert trl_compat.clip_ratio_extremes(low, high, keep, rank2) == (0.5, 1.0)
+    assert all(math.isnan(v) for v in trl_compat.clip_ratio_extremes(low, high, keep & False, lambda t: t))
 
 
 @pytest.mark.unit

@@ -5,11 +5,12 @@ log call:
 
 * the merged ``CorrectionStats`` of every correction call (decoupled: one per generation batch; bypass: one per
   micro-batch): reducible sums, maxima and minima, O(number of metrics) memory;
-* the valid per-token log ratios of the trained tokens (``engine``, ``update``, ``direct``), for exact order
-  statistics (``exact_ratio_quantiles``);
+* the valid per-token log ratios of the trained tokens (``engine``, ``update``, ``lag``, ``direct``), one
+  ``sketch.ValueSketch`` per name: exact order statistics while the window holds at most ``sketch.EXACT_MAX``
+  tokens over all ranks, a mergeable log-bucket sketch (stated error, ``docs/metrics.md``) above;
 * the policy lag of every micro-batch (optimizer steps between generation and use);
-* the merged ``support.SupportStats`` of every support forward (sampling-support matching): sums and the
-  per-token kept-set sizes (for exact quantiles).
+* the merged ``support.SupportStats`` of every support forward (sampling-support matching): sums and a
+  ``ValueSketch`` of the per-token kept-set sizes.
 * exact fractions kept as reducible integer counts (``add_fraction_counts``: numerator and denominator summed over
   calls and ranks, divided once at flush; e.g. the MoE ``routing_mismatch_fraction`` of ``routing.py``).
 * global row counts behind fractions (``add_fraction``: ``rs_lone_survivor_fraction``).
@@ -18,22 +19,20 @@ log call:
 ``eval_`` prefix in evaluation. Cross-rank operations are passed in (``Reducers``), so this module knows neither
 TRL nor ``torch.distributed``.
 
-Memory: the log ratios are kept exactly, as float64 (8 bytes a token, per ratio name: three in decoupled mode,
-one in bypass mode) for every trained token until the next log call, and the flush all-gathers them, so each
-rank briefly holds ``world_size x`` the longest rank's tokens. At 1M trained tokens per rank per log window that
-is 24 MB per rank before the gather; raise the logging frequency (smaller ``logging_steps``) if it matters.
+Memory does not grow with the tokens or the ranks: per ratio name (three in decoupled mode, four with
+``policy_lag_split``, one in bypass mode) at most ``EXACT_MAX`` float64 values (512 KB) while the window is small,
+else 23,721 int64 bucket counts (190 KB); the flush all-reduces at most that per name (``sketch.reduce_sketches``).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 import torch
 
-from .correction import SAFETY_BOUND
 from .lag import lag_counts, masked_lag_max
+from .sketch import RATIO_QUANTILES, ValueSketch, exact_ratio_quantiles, ratio_layout, ratio_metrics, reduce_sketches
 
 if TYPE_CHECKING:
     from .correction import CorrectionStats
@@ -42,8 +41,8 @@ if TYPE_CHECKING:
 MODES = ("train", "eval")
 PREFIX = "rollout_corr/"
 EVAL_PREFIX = "eval_"  # TRL's prefix for evaluation metrics
-# Quantiles logged for the ratio decomposition (rollout_corr/{engine,update,direct}_ratio_p01/p50/p99).
-RATIO_QUANTILES = (("p01", 0.01), ("p50", 0.5), ("p99", 0.99))
+__all__ = ["EVAL_PREFIX", "MODES", "PREFIX", "RATIO_QUANTILES", "Reducers", "RolloutCorrAccumulator",
+           "exact_ratio_quantiles", "gather_uneven"]
 
 Reducer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -57,12 +56,13 @@ class Reducers:
     """How tensors combine across ranks; the defaults are the one-process identities.
 
     Attributes:
-        world_size: number of ranks.
+        world_size: number of ranks. rank: this process's rank in [0, world_size) (the order of ``gather``).
         sum, max, min: element-wise all-reduce of a tensor (same shape on every rank, result on every rank).
         gather: all-gather of a tensor with the same shape on every rank, concatenated along dim 0 in rank order.
     """
 
     world_size: int = 1
+    rank: int = 0
     sum: Reducer = _identity
     max: Reducer = _identity
     min: Reducer = _identity
@@ -94,38 +94,10 @@ def gather_uneven(values: torch.Tensor, reducers: Reducers) -> torch.Tensor:
     return gathered[~torch.isnan(gathered)]
 
 
-def exact_ratio_quantiles(log_ratios: torch.Tensor) -> dict[str, float]:
-    """Mean, p01, p50, p99 and max of the ratios ``exp(clamp(l, -SAFETY_BOUND, SAFETY_BOUND))``.
-
-    Exact order statistics (not a mean of per-rank or per-batch quantiles): the values are sorted once and the
-    quantiles interpolate linearly between order statistics, as ``torch.quantile``.
-
-    Args:
-        log_ratios: (N,) log ratios in nats (any float dtype; float64 as the accumulator keeps them).
-
-    Returns:
-        ``{"mean", "p01", "p50", "p99", "max"}`` ratio values (unitless), one host transfer; ``{}`` when ``N == 0``
-        (a statistic over no token is not logged, never 0: ``docs/metrics.md``, "Steps with no rows").
-    """
-    if log_ratios.numel() == 0:
-        return {}
-    ratio = torch.exp(log_ratios.clamp(-SAFETY_BOUND, SAFETY_BOUND)).sort().values
-    n = ratio.numel()
-    out = {"mean": ratio.mean()}
-    for key, q in RATIO_QUANTILES:
-        pos = q * (n - 1)
-        lo = int(math.floor(pos))
-        hi = min(lo + 1, n - 1)
-        out[key] = ratio[lo] + (pos - lo) * (ratio[hi] - ratio[lo])
-    out["max"] = ratio[-1]
-    host = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in out.values()]).cpu().tolist()
-    return dict(zip(out.keys(), host))
-
-
 @dataclass
 class _ModeBuffer:
     stats: Optional["CorrectionStats"] = None
-    log_ratios: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    log_ratios: dict[str, ValueSketch] = field(default_factory=dict)
     lag_sum: int = 0
     lag_count: int = 0
     lag_max: int = 0
@@ -141,13 +113,16 @@ class RolloutCorrAccumulator:
 
     Args:
         reducers: the cross-rank operations used by ``flush`` (default: one process).
+        exact_max: the window size (tokens over all ranks) up to which the ratio quantiles are exact
+            (``sketch.ValueSketch``; None: ``sketch.EXACT_MAX``; 0: always the sketch).
 
     Every rank must call ``flush`` for the same mode at the same point (it runs collectives when
     ``reducers.world_size > 1``), as the Trainer's ``log`` does.
     """
 
-    def __init__(self, reducers: Reducers = Reducers()) -> None:
+    def __init__(self, reducers: Reducers = Reducers(), exact_max: Optional[int] = None) -> None:
         self.reducers = reducers
+        self.exact_max = exact_max
         self._buffers = {mode: _ModeBuffer() for mode in MODES}
 
     def _buffer(self, mode: str) -> _ModeBuffer:
@@ -169,13 +144,18 @@ class RolloutCorrAccumulator:
 
         Args:
             mode: ``"train"`` or ``"eval"``.
-            log_ratios: name -> tensor of the valid tokens' log ratios (any shape; flattened, detached, float64):
-                ``engine`` (log pi_old - log mu), ``update`` (log pi_theta - log pi_old), ``direct``
-                (log pi_theta - log mu). Logged as ``rollout_corr/{name}_ratio_{mean,p01,p50,p99,max}``.
+            log_ratios: name -> tensor of the valid tokens' log ratios (any shape; flattened, detached, float64,
+                clamped at +-``SAFETY_BOUND``): ``engine`` (log pi_old - log mu), ``update`` (log pi_theta -
+                log pi_old), ``direct`` (log pi_theta - log mu). Logged as
+                ``rollout_corr/{name}_ratio_{mean,p01,p50,p99,max}``.
+
+        Every rank must add the same names between two flushes (``flush`` reduces them together, in name order).
         """
         store = self._buffer(mode).log_ratios
         for name, values in log_ratios.items():
-            store.setdefault(name, []).append(values.detach().double().reshape(-1))
+            if name not in store:
+                store[name] = ValueSketch(ratio_layout(), self.exact_max)
+            store[name].add(values)
 
     def add_policy_lag(self, mode: str, lag: int) -> None:
         """Record one micro-batch's policy lag: optimizer steps between its generation and this update (0 =
@@ -264,12 +244,13 @@ class RolloutCorrAccumulator:
         total[1] += float(den)
 
     def flush(self, mode: str) -> dict[str, float]:
-        """The metrics of ``mode`` since the previous flush, exact over all ranks; empties the buffer.
+        """The metrics of ``mode`` since the previous flush, over all ranks; empties the buffer.
 
         Returns:
             ``rollout_corr/*`` (``eval_rollout_corr/*`` for ``mode="eval"``) -> float: the finalised
             ``CorrectionStats`` (if any were added), ``{name}_ratio_{mean,p01,p50,p99,max}`` per ratio name (if
-            any token, over all ranks), ``policy_lag_{mean,max}`` (if any micro-batch was recorded), ``support_*``
+            any token, over all ranks; quantiles exact up to ``sketch.EXACT_MAX`` tokens, else within the sketch's
+            stated error), ``policy_lag_{mean,max}`` (if any micro-batch was recorded), ``support_*``
             (if any support token), the ``add_fraction_counts`` fractions (those with a non-zero denominator) and
             each ``add_fraction`` name (those with a non-zero total). A statistic over no row or token is absent,
             never 0 (``docs/metrics.md``, "Steps with no rows"); every rank still runs the same collectives.
@@ -280,16 +261,15 @@ class RolloutCorrAccumulator:
         if buffer.stats is not None:
             reducers = self.reducers
             metrics.update(buffer.stats.reduce(reducers.sum, reducers.max, reducers.min).finalize())
-        for name in sorted(buffer.log_ratios):
-            values = gather_uneven(torch.cat(buffer.log_ratios[name]), self.reducers)
-            for key, value in exact_ratio_quantiles(values).items():
+        names = sorted(buffer.log_ratios)
+        for name, sketch in zip(names, reduce_sketches([buffer.log_ratios[n] for n in names], self.reducers)):
+            for key, value in ratio_metrics(sketch).items():
                 metrics[f"{PREFIX}{name}_ratio_{key}"] = value
         if buffer.lag_count:
             metrics[f"{PREFIX}policy_lag_mean"] = buffer.lag_sum / buffer.lag_count
             metrics[f"{PREFIX}policy_lag_max"] = float(buffer.lag_max)
         if buffer.support is not None:
-            reduced = buffer.support.reduce(self.reducers.sum, lambda v: gather_uneven(v, self.reducers))
-            metrics.update(reduced.finalize())
+            metrics.update(buffer.support.reduce(self.reducers).finalize())
         metrics.update(self._flush_fractions({**buffer.fractions, **buffer.lag_fractions}))
         if buffer.lag_row_max is not None:
             lag_max = int(self.reducers.max(buffer.lag_row_max.reshape(1).to(torch.int64))[0])

@@ -50,11 +50,12 @@ def run_analyze(args: argparse.Namespace) -> int:
     if args.keep is not None or args.quantile is not None or args.suggest_options or args.suggest_engine:
         raise UsageError("--keep, --quantile, --suggest-options and --suggest-engine belong to --suggest: add "
                          "--suggest (e.g. analyze DUMP --suggest --keep 0.99).")
-    from .analyze import analyse_dump, check_tolerance, preset_config, yaml_config
+    from .analyze import DEFAULT_TOLERANCE, analyse_dump, check_tolerance, preset_config, yaml_config
     from .records import open_dump
 
     buckets = _length_buckets(args.length_buckets) if args.length_buckets else None
-    tolerance = _flag_checked(check_tolerance, args.tolerance, "--tolerance")
+    tolerance = _flag_checked(check_tolerance, DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance,
+                              "--tolerance")
     dump = open_dump(args.dump_dir)
     configs = [preset_config(v) if kind == "preset" else yaml_config(v) for kind, v in args.configs or ()]
     steps = _step_range(args.steps) if args.steps else None
@@ -139,6 +140,13 @@ def run_suggest(args: argparse.Namespace) -> int:
     if args.configs:
         raise UsageError("--suggest computes its own configs: drop --preset / --config (re-apply a suggestion "
                          "afterwards with analyze DUMP --config OUT/suggest_configs/OPTION.yaml).")
+    check_flags = [flag for flag, given in (("--tolerance", args.tolerance is not None),
+                                            ("--no-check", args.no_check)) if given]
+    if check_flags:
+        verb = "belong" if len(check_flags) > 1 else "belongs"
+        raise UsageError(f"{' and '.join(check_flags)} {verb} to the check of analyze without --suggest; "
+                         "--suggest checks nothing against the logs. Drop it, or run analyze DUMP "
+                         f"{' '.join(check_flags)} separately.")
     buckets = _length_buckets(args.length_buckets) if args.length_buckets else None
     steps = _step_range(args.steps) if args.steps else None
     options = [o.strip() for o in args.suggest_options.split(",") if o.strip()] if args.suggest_options else None
@@ -343,9 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--length-buckets", metavar="E1,E2,...",
                    help="response-length slice edges in valid tokens per row (default: the trainer's, 64,256,1024)")
     a.add_argument("--steps", metavar="FIRST:LAST", help="only these logged steps (inclusive)")
-    a.add_argument("--tolerance", type=float, default=1e-5,
-                   help="check tolerance: |logged - recomputed| <= TOL * max(1, |logged|) (default 1e-5)")
-    a.add_argument("--no-check", action="store_true", help="exit 0 even when the check fails (still printed)")
+    a.add_argument("--tolerance", type=float, default=None,
+                   help="check tolerance: |logged - recomputed| <= TOL * max(1, |logged|) (default 1e-5; not with "
+                        "--suggest)")
+    a.add_argument("--no-check", action="store_true",
+                   help="exit 0 even when the check fails (still printed; not with --suggest)")
     a.add_argument("--out", metavar="DIR", help="where analysis.json and the PNGs go (default DUMP_DIR/analysis)")
     a.add_argument("--overwrite", action="store_true", help="replace existing output files in --out")
     a.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")

@@ -29,8 +29,15 @@ def check_outputs(out: Path, names: Sequence[str], overwrite: bool) -> None:
     the folder is created only when the results are written).
 
     Raises:
-        OutputExists: naming the file and the fix.
+        OutputExists: naming the file and the fix: ``out`` itself (or a folder above it) is an existing file, not a
+            folder (``--overwrite`` never replaces a file by a folder), or one of ``names`` exists in it.
     """
+    for folder in (out, *out.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise OutputExists(f"--out {out}: {folder} is an existing file, not a folder; nothing was written. "
+                                   "Name a folder (new or existing) for --out.")
+            break
     existing = [out / n for n in names if (out / n).exists()]
     if existing and not overwrite:
         raise OutputExists(f"{existing[0]} already exists; nothing was written. Pass --overwrite to replace it, or "

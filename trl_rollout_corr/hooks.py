@@ -43,6 +43,9 @@ class GenerationBatch:
         started: ``time.time()`` when the batch started (unix seconds).
         rewards: (B_global, F) TRL's gathered rewards (``_calculate_rewards``), or None.
         versions: (B,) int64 policy version per local row (``PolicyLag``; ``lag.row_versions``).
+        token_versions: (B, T) int64 policy version per completion token when some row spans a weight update (a
+            ``rollout_func``'s per-token ``policy_version`` that differs within a row; ``lag.token_versions``), else
+            None. A list of per-row lists between ``after_generate`` and ``on_batch``.
         keep_rows: (B,) bool rows within ``max_policy_lag`` at generation; None: no bound (``PolicyLag``).
         routes: per-row expert choices (``RoutingReplay``: recorded by generate or a ``rollout_func``'s, checked).
         mu_captured: mu came from the generate capture, not from TRL (``BehaviourLogProbs``).
@@ -56,6 +59,7 @@ class GenerationBatch:
     started: float
     rewards: Optional[torch.Tensor] = None
     versions: Optional[torch.Tensor] = None
+    token_versions: Optional[Any] = None
     keep_rows: Optional[torch.Tensor] = None
     routes: Optional[list] = None
     mu_captured: bool = False
@@ -129,6 +133,8 @@ class LossStep:
             scored and measured, missed tokens into the batch) instead of ``loss``.
         reuse: ``(input_ids, attention_mask, logits_to_keep, result)`` of a policy forward the mode ran itself in
             ``prepare_loss``; TRL's own loss forward over the same rows returns ``result`` instead of running again.
+        trained_tokens: 0-d int64, the tokens of this micro-batch that carry gradient (in the loss mask after RS and
+            the lag filter, with a non-zero IS weight), set by the correction modes' ``loss``; None otherwise.
     """
 
     original: dict
@@ -136,6 +142,7 @@ class LossStep:
     policy_log_probs: Optional[torch.Tensor] = None
     old_from_loss: bool = False
     reuse: Optional[tuple] = None
+    trained_tokens: Optional[torch.Tensor] = None
 
 
 # ---------------------------------------------------------------------------------------------- the protocols

@@ -2,7 +2,8 @@
 
 A sample's *version* is the optimizer step (``trainer.state.global_step``) of the weights the rollout engine held
 when it generated it (for an engine synced every few steps: the step of its last sync). A rollout that spans a
-weight update may report one version per token; the sample's version is its oldest token's. Its *lag* when
+weight update may report one version per token; the sample's version is its oldest token's (the lag split scores
+each token at its own version: ``token_versions``). Its *lag* when
 trained on is the current optimizer step minus its version: 0 for synchronous GRPO with one update per
 generation batch, and positive with ``num_iterations > 1``, ``steps_per_generation > 1``, a weight sync every k
 steps, or asynchronous generation. All lags are in optimizer steps.
@@ -82,6 +83,43 @@ def row_versions(
             "the sample, never a later step. Report the step at which the engine's weights were synced."
         )
     return torch.tensor(versions, dtype=torch.int64)
+
+
+def token_versions(
+    raw: Optional[Sequence[VersionLike]], versions: torch.Tensor, width: int,
+) -> Optional[torch.Tensor]:
+    """(B, T) int64 policy version of each completion token, or None when no row spans a weight update.
+
+    A rollout that spans a weight update reports one version per token; the lag split scores each token at its own
+    version (issue 44: scoring a row at its oldest version made the "engine factor" of the tokens sampled after the
+    update pure staleness). Rows given one int, and positions past a row's completion, hold the row's version.
+
+    Args:
+        raw: the ``policy_version`` that ``row_versions`` checked (None: no versions).
+        versions: (B,) int64, ``row_versions(raw, ...)``.
+        width: T, the padded completion length of the batch (>= every per-token list's length).
+
+    Returns:
+        (B, T) int64, or None when ``raw`` is None or every row's tokens share one version (then the row versions
+        say everything, and nothing per token needs to travel).
+
+    Raises:
+        ValueError: a per-token list longer than ``width``.
+    """
+    if raw is None:
+        return None
+    rows = [None if _integer(v) is not None else [int(_integer(x)) for x in v] for v in raw]
+    if not any(r is not None and min(r) != max(r) for r in rows):
+        return None
+    out = versions.to(torch.int64)[:, None].repeat(1, int(width))
+    for i, tokens in enumerate(rows):
+        if tokens is None:
+            continue
+        if len(tokens) > width:
+            raise ValueError(f"policy_version of row {i} has {len(tokens)} per-token versions for a batch of "
+                             f"{width} completion positions; give one version per completion token.")
+        out[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+    return out
 
 
 def _integer(value: Any) -> Optional[int]:

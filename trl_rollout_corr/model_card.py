@@ -69,11 +69,24 @@ def rollout_engine_record(trainer: Any) -> dict[str, Any]:
     args = trainer.args
     if getattr(trainer, "use_vllm", False):
         return {"rollout_engine": f"TRL vLLM ({args.vllm_mode})", "rollout_logprobs_mode": "processed_logprobs"}
+    if getattr(trainer, "use_transformers_continuous_batching", False):
+        return continuous_batching_record(trainer)
     dtype = getattr(args, "rollout_generate_dtype", None)
     if dtype is None:
         dtype = "bfloat16 (autocast)" if args.bf16 else str(next(trainer.model.parameters()).dtype).split(".")[-1]
     return {"rollout_engine": "transformers.generate", "rollout_dtype": dtype,
             "rollout_logprobs_mode": "processed scores (after logits processors)"}
+
+
+def continuous_batching_record(trainer: Any) -> dict[str, Any]:
+    """What TRL's continuous-batching path (``use_transformers_continuous_batching``, ``generate_batch``) ran: the
+    training dtype TRL casts the policy to for it (bf16 / fp16 when set, else the weights' own), no log-probs.
+    ``rollout_generate_dtype`` is refused with it (``RolloutCorrGRPOConfig``)."""
+    args = trainer.args
+    dtype = "bfloat16" if args.bf16 else "float16" if getattr(args, "fp16", False) else str(
+        next(trainer.model.parameters()).dtype).split(".")[-1]
+    return {"rollout_engine": "transformers continuous batching (generate_batch)", "rollout_dtype": dtype,
+            "rollout_logprobs_mode": "none (continuous batching returns no log-probs)"}
 
 
 def render_section(correction: Mapping[str, Any], engine: Mapping[str, Any],

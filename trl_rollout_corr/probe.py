@@ -146,6 +146,13 @@ def _check_args(args: argparse.Namespace) -> None:
                             ("--min-p", args.min_p, 0 <= args.min_p < 1)):
         if not ok:
             raise ProbeError(f"{flag} {value!r} is out of range.")
+    top = getattr(args, "top_tokens", 0)
+    if top < 0:
+        raise ProbeError(f"--top-tokens {top}: the number of most mismatched tokens to show must be >= 0 (0: none).")
+    fail_above = getattr(args, "fail_above", None)
+    if fail_above is not None and not math.isfinite(fail_above):
+        raise ProbeError(f"--fail-above {fail_above}: a CI gate needs a finite threshold (nan never fails, inf never "
+                         "fails); give a number, e.g. --fail-above 0.05, or drop the flag.")
 
 
 # ---------------------------------------------------------------------------------------------- prompts

@@ -68,6 +68,7 @@ def _accelerate_reducers(accelerator) -> Reducers:
 
     return Reducers(
         world_size=accelerator.num_processes,
+        rank=accelerator.process_index,
         sum=lambda t: accelerator.reduce(t, reduction="sum"),
         max=extreme(torch.distributed.ReduceOp.MAX),
         min=extreme(torch.distributed.ReduceOp.MIN),

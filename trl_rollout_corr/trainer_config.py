@@ -121,7 +121,8 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
         rollout_generate_dtype (`str`, *optional*):
             Plain ``transformers.generate`` path only: sample from a ``bfloat16`` / ``float16`` / ``float32`` copy of
             the weights (``engines.transformers_generate.generate_in_dtype``), e.g. a bf16 rollout engine next to a
-            float32 trainer. Unset: generate with the weights as they are.
+            float32 trainer. Unset: generate with the weights as they are. Refused with ``use_vllm`` and with
+            ``use_transformers_continuous_batching`` (paths that never run it).
         max_policy_lag (`int`, *optional*):
             Drop every sample whose policy lag (optimizer steps between the version of the weights that generated
             it and the update that uses it; ``lag.py``) exceeds this, from the loss and (when the lag is already
@@ -151,6 +152,13 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             ``rollout_corr/{engine,lag,update,direct}_ratio_*``. Keeps a copy of the weights of every version still
             in use (one per optimizer step of lag) and runs one extra no-grad forward per stale version and
             generation batch. Decoupled mode or no correction (bypass has no pi_old).
+        skip_empty_steps (`bool`, defaults to `False`):
+            Skip ``optimizer.step()`` on an optimizer step in which no token carries gradient anywhere (every token
+            rejected by RS, zero-weighted by IcePop or dropped by ``max_policy_lag``, over all micro-batches and
+            ranks): the weights and the optimizer state stay as they are, where TRL would let AdamW's momentum and
+            weight decay move the weights on a zero gradient. Logged as ``rollout_corr/skipped_step_fraction``; the
+            learning-rate schedule and ``global_step`` advance as usual. Needs a configured correction; refused under
+            DeepSpeed (its engine steps the optimizer itself).
         vllm_importance_sampling_correction (`bool`, *optional*):
             TRL's own vLLM IS correction (TRL's flags: ``--vllm_importance_sampling_correction [true|false]``,
             ``--no_vllm_importance_sampling_correction``). Unset: off when this config's correction is enabled (IS,
@@ -269,6 +277,14 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             "version. Decoupled mode or no correction."
         },
     )
+    skip_empty_steps: bool = field(
+        default=False,
+        metadata={
+            "help": "Skip optimizer.step() on a step where no token carries gradient on any rank (all rejected by "
+            "RS / IcePop or dropped by max_policy_lag), so AdamW's momentum does not move the weights; logged as "
+            "rollout_corr/skipped_step_fraction. Needs a correction; not with DeepSpeed."
+        },
+    )
     vllm_importance_sampling_correction: Optional[bool] = field(
         default=None,
         metadata={
@@ -323,6 +339,12 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                     "rollout_dump_dir, or unset rollout_dump_every.")
         self._check_policy_lag(correction)
         self._check_async()
+        if self.skip_empty_steps and not correction.enabled:
+            _refuse(
+                "skip_empty_steps skips the optimizer on steps whose every token the correction rejected; without a "
+                "correction nothing is rejected and the trainer is TRL's GRPO. Configure a rollout correction or "
+                "unset skip_empty_steps."
+            )
         self._check_keep_rejected(correction)
         if correction.enabled:
             self._check_compatibility(correction)
@@ -340,6 +362,13 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             _refuse(
                 "rollout_generate_dtype applies to the transformers.generate path only; with use_vllm=True the "
                 "rollout dtype is vLLM's own (its model dtype); unset rollout_generate_dtype."
+            )
+        if self.use_transformers_continuous_batching:
+            _refuse(
+                "rollout_generate_dtype applies to the plain transformers.generate path only; with "
+                "use_transformers_continuous_batching=True TRL's generate_batch samples in the training dtype "
+                "(bf16 / fp16 / the weights' own) and returns no log-probs; unset rollout_generate_dtype, or set "
+                "use_transformers_continuous_batching=False."
             )
 
     def _check_routing_replay(self) -> None:

@@ -442,6 +442,56 @@ def global_masked_mean(
     return (total[0] / total[1].clamp(min=1.0)).item()
 
 
+def clip_ratio_extremes(clipped_low: torch.Tensor, clipped_high: torch.Tensor, keep: torch.Tensor,
+                        gather: Callable[[torch.Tensor], torch.Tensor]) -> tuple[float, float]:
+    """TRL's ``clip_ratio/low_min`` and ``clip_ratio/high_max`` of one micro-batch, as ``GRPOTrainer._compute_loss``
+    logs them: each row's fraction of clipped tokens over its ``keep`` tokens (NaN for a row without one), gathered
+    over processes, then TRL's ``nanmin`` / ``nanmax`` (NaN when no row anywhere has a kept token).
+
+    Args:
+        clipped_low, clipped_high: (B, T) bool, tokens clipped below / above (PPO-clip, with the advantage's sign).
+        keep: (B, T) bool, the tokens in the loss.
+        gather: the cross-process gather of a (B,) tensor (``accelerator.gather``; the identity on one process).
+
+    Returns:
+        ``(low_min, high_max)`` as Python floats (fractions in [0, 1], or NaN).
+    """
+    from trl.trainer.utils import nanmax, nanmin
+
+    mask = keep.float()
+
+    def masked_seq_mean(x: torch.Tensor) -> torch.Tensor:
+        return (x.float() * mask).sum(-1) / mask.sum(-1)
+
+    return (nanmin(gather(masked_seq_mean(clipped_low.detach()))).item(),
+            nanmax(gather(masked_seq_mean(clipped_high.detach()))).item())
+
+
+def wrap_optimizer_step(optimizer: Any, allow: Callable[[], bool]) -> None:
+    """Make ``optimizer.step()`` a no-op whenever ``allow()`` returns False (``features.empty_steps``).
+
+    The Trainer (transformers 5.x, ``_run_epoch``) calls ``self.optimizer.step()`` once per optimizer
+    step, on the optimizer ``accelerator.prepare`` returned (pinned in ``tests/test_trl_compat.py``); the wrapper is
+    set on that instance once (``_rollout_corr_step_wrapped``), and ``allow`` runs on every call (it may run a
+    collective: every rank calls ``step``).
+
+    Args:
+        optimizer: the prepared optimizer (``trainer.optimizer``).
+        allow: called at each ``step``; False skips the step.
+    """
+    if getattr(optimizer, "_rollout_corr_step_wrapped", False):
+        return
+    step = optimizer.step
+
+    def maybe_step(*args, **kwargs):
+        if allow():
+            return step(*args, **kwargs)
+        return None
+
+    optimizer.step = maybe_step
+    optimizer._rollout_corr_step_wrapped = True
+
+
 def check_vllm_server_logprobs(vllm_client: Any) -> None:
     """Refuse a TRL vLLM server whose log-probs are not those of the sampling distribution.
 

@@ -14,6 +14,8 @@ DEFAULT_TOLERANCE = 1e-5
 
 # Logged keys analyze cannot recompute from records, by prefix, and why (CheckResult.why_not_recomputed).
 NOT_RECOMPUTABLE = {
+    "rollout_corr/skipped_step_fraction": "a trainer event (skip_empty_steps skipped the optimizer), not a statistic "
+                                          "of the rows",
     "rollout_corr/routing_": "the trainer's own router top-k before replay is a forward of the model; the records "
                              "hold the replayed routes (routes_packed), not the trainer's choices",
 }
@@ -52,8 +54,10 @@ class CheckResult:
 
     Attributes:
         compared: number of (step, key) pairs compared. failures: (step, key, logged, recomputed) beyond tolerance.
-        max_abs_diff, max_rel_diff: over the compared pairs. not_recomputed: logged keys this version does not
-            recompute (e.g. added by a newer trainer). not_logged: recomputed keys the step did not log.
+        max_abs_diff, max_rel_diff: over the compared pairs (for a quantile read off a sketch: the distance of the
+            logged value from the interval the exact quantile lies in, 0 inside it).
+        not_recomputed: logged keys this version does not recompute (e.g. added by a newer trainer).
+        not_logged: recomputed keys the step did not log.
         skipped: logged steps not checked, with the reason.
     """
 
@@ -82,6 +86,9 @@ def check_against_logs(analysis: Analysis, recomputer: Recomputer,
     """Compare every logged ``rollout_corr/*`` value of the analysed windows with its recomputation.
 
     A pair passes when ``|logged - recomputed| <= tolerance * max(1, |logged|)`` (absolute below 1, relative above).
+    A quantile of a window over ``sketch.EXACT_MAX`` tokens (``Part.bounds``) passes when the logged value is within
+    the same tolerance of the interval the exact quantile lies in: a log of this version (the same sketch, bit-equal
+    counts) and a log of an older version (exact quantiles) both pass, a value outside the sketch's guarantee fails.
     Windows whose generation batches are incomplete in the dump are skipped (named in ``skipped``).
     """
     result = CheckResult(tolerance=tolerance)
@@ -98,12 +105,17 @@ def check_against_logs(analysis: Analysis, recomputer: Recomputer,
         if incomplete:
             result.skipped[w.logged_step] = f"generation batch {incomplete[0]} is incomplete in the dump"
             continue
-        ours = analysis.per_window[w.logged_step].metrics()
+        part = analysis.per_window[w.logged_step]
+        ours, bounds = part.metrics(), part.bounds()
         for key, value in logged.items():
             if key not in ours:
                 result.not_recomputed.add(key)
                 continue
-            diff = abs(float(value) - ours[key])
+            if key in bounds:
+                lower, upper = bounds[key]
+                diff = max(lower - float(value), float(value) - upper, 0.0)
+            else:
+                diff = abs(float(value) - ours[key])
             result.compared += 1
             result.max_abs_diff = max(result.max_abs_diff, diff)
             result.max_rel_diff = max(result.max_rel_diff, diff / max(abs(float(value)), 1e-300))

@@ -164,7 +164,7 @@ class Recomputer:
         sizes = size[tokens].double()
         sums = torch.stack([tokens.sum().double(), log_mass[tokens].double().sum(), sizes.sum(),
                             (sizes == 1).sum().double(), miss[tokens].sum().double()])
-        return SupportStats(sums, [sizes])
+        return SupportStats.from_sizes(sums, sizes)
 
     def _decoupled(self, fn, per_window: dict[int, Part], restored: Part, edges,
                    config: RolloutCorrectionConfig) -> None:
@@ -204,7 +204,7 @@ class Recomputer:
                           "lag": (b["old"].float() - b["version"])[valid], "update": d.update[valid],
                           "direct": d.direct[valid]}
             for name, values in ratios.items():
-                part.log_ratios.setdefault(name, []).append(values.double())
+                part.add_log_ratios(name, values)
 
     def _lone_survivors(self, config, b: dict, out, part: Part) -> None:
         """``rs_lone_survivor_fraction`` of one generation batch, as the trainer counts it: rows RS kept while
@@ -246,7 +246,7 @@ class Recomputer:
                 out, b, part = self._correct(fn, config, index, "log_probs", edges, keep=self.kept_at_use)
                 direct = b["log_probs"].float() - b["rollout"].float()
                 keep = (out.response_mask != 0) & torch.isfinite(direct)
-                part.log_ratios["direct"] = [direct[keep].double()]
+                part.add_log_ratios("direct", direct[keep])
                 target.merge(part)
 
     def _row_lags(self) -> torch.Tensor:

@@ -7,10 +7,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..accumulator import PREFIX, exact_ratio_quantiles
+from ..accumulator import PREFIX
 from ..config import RolloutCorrectionConfig
 from ..correction import SAFETY_BOUND, CorrectionStats
 from ..records import RolloutDump, Window, padded
+from ..sketch import ValueSketch, ratio_bounds, ratio_layout, ratio_metrics
 from .configs import ConfigError, NamedConfig, check_recomputable, rs_on_engine
 
 
@@ -157,12 +158,12 @@ class Counts:
 
 @dataclass
 class Part:
-    """Merged statistics, kept counts and raw log ratios of some correction calls (a window, a run, a slice)."""
+    """Merged statistics, kept counts and log-ratio sketches of some correction calls (a window, a run, a slice)."""
 
     stats: Optional[CorrectionStats] = None
     counts: Counts = field(default_factory=Counts)
     counts_by_length: dict[int, Counts] = field(default_factory=dict)
-    log_ratios: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    log_ratios: dict[str, ValueSketch] = field(default_factory=dict)  # as the accumulator's (sketch.py)
     lag_counts: dict[str, list[int]] = field(default_factory=dict)  # lag.lag_counts names -> [num, den]
     lag_max: Optional[int] = None
     fractions: dict[str, list[int]] = field(default_factory=dict)  # name -> [hits, total] (global row counts)
@@ -170,6 +171,13 @@ class Part:
 
     def add_stats(self, stats: CorrectionStats) -> None:
         self.stats = stats if self.stats is None else self.stats.merge(stats)
+
+    def add_log_ratios(self, name: str, values: torch.Tensor) -> None:
+        """Add the (N,) log ratios (nats) of trained tokens to ``name`` (``engine``, ``update``, ``lag``,
+        ``direct``), as ``RolloutCorrAccumulator.add_log_ratios`` does."""
+        if name not in self.log_ratios:
+            self.log_ratios[name] = ValueSketch(ratio_layout())
+        self.log_ratios[name].add(values)
 
     def merge(self, other: "Part") -> None:
         if other.stats is not None:
@@ -179,8 +187,9 @@ class Part:
         self.counts.add(other.counts)
         for j, c in other.counts_by_length.items():
             self.counts_by_length.setdefault(j, Counts()).add(c)
-        for name, values in other.log_ratios.items():
-            self.log_ratios.setdefault(name, []).extend(values)
+        for name, sketch in other.log_ratios.items():
+            mine = self.log_ratios.get(name)
+            self.log_ratios[name] = sketch if mine is None else mine.merge(sketch)
         for name, (num, den) in other.lag_counts.items():
             counts = self.lag_counts.setdefault(name, [0, 0])
             counts[0] += num
@@ -200,8 +209,7 @@ class Part:
         if self.support is not None:
             out.update(self.support.finalize())
         for name in sorted(self.log_ratios):
-            values = torch.cat(self.log_ratios[name]) if self.log_ratios[name] else torch.zeros(0, dtype=torch.float64)
-            for key, value in exact_ratio_quantiles(values).items():
+            for key, value in ratio_metrics(self.log_ratios[name]).items():
                 out[f"{PREFIX}{name}_ratio_{key}"] = value
         for name, (num, den) in sorted(self.lag_counts.items()):
             if den > 0:  # as the accumulator's exact fractions: an empty denominator is not logged
@@ -211,6 +219,16 @@ class Part:
         for name, (hits, total) in sorted(self.fractions.items()):
             if total:  # as the accumulator: a fraction of no row is not logged
                 out[f"{PREFIX}{name}"] = hits / total
+        return out
+
+    def bounds(self) -> dict[str, tuple[float, float]]:
+        """Quantile keys of ``metrics`` read off a sketch (windows over ``sketch.EXACT_MAX`` tokens) -> (lower,
+        upper): the interval the exact value lies in (``check_against_logs`` accepts a logged value inside it)."""
+        out = {}
+        for name, sketch in self.log_ratios.items():
+            out.update({f"{PREFIX}{name}_ratio_{key}": b for key, b in ratio_bounds(sketch).items()})
+        if self.support is not None:
+            out.update(self.support.size_bounds())
         return out
 
 

@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 from ..accumulator import PREFIX
 from ..records import RecordsError, RolloutDump, Window
 from .check import DEFAULT_TOLERANCE, CheckResult, check_against_logs, check_length_edges, check_tolerance
-from .configs import NamedConfig, check_recomputable
+from .configs import ConfigError, NamedConfig, check_recomputable
 from .recompute import Analysis, Recomputer
 from .rows import Counts, Part, check_config_fits
 
@@ -67,6 +67,46 @@ def analysable_windows(dump: RolloutDump, steps: Optional[tuple[int, int]] = Non
     return windows
 
 
+def refuse_cut_generations(dump: RolloutDump, windows: Sequence[Window], incomplete: set[int],
+                           steps: tuple[int, int]) -> None:
+    """Refuse a ``--steps`` range that cuts a generation batch: the correction's statistics (RS, batch
+    normalisation, group baselines) are per generation batch, so such a batch cannot be recomputed from part of its
+    rows (it was skipped, and with every batch cut nothing was compared: exit 1 with "NO VALUES COMPARED").
+
+    Args:
+        dump: the open dump. windows: the selected windows. incomplete: generation batches with fewer rows than a
+            full one in the selection (``Recomputer.incomplete``). steps: the selected (first, last) logged steps.
+
+    Raises:
+        ConfigError: naming the cut batch, the logged steps outside the range that hold the rest of its rows, and a
+            range that covers it. Batches incomplete in the whole dump (``rollout_dump_every``, the run's last
+            steps) are not refused: the check skips them and says why.
+    """
+    if not incomplete:
+        return
+    import pyarrow.parquet as pq
+
+    selected = {w.logged_step for w in windows}
+    outside: dict[int, list[int]] = {}
+    for w in dump.windows:
+        if w.logged_step in selected or not w.files:
+            continue
+        for path in w.files:
+            batches = set(pq.read_table(path, columns=["generation_batch"]).column(0).to_pylist())
+            for batch in batches & incomplete:
+                outside.setdefault(batch, []).append(w.logged_step)
+    if outside:
+        batch = min(outside)
+        logged = sorted(set(outside[batch]))
+        first, last = min([*logged, *selected]), max([*logged, *selected])
+        shown = "" if steps[1] >= 10**12 else steps[1]
+        raise ConfigError(
+            f"--steps {steps[0]}:{shown} cuts generation batch {batch}: the rest of its rows were trained in logged "
+            f"step(s) {', '.join(map(str, logged))}, outside the range, and the correction's statistics are per "
+            f"generation batch. Select whole generation batches, e.g. --steps {first}:{last}."
+        )
+
+
 def analyse_dump(dump: RolloutDump, configs: Sequence[NamedConfig], *, length_buckets: Optional[Sequence[int]] = None,
                  steps: Optional[tuple[int, int]] = None,
                  tolerance: float = DEFAULT_TOLERANCE) -> tuple[CheckResult, list[Analysis], Recomputer]:
@@ -90,6 +130,8 @@ def analyse_dump(dump: RolloutDump, configs: Sequence[NamedConfig], *, length_bu
         length_buckets = check_length_edges(length_buckets)
     windows = analysable_windows(dump, steps)
     recomputer = Recomputer(dump, windows)
+    if steps is not None:
+        refuse_cut_generations(dump, windows, recomputer.incomplete, steps)
     trained = NamedConfig("trained", dump.correction_config())
     for named in configs:  # fail before any work on a config the dump cannot serve
         check_config_fits(recomputer.rows, named, dump)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..hooks import Feature, Features
 from .behaviour import BehaviourLogProbs
+from .empty_steps import SkipEmptySteps
 from .lag_split import LagSplit
 from .policy_lag import PolicyLag
 from .rollout_records import RolloutRecords
@@ -24,11 +25,12 @@ FEATURES: tuple[type[Feature], ...] = (
     RoutingReplay,      # routing_replay="r3": its replay encloses support scoring in every forward
     SupportMatching,    # always (sampler contract); matching when rollout_support_matching != "off"
     LagSplit,           # policy_lag_split
+    SkipEmptySteps,     # skip_empty_steps: counts each micro-batch's tokens with gradient (after_loss)
     RolloutRecords,     # rollout_dump_dir: last, so nothing is written before every other part accepted the setup
 )
 
 __all__ = ["FEATURES", "BehaviourLogProbs", "LagSplit", "PolicyLag", "RolloutRecords", "RoutingReplay",
-           "SupportMatching", "build_features", "check_trainer_args"]
+           "SkipEmptySteps", "SupportMatching", "build_features", "check_trainer_args"]
 
 
 def check_trainer_args(args, trainer_args) -> None:

@@ -1,10 +1,13 @@
 """``policy_lag_split``: the direct ratio split in three (spec section 7), engine ``pi_train@v / mu``, lag
 ``pi_old / pi_train@v`` and update ``pi_theta / pi_old``.
 
-The trainer keeps a copy of the policy's weights per version still in use (one per optimizer step of lag; taken when
-a generation batch starts) and, after the mode has scored a batch (pi_old exists then), scores each stale version's
-rows with a scratch copy of the policy: one no-grad forward (role ``version``: support-scored when matching, as pi_old
-and mu are; each row's own routes replayed with routing replay) per stale version and generation batch.
+The trainer keeps a copy of the policy's weights per version still in use: one per optimizer step of lag, taken when
+a generation batch starts and at the first micro-batch of every optimizer step, so that it holds every version an
+engine can publish, also steps at which it did not generate (an asynchronous engine publishing after every optimizer
+step, with ``num_iterations > 1`` or ``steps_per_generation`` > accumulation). After the mode has scored a batch
+(pi_old exists then), it scores each stale version's rows with a scratch copy of the policy: one no-grad forward
+(role ``version``: support-scored when matching, as pi_old and mu are; each row's own routes replayed with routing
+replay) per stale version and generation batch.
 The result rides in the batch as ``rollout_version_log_probs``; the mode's ratio decomposition reads it.
 """
 
@@ -17,7 +20,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 
 from .. import support, trl_compat
-from ..hooks import Feature, ForwardCall, GenerationBatch
+from ..hooks import Feature, ForwardCall, GenerationBatch, LossStep
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
@@ -31,9 +34,9 @@ class LagSplit(Feature):
     """The weights of every version in use, and the per-version log-probs (module docstring).
 
     Raises:
-        ValueError: (``after_score``) a row's version is one whose weights this trainer never held (a version that is
-            not a step at which it generated, or one before the checkpoint it resumed from) or no longer holds
-            (versions going backwards).
+        ValueError: (``after_score``) a row's version is one whose weights this trainer never held (a version
+            that is not a step at which it generated or trained, or one before the checkpoint it resumed from) or no
+            longer holds (versions going backwards).
     """
 
     name = "lag_split"
@@ -46,15 +49,25 @@ class LagSplit(Feature):
         self.weights: dict[int, dict[str, torch.Tensor]] = {}  # version (optimizer step) -> state dict
         self.model: Optional[torch.nn.Module] = None  # the scratch copy that scores old versions
 
-    @contextlib.contextmanager
-    def generation(self, trainer, gen: GenerationBatch) -> Iterator[None]:
+    def _keep_current(self, trainer) -> None:
         """Training: keep a copy of the policy's weights as version ``global_step`` (the weights any engine syncing
-        now would receive; pruned in ``after_score``)."""
+        or publishing now would receive; pruned in ``after_score``), once per optimizer step."""
         step = trainer.state.global_step
         if trainer.metrics_mode == "train" and step not in self.weights:
             state = trainer.accelerator.unwrap_model(trainer.model).state_dict()
             self.weights[step] = {k: v.detach().clone() for k, v in state.items()}
+
+    @contextlib.contextmanager
+    def generation(self, trainer, gen: GenerationBatch) -> Iterator[None]:
+        """The weights of this generation's step (``_keep_current``)."""
+        self._keep_current(trainer)
         yield
+
+    def before_loss(self, trainer, step: LossStep) -> None:
+        """The weights of every optimizer step, also one without a generation (``_keep_current``): an asynchronous
+        engine publishes after every optimizer step (``VLLMCPURollout(async_depth=d)``), so a later batch can come
+        from a step at which the trainer only trained on buffered rows (issue 44, item 2)."""
+        self._keep_current(trainer)
 
     def after_score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
         """``batch["rollout_version_log_probs"]`` (``version_log_probs``, unless the mode asked for it already: RS on
@@ -66,10 +79,11 @@ class LagSplit(Feature):
             del self.weights[version]
 
     def version_log_probs(self, trainer, batch: dict) -> Optional[torch.Tensor]:
-        """(B, T) float32 log pi_train@v of each row at its own version v, stored as
-        ``batch["rollout_version_log_probs"]`` (computed once per batch; the stored tensor afterwards); rows of the
-        current version reuse pi_old exactly (their lag ratio is 1). None while the batch has no pi_old or no
-        versions."""
+        """(B, T) float32 log pi_train@v of each token at its own version v, stored as
+        ``batch["rollout_version_log_probs"]`` (computed once per batch; the stored tensor afterwards). A token's
+        version is its row's, or, for a row that spans a weight update, its own (``rollout_policy_version_tokens``):
+        one forward per stale version over the rows holding a token of it. Tokens of the current version reuse
+        pi_old exactly (their lag ratio is 1). None while the batch has no pi_old or no versions."""
         if "rollout_version_log_probs" in batch:
             return batch["rollout_version_log_probs"]
         old = batch.get("old_per_token_logps", batch.get("rollout_old_log_probs"))
@@ -77,22 +91,25 @@ class LagSplit(Feature):
         if old is None or versions is None:
             return None
         step = trainer.state.global_step
+        tokens = batch.get("rollout_policy_version_tokens")
+        if tokens is None:
+            tokens = versions[:, None].expand(old.shape)
         version_log_probs = old.detach().float().clone()
-        for version in sorted(set(versions.tolist()) - {step}):
+        for version in sorted(set(tokens.unique().tolist()) - {step}):
             weights = self.weights.get(version)
             if weights is None:
                 raise ValueError(
                     f"policy_lag_split: rows of version {version} arrived, but the trainer holds no weights of that "
-                    f"version (held: {sorted(self.weights)}); versions must be optimizer steps at which "
-                    "this trainer generated, never going backwards. A trainer resumed from a checkpoint holds no "
+                    f"version (held: {sorted(self.weights)}); versions must be optimizer steps at which this trainer "
+                    "generated or trained, never going backwards. A trainer resumed from a checkpoint holds no "
                     "weights of the steps before the resume (the checkpoint has the current ones only): restart "
                     "the engine with the trainer, or resume from a checkpoint at one of its weight syncs. Else "
                     "unset policy_lag_split."
                 )
-            rows = versions == version
-            version_log_probs[rows] = self._log_probs_at_version(trainer, weights, {
-                k: batch[k][rows] for k in _ROW_KEYS if k in batch
-            })
+            at = tokens == version
+            rows = at.any(dim=1)
+            scored = self._log_probs_at_version(trainer, weights, {k: batch[k][rows] for k in _ROW_KEYS if k in batch})
+            version_log_probs[rows] = torch.where(at[rows], scored, version_log_probs[rows])
         batch["rollout_version_log_probs"] = version_log_probs
         return version_log_probs
 

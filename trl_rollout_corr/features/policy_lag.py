@@ -20,7 +20,7 @@ import torch
 from .. import trl_compat
 from ..baseline import rows_out_of_baseline
 from ..hooks import Feature, GenerationBatch, LossStep
-from ..lag import drop_stale_rows, lag_keep, policy_lag, row_versions
+from ..lag import drop_stale_rows, lag_keep, policy_lag, row_versions, token_versions
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
@@ -47,15 +47,20 @@ class PolicyLag(Feature):
         required = trainer.rollout_func is not None and self.bound is not None
         gen.versions = row_versions(raw, len(result[1]), trainer.state.global_step, required=required,
                                     completion_lengths=[len(ids) for ids in result[1]])
+        gen.token_versions = raw  # made (B, T) in on_batch (None unless a row spans a weight update)
 
     def on_batch(self, trainer, gen: GenerationBatch, batch: dict) -> None:
         """``gen.versions`` on the batch's device (the current step when no generation ran through ``_generate``: not
-        a TRL 1.16 path), ``gen.keep_rows``; bypass mode: rows over the bound leave their group's baseline."""
+        a TRL 1.16 path), ``gen.token_versions`` (B, T) when a row spans a weight update (``lag.token_versions``),
+        ``gen.keep_rows``; bypass mode: rows over the bound leave their group's baseline."""
         completion_ids = batch["completion_ids"]
         versions = gen.versions
         if versions is None:
             versions = torch.full((completion_ids.size(0),), trainer.state.global_step, dtype=torch.int64)
         gen.versions = versions.to(completion_ids.device)
+        if gen.token_versions is not None and not isinstance(gen.token_versions, torch.Tensor):
+            tokens = token_versions(gen.token_versions, gen.versions.cpu(), completion_ids.size(1))
+            gen.token_versions = None if tokens is None else tokens.to(completion_ids.device)
         if self.bound is None:
             return
         gen.keep_rows = lag_keep(policy_lag(gen.versions, trainer.state.global_step), self.bound)

@@ -160,7 +160,8 @@ def micro_batch(step: int, inputs: dict, log_probs: Optional[torch.Tensor], *, t
             old_log_probs=inputs.get("old_per_token_logps", inputs.get("rollout_old_log_probs")),
             log_probs=log_probs, ref_log_probs=inputs.get("ref_per_token_logps"),
             rollout_is_weights=inputs.get("rollout_is_weights"), rollout_rs_mask=inputs.get("rollout_rs_mask"),
-            version_log_probs=inputs.get("rollout_version_log_probs"), **support,
+            version_log_probs=inputs.get("rollout_version_log_probs"),
+            policy_version_tokens=inputs.get("rollout_policy_version_tokens"), **support,
         ),
         routes=inputs.get("routed_experts") if num_experts is not None else None, num_experts=num_experts,
     )
@@ -176,6 +177,10 @@ def rollout_engine_record(trainer) -> dict:
                     rollout_dtype="checkpoint dtype (TRL's vLLM)")
     if trainer.rollout_func is not None:
         return dict(rollout_engine=f"rollout_func {type(trainer.rollout_func).__name__}")
+    if trainer.use_transformers_continuous_batching:
+        from ..model_card import continuous_batching_record
+
+        return continuous_batching_record(trainer)
     import transformers
 
     dtype = trainer.args.rollout_generate_dtype or str(next(trainer.model.parameters()).dtype).removeprefix("torch.")

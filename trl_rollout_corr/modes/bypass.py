@@ -22,7 +22,7 @@ from ..correction import make_correction_fn
 from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep
 from ..lag import drop_stale_rows
 from ..losses import DEFAULT_DUAL_CLIP, PPOClip, bypass_policy_loss
-from .common import attach_mu, require_mu
+from .common import attach_mu, require_mu, trained_token_count
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
@@ -62,6 +62,9 @@ class BypassMode(CorrectionMode):
             all_reduce=self._batch_norm_sum(trainer, model),
         )
         keep = out.mask
+        # PPO-clip takes the IS weights as metrics only; REINFORCE multiplies them in (IcePop's zeros train nothing)
+        weights = out.correction.weights if trainer.rollout_correction.bypass_loss_type != "ppo_clip" else None
+        step.trained_tokens = trained_token_count(keep, weights)
         trainer.rollout_corr_metrics.add_stats(mode, out.correction.stats)
         direct = per_token_logps.detach().float() - inputs["rollout_log_probs"].float()
         trainer.rollout_corr_metrics.add_log_ratios(mode, {"direct": direct[keep & torch.isfinite(direct)]})
@@ -149,7 +152,8 @@ class BypassMode(CorrectionMode):
 
     @staticmethod
     def _log_loss_metrics(trainer, keep, entropies, per_token_kl, out) -> None:
-        """TRL's loss metrics (``kl``, ``entropy``, ``clip_ratio/*``) for the bypass loss, over the kept tokens."""
+        """TRL's loss metrics (``kl``, ``entropy``, ``clip_ratio/*``, ``low_min`` / ``high_max`` included) for the
+        bypass loss, over the kept tokens."""
         reduce_sum = trainer.rollout_corr_reducers.all_reduce
         if per_token_kl is not None:
             trainer.trl_metric("kl", trl_compat.global_masked_mean(per_token_kl, keep, reduce_sum))
@@ -159,3 +163,7 @@ class BypassMode(CorrectionMode):
                        "clip_ratio/region_mean": out.clipped_high | out.clipped_low}
             for key, flags in clipped.items():
                 trainer.trl_metric(key, trl_compat.global_masked_mean(flags.float(), keep, reduce_sum))
+            low_min, high_max = trl_compat.clip_ratio_extremes(out.clipped_low, out.clipped_high, keep,
+                                                               trainer.accelerator.gather)
+            trainer.trl_metric("clip_ratio/low_min", low_min)
+            trainer.trl_metric("clip_ratio/high_max", high_max)

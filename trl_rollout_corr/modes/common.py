@@ -13,10 +13,13 @@ from ..hooks import GenerationBatch, LossStep
 
 def attach_mu(trainer, gen: GenerationBatch, batch: dict, mu: torch.Tensor) -> None:
     """The batch keys of mu: ``rollout_log_probs`` (B, T), ``rollout_generation_step`` (0-d: TRL's shuffle/split pass
-    it to every micro-batch unchanged) and ``rollout_policy_version`` (B,: they keep it with its rows)."""
+    it to every micro-batch unchanged), ``rollout_policy_version`` (B,: they keep it with its rows) and, when a row
+    spans a weight update, ``rollout_policy_version_tokens`` (B, T: ``GenerationBatch.token_versions``)."""
     batch["rollout_log_probs"] = mu
     batch["rollout_generation_step"] = torch.tensor(trainer.state.global_step)
     batch["rollout_policy_version"] = gen.versions
+    if gen.token_versions is not None:
+        batch["rollout_policy_version_tokens"] = gen.token_versions
 
 
 def require_mu(batch: dict) -> torch.Tensor:
@@ -54,3 +57,13 @@ def trl_loss_with_ratios(trainer, model, step: LossStep, loss_inputs: dict,
                       "update": d.update[valid], "direct": d.direct[valid]}
         trainer.rollout_corr_metrics.add_log_ratios(trainer.metrics_mode, ratios)
     return loss
+
+
+def trained_token_count(mask: torch.Tensor, weights=None) -> torch.Tensor:
+    """0-d int64: the tokens that carry gradient, ``mask`` (B, T) where the IS weights (B, T) or (B, 1) are non-zero
+    (IcePop's zeros and rejected tokens carry none); ``skip_empty_steps`` sums it over an optimizer step."""
+    kept = mask.bool()
+    if weights is not None:
+        kept = kept & (weights != 0)
+    return kept.sum().to(torch.int64).detach()
+

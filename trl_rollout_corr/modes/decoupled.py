@@ -25,7 +25,7 @@ from ..baseline import rows_out_of_baseline
 from ..correction import make_correction_fn
 from ..features.lag_split import LagSplit
 from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep
-from .common import attach_mu, require_mu, trl_loss_with_ratios
+from .common import attach_mu, require_mu, trained_token_count, trl_loss_with_ratios
 from .m2po_window import m2po_step_mask
 
 if TYPE_CHECKING:
@@ -150,4 +150,6 @@ class DecoupledMode(CorrectionMode):
     def loss(self, trainer, model, step: LossStep, trl_loss) -> torch.Tensor:
         """TRL's loss with the RS mask as loss mask/normaliser and the IS weights after the clip."""
         loss_inputs = trl_compat.inject_rs_mask_and_is_weights(step.inputs)
+        step.trained_tokens = trained_token_count(trl_compat.loss_mask(loss_inputs),
+                                                  step.inputs.get("rollout_is_weights"))
         return trl_loss_with_ratios(trainer, model, step, loss_inputs, trl_loss)

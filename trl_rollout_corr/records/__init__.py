@@ -17,8 +17,9 @@ metadata): a reader reads any dump of its major version. A minor version may onl
 added the columns of the features 1.0 could not follow (written only when the feature is on): ``version_log_probs``
 (``policy_lag_split``), ``support_miss`` with the reserved ``support_log_mass`` / ``support_size`` now filled
 (support matching), ``routes_packed`` (R3, ``routes``; it replaces 1.0's reserved nested-list ``routes``, never
-written). A 1.1 reader reads 1.0 dumps; a 1.0 reader reads a 1.1 dump without the new columns. A different major
-version is refused with an error naming the file and the fix (``RecordsError``).
+written), ``policy_version_tokens`` (reserved in 1.0, now filled when a row spans a weight update). A 1.1 reader
+reads 1.0 dumps; a 1.0 reader reads a 1.1 dump without the new columns. A different major version is refused with
+an error naming the file and the fix (``RecordsError``).
 
 Size: per sample about 4 bytes per prompt token and 14 bytes per completion token before compression (ids, masks
 and 2-4 float32 log-prob columns; + 4 with ``policy_lag_split``, + 9 with support matching, + L*k with R3 for every

@@ -93,10 +93,11 @@ COLUMNS = (
            "(decoupled mode)."),
     Column("policy_version", "int64", False, False, "Optimizer step of the weights that generated the sample (its "
            "oldest token's; the trainer's rollout_policy_version).", spec="7"),
-    Column("policy_version_tokens", "list<int64>", False, True, "Policy version per completion token.", spec="7",
-           reserved=True),
+    Column("policy_version_tokens", "list<int64>", False, True, "Policy version per completion token, written when "
+           "a row of the micro-batch spans a weight update (a rollout_func's per-token policy_version that differs "
+           "within a row); policy_version is then each row's oldest.", spec="7"),
     Column("version_log_probs", "list<float32>", False, True, "log pi_train@v (nats): the trainer's forward at the "
-           "row's own policy version v (policy_lag_split; equal to old_log_probs for rows of the current version, "
+           "token's own policy version v (policy_lag_split; equal to old_log_probs for tokens of the current version, "
            "NaN where that forward gave none). The lag split's engine ratio is version - mu, its lag ratio old - "
            "version.", spec="7"),
     Column("support_log_mass", "list<float32>", False, True, "log S (nats, <= 0) of the sampling support the trainer "
