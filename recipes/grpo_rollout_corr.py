@@ -10,6 +10,12 @@ GPU (TRL's own vLLM colocate path, scaled with accelerate / DeepSpeed):
     accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml \
         recipes/grpo_rollout_corr.py --config recipes/configs/gpu_qwen2.5-7b_decoupled_token_is.yaml
 
+Asynchronous GRPO (`--rollout_async_depth d`): with `--rollout_engine trl_vllm --use_vllm --vllm_mode server
+--vllm_server_start` (or `--rollout_engine transformers`) an engine process, TRL's vLLM server (or a transformers
+model), generates the next d generation batches while the trainer trains (the batch trained at step s comes from the
+weights of step s - d exactly; `rollout_async/*` metrics); with `--rollout_engine vllm_cpu` the in-process engine
+emulates the same staleness without the overlap.
+
 Every RolloutCorrGRPOConfig / GRPOConfig / ModelConfig flag does what TRL's own `trl/scripts/grpo.py` does with it
 (`--use_peft` and `--lora_*`, `--load_in_4bit`, `--resume_from_checkpoint`, `--eval_strategy` with the held-out split
 as `eval_dataset`, `--push_to_hub`, `--report_to`), or is refused with an error naming it (k-bit loading with the
@@ -91,10 +97,6 @@ class ScriptArguments:
     rollout_sync_interval: int = field(
         default=1, metadata={"help": "vllm_cpu: push the trainer's weights to the engine every k optimizer steps "
                              "(1: every step; k > 1: stale rollouts, policy lag up to k - 1)."})
-    rollout_async_depth: int = field(
-        default=0, metadata={"help": "vllm_cpu: generate with the weights of d optimizer steps ago (asynchronous "
-                             "GRPO's lag, exactly d once past step d, for any steps_per_generation; 0: off). "
-                             "Exclusive with rollout_sync_interval."})
     vllm_server_start: bool = field(default=False, metadata={
         "help": "trl_vllm with --vllm_mode server: start `trl-rollout-corr vllm-serve` (rollout_dtype, eager, on a "
         "free 127.0.0.1 port; CPU: the gloo weight sync) as a subprocess for the run, and stop it at the end, also "
@@ -127,6 +129,8 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
     with server:
         print(f"[vllm] server ready at {server.base_url} in {server.startup_s:.1f}s", flush=True)
         training_args.vllm_server_base_url = server.base_url
+        if training_args.rollout_async_depth and training_args.rollout_async_server_log is None:
+            training_args.rollout_async_server_log = str(server.log_path)  # quoted if the server fails
         return run(script_args, training_args, model_args, trainer_cls,
                    engine_extra={"vllm_server_startup_s": round(server.startup_s, 1)})
 
@@ -180,11 +184,15 @@ def run(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mode
                                  kv_cache_gib=script_args.rollout_kv_cache_gib,
                                  trust_remote_code=training_args.trust_remote_code,
                                  sync_interval=script_args.rollout_sync_interval,
-                                 async_depth=script_args.rollout_async_depth,
+                                 async_depth=training_args.rollout_async_depth,
                                  **({"revision": model_args.model_revision}
                                     if model_args.model_revision not in (None, "main") else {}))
         engine = rollout.describe()
         say("vllm", f"engine ready in {rollout.startup_seconds:.1f}s")
+        # --rollout_async_depth d: the in-process engine emulates the staleness of depth d exactly (no overlap);
+        # the trainer's own asynchronous pipeline (an engine process generating ahead) is rollout_engine
+        # transformers
+        training_args.rollout_async_depth = 0
     elif script_args.rollout_engine == "trl_vllm" and not training_args.use_vllm:
         raise ValueError("rollout_engine=trl_vllm needs use_vllm: true (TRL's vLLM colocate/server path).")
     elif script_args.rollout_engine == "trl_vllm" and training_args.vllm_mode == "colocate":
@@ -260,7 +268,8 @@ def run(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mode
                   "top_p": training_args.top_p, "top_k": training_args.top_k,
                   "max_completion_length": training_args.max_completion_length, "machine": machine,
                   "rollout_sync_interval": script_args.rollout_sync_interval,
-                  "rollout_async_depth": script_args.rollout_async_depth,
+                  "rollout_async_depth": rollout.schedule.async_depth if rollout is not None
+                  else training_args.rollout_async_depth,
                   "command": identity["command"]}
     trainer.add_callback(ru.make_jsonl_callback(Path(training_args.output_dir) / "log.jsonl", extra=run_config))
     if script_args.console == "short":

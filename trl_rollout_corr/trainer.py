@@ -12,7 +12,8 @@ forward) and pi_ref (TRL's ``beta`` KL anchor, never used for the correction).
 
 The class holds only TRL 1.16's overrides, each a few lines of dispatch in TRL's call order (``__init__``,
 ``_generate_single_turn``, ``_generate``, ``_calculate_rewards``, ``_get_per_token_logps_and_entropies``,
-``_generate_and_score_completions``, ``_compute_loss``, ``log``, ``create_model_card``), and the services that read
+``_generate_and_score_completions``, ``_compute_loss``, ``log``, ``create_model_card``; ``get_train_dataloader`` and
+``train`` for asynchronous generation, ``async_generation.py``), and the services that read
 TRL's private state (``_metrics``, ``_logs``, ``_buffered_inputs``, ``_step``). The work is done by:
 
 * the correction mode (``modes/``: diagnostics without a correction, decoupled or bypass), which scores each
@@ -39,6 +40,7 @@ from trl.trainer.utils import get_config_model_id
 
 from . import model_card, trl_compat
 from .accumulator import Reducers, RolloutCorrAccumulator
+from .async_generation import AsyncGeneration
 from .config import CORRECTION_FIELDS, RolloutCorrectionConfig
 from .features import RolloutRecords, RoutingReplay, SupportMatching, build_features, check_trainer_args
 from .hooks import ForwardCall, GenerationBatch, LossStep, PlainGenerate
@@ -182,6 +184,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         # rounds differently (bench_step's tiny Llama: grad norm 1.9e-6 off at step 3), and without a correction
         # the trainer must be plain TRL bit for bit
         self._compact_scoring = self.args.rollout_corr_compact_scoring and self.rollout_corr_mode.name != "diagnostics"
+        # asynchronous generation (issue 45): None at rollout_async_depth=0, TRL's synchronous path untouched
+        self.rollout_async = AsyncGeneration(self) if self.args.rollout_async_depth else None
 
     @property
     def rollout_sampler(self):
@@ -208,10 +212,38 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         records = self.rollout_corr_features.get(RolloutRecords)
         return None if records is None else records.writer
 
+    # ------------------------------------------------------------------ asynchronous generation
+    def get_train_dataloader(self):
+        """TRL's training dataloader; with ``rollout_async_depth`` it starts the engine and looks ahead
+        (``async_generation.LookAheadLoader``: the same items, in the same order)."""
+        loader = super().get_train_dataloader()
+        return loader if self.rollout_async is None else self.rollout_async.start(loader)
+
+    def train(self, *args, **kwargs):
+        """TRL's ``train``; the asynchronous engine process and worker stop when it ends, also on an exception or
+        Ctrl-C.
+
+        Raises:
+            ValueError: ``resume_from_checkpoint`` with ``rollout_async_depth``: not supported yet (the pipeline's
+                versions start at step 0).
+        """
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if self.rollout_async is not None and resume:
+            raise ValueError(f"rollout_async_depth={self.args.rollout_async_depth} cannot resume from a checkpoint "
+                             "yet (the pipeline's versions start at optimizer step 0); resume with "
+                             "rollout_async_depth=0, or start a new run.")
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.rollout_async is not None:
+                self.rollout_async.close()
+
     # ------------------------------------------------------------------ generation
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """TRL's generation; on the plain ``transformers.generate`` path the features' ``plain_generate`` hooks run
         around it (``BehaviourLogProbs`` captures mu there). Returns ``(completion_ids, logprobs)``."""
+        if self.rollout_async is not None and self.model.training:  # generated ahead, by the engine's process
+            return self.rollout_async.take(prompt_ids)
         if self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images

@@ -140,6 +140,22 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             ``rollout_corr/policy_lag_dropped_fraction`` (rows) and ``policy_lag_dropped_token_fraction``. Needs a
             configured correction and a generation path that reports versions (a ``rollout_func`` must return
             ``policy_version``). Unset: no filter.
+        rollout_async_depth (`int`, defaults to `0`):
+            Asynchronous GRPO (``async_generation``): an engine in its own process generates the next d generation
+            batches (taken ahead from TRL's dataloader) while the trainer trains; the batch first trained at
+            optimizer step s is generated with the weights of step ``max(0, s - d)`` exactly, and its rows carry that
+            version (policy lag, ``max_policy_lag``). Logs ``rollout_async/{trainer_wait_s,engine_idle_s,
+            generate_s,publish_s,version}``. 0: synchronous (TRL's path, unchanged). The engine: TRL's vLLM server
+            (``use_vllm=True, vllm_mode="server"``; one request per row with its own seed) or, with
+            ``use_vllm=False``, a transformers model in a child process. One process; refused (with the reason)
+            with colocate vLLM, tools, a ``rollout_func``, PEFT, truncating samplers on the transformers engine,
+            routing replay, evaluation in server mode or a resume.
+        rollout_async_timeout_s (`float`, defaults to `600.0`):
+            Seconds the asynchronous engine may take for one request before the run fails with its last log lines.
+        rollout_async_server_log (`str`, *optional*):
+            The vLLM server's log file (server mode), quoted in the error when the server fails.
+        rollout_async_engine_threads (`int`, defaults to `1`):
+            Torch threads of the asynchronous engine's process.
         policy_lag_split (`bool`, defaults to `False`):
             Split the direct ratio in three (spec section 7): engine ``pi_train@v / mu`` (numerics only), lag
             ``pi_old / pi_train@v`` (staleness only) and update ``pi_theta / pi_old``, logged as
@@ -256,6 +272,28 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             "Unset: no filter."
         },
     )
+    rollout_async_depth: int = field(
+        default=0,
+        metadata={
+            "help": "Asynchronous GRPO: an engine in its own process generates the next d generation batches while "
+            "the trainer trains; the batch first trained at optimizer step s is generated with the weights of step "
+            "max(0, s - d) exactly. 0 (default): synchronous, TRL's own path. The engine: TRL's vLLM server "
+            "(vllm_mode='server'), or with use_vllm=False a transformers model in a child process."
+        },
+    )
+    rollout_async_timeout_s: float = field(
+        default=600.0,
+        metadata={"help": "Asynchronous GRPO: seconds the engine may take for one request (start-up, weight load, "
+                  "generation batch) before the run fails naming its last log lines."},
+    )
+    rollout_async_server_log: Optional[str] = field(
+        default=None,
+        metadata={"help": "Asynchronous GRPO with TRL's vLLM server: the server's log file, quoted when it fails."},
+    )
+    rollout_async_engine_threads: int = field(
+        default=1,
+        metadata={"help": "Asynchronous GRPO: torch threads of the engine process."},
+    )
     policy_lag_split: bool = field(
         default=False,
         metadata={
@@ -326,6 +364,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                     "records, but rollout_dump_dir is unset (no records are written), so it would be ignored: set "
                     "rollout_dump_dir, or unset rollout_dump_every.")
         self._check_policy_lag(correction)
+        self._check_async()
         if self.skip_empty_steps and not correction.enabled:
             _refuse(
                 "skip_empty_steps skips the optimizer on steps whose every token the correction rejected; without a "
@@ -386,6 +425,27 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 "(e.g. rollout_is='token'; TRL's is then switched off) or set "
                 "vllm_importance_sampling_correction=False."
             )
+
+    def _check_async(self) -> None:
+        """``rollout_async_depth``: an int >= 0; d >= 1 only on the transformers engine (``use_vllm=False``)."""
+        depth = self.rollout_async_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            _refuse(f"rollout_async_depth must be an int >= 0 (optimizer steps the engine's weights trail the "
+                    f"learner; 0: synchronous), got {depth!r}.")
+        if isinstance(self.rollout_async_engine_threads, bool) or not isinstance(
+                self.rollout_async_engine_threads, int) or self.rollout_async_engine_threads < 1:
+            _refuse(f"rollout_async_engine_threads must be an int >= 1, got {self.rollout_async_engine_threads!r}.")
+        if not (isinstance(self.rollout_async_timeout_s, (int, float)) and self.rollout_async_timeout_s > 0):
+            _refuse(f"rollout_async_timeout_s must be > 0 seconds, got {self.rollout_async_timeout_s!r}.")
+        if depth and self.use_vllm and self.vllm_mode != "server":
+            _refuse(
+                f"rollout_async_depth={depth} with vllm_mode={self.vllm_mode!r}: the asynchronous engine runs in its "
+                "own process, TRL's vLLM server (vllm_mode='server') or, with use_vllm=False, a transformers model; "
+                "colocate vLLM shares the trainer's process. Use one of those, or rollout_async_depth=0 "
+                "(VLLMCPURollout(async_depth=d) emulates the staleness)."
+            )
+        if depth and self.rollout_generate_dtype is not None:
+            _refuse(f"rollout_async_depth={depth}: its engine samples in float32; unset rollout_generate_dtype.")
 
     def _check_policy_lag(self, correction: RolloutCorrectionConfig) -> None:
         """``max_policy_lag``: an int >= 0 with a configured correction; ``policy_lag_split``: not in bypass mode."""

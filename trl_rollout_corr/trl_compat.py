@@ -1063,3 +1063,64 @@ def fsdp2_wrapped_method(method: Any) -> Optional[Any]:
     if func is None or code is None or getattr(func, "__code__", None) is not code:
         return None
     return getattr(func, "__wrapped__", None)
+
+
+# ------------------------------------------------------------------------------- asynchronous generation (issue 45)
+def generate_every(args: Any, num_iterations: int) -> int:
+    """Micro-steps between two generations in training: TRL 1.16's ``_prepare_inputs`` regenerates when ``_step %
+    (steps_per_generation * num_iterations) == 0``; its ``RepeatSampler`` yields each generation batch that many
+    times in a row (``repeat_count``), one dataloader item per micro-step."""
+    return int(args.steps_per_generation) * int(num_iterations)
+
+
+def first_optimizer_step(batch: int, every: int, gradient_accumulation_steps: int) -> int:
+    """The optimizer step (``state.global_step``) during which TRL generates generation batch ``batch``: its first
+    micro-step is ``batch * every`` and ``global_step`` advances every ``gradient_accumulation_steps`` micro-steps."""
+    return (int(batch) * int(every)) // int(gradient_accumulation_steps)
+
+
+def micro_step(trainer: Any) -> int:
+    """TRL's micro-step counter ``GRPOTrainer._step`` (incremented in ``training_step``)."""
+    return trainer._step
+
+
+def generation_prompt_ids(trainer: Any, items: list) -> list:
+    """The prompt token ids TRL 1.16 generates for a generation batch's dataloader items:
+    ``_generate_and_score_completions`` takes ``[x["prompt"] for x in inputs]`` and ``_generate`` tokenises a deep
+    copy with ``_tokenize_prompts`` (no rollout_func, no environments). Returns one list of ints per row."""
+    prompts = copy.deepcopy([x["prompt"] for x in items])
+    prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
+    return [list(ids) for ids in prompt_ids]
+
+
+def truncating_sampler_settings(config: Any) -> list[str]:
+    """The settings of a resolved ``GenerationConfig`` under which sampling is not ``softmax(logits /
+    temperature)`` of the full vocabulary (greedy, top-k, top-p, min-p, typical, repetition penalty), as
+    ``name=value``."""
+    out = []
+    if not config.do_sample or (config.num_beams or 1) > 1:
+        out.append(f"do_sample={config.do_sample}, num_beams={config.num_beams}")
+    for name, neutral in (("top_k", (None, 0)), ("top_p", (None, 1.0)), ("min_p", (None, 0.0)),
+                          ("typical_p", (None, 1.0)), ("repetition_penalty", (None, 1.0))):
+        value = getattr(config, name, None)
+        if value not in neutral:
+            out.append(f"{name}={value!r}")
+    return out
+
+
+def vllm_server_sampling(vllm_generation: Any) -> dict:
+    """The ``VLLMClient.generate`` keyword arguments (all but ``prompts``, ``features`` and ``n``) of TRL 1.16's
+    server-mode generation (``VLLMGeneration.generate``: ``repetition_penalty``, ``temperature``, ``top_p``,
+    ``top_k``, ``min_p`` (None -> 0.0), ``max_tokens=max_completion_length``, ``logprobs``,
+    ``structured_outputs_regex``, ``generation_kwargs``), read from TRL's ``trainer.vllm_generation``."""
+    g = vllm_generation
+    return {"repetition_penalty": g.repetition_penalty, "temperature": g.temperature, "top_p": g.top_p,
+            "top_k": g.top_k, "min_p": 0.0 if g.min_p is None else g.min_p, "max_tokens": g.max_completion_length,
+            "logprobs": g.logprobs, "structured_outputs_regex": g.structured_outputs_regex,
+            "generation_kwargs": dict(g.generation_kwargs or {})}
+
+
+def vllm_param_name(vllm_generation: Any, name: str) -> str:
+    """A policy parameter's name on TRL's vLLM server (``VLLMGeneration._fix_param_name_to_vllm``, no PEFT)."""
+    return vllm_generation._fix_param_name_to_vllm(name)
+

@@ -2,7 +2,8 @@
 
 Every generated row carries the version (optimizer step) of the weights that generated it, in
 ``GenerationBatch.versions`` and then the batch key ``rollout_policy_version``: a ``rollout_func``'s
-``policy_version`` (one int per row, or one per token), else the current optimizer step (TRL's vLLM colocate/server
+``policy_version`` (one int per row, or one per token), with ``rollout_async_depth`` the version the asynchronous
+engine reports it held (``async_generation``), else the current optimizer step (TRL's vLLM colocate/server
 paths sync before every generation; ``transformers.generate`` samples from the policy itself). Each trained
 micro-batch logs its per-row lag. ``max_policy_lag`` drops rows over the bound: rows already over it at generation
 leave their group's baseline like a fully RS-rejected row (``GenerationBatch.keep_rows``; decoupled mode merges them
@@ -41,6 +42,8 @@ class PolicyLag(Feature):
     def after_generate(self, trainer, gen: GenerationBatch, result: tuple) -> None:
         """The rows' (B,) versions from TRL's ``_generate`` result, checked (``lag.row_versions``)."""
         raw = result[5].get("policy_version") if trainer.rollout_func is not None else None
+        if trainer.rollout_async is not None and trainer.model.training:  # the engine's own record
+            raw = trainer.rollout_async.take_row_versions()
         required = trainer.rollout_func is not None and self.bound is not None
         gen.versions = row_versions(raw, len(result[1]), trainer.state.global_step, required=required,
                                     completion_lengths=[len(ids) for ids in result[1]])

@@ -1,0 +1,245 @@
+"""Asynchronous GRPO (issue 45, ``rollout_async_depth``): exact versions, bit-for-bit repeats, faults, shutdown.
+
+Each training case runs a few steps of the tiny Llama with the engine (``TransformersProcessEngine``) in its own
+process. Versions are checked three ways: against the rule worked out by hand below (batch j first trained at
+optimizer step s_j is generated at version max(0, s_j - d)), against the engine's own log ("batch j: n rows at
+version v", written by the child process when it serves the request) and against the lag the trainer logs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import signal
+import threading
+
+import numpy as np
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from trl_rollout_corr import trl_compat
+from trl_rollout_corr.engines.async_pipeline import EngineError, request_seed
+
+ASYNC = dict(max_steps=4, rollout_async_timeout_s=60.0)
+TIMING = re.compile(r"^(rollout_async/(trainer_wait_s|engine_idle_s|generate_s|publish_s)|step_time|train_runtime|"
+                    r"train_samples_per_second|train_steps_per_second)$")
+
+
+def _engine_record(trainer) -> dict[int, int]:
+    """batch -> version, from the engine process's own log."""
+    text = open(trainer.rollout_async.log_path).read()
+    return {int(b): int(v) for b, v in re.findall(r"batch (\d+): \d+ rows at version (\d+)", text)}
+
+
+def _gen_versions(trainer) -> list:
+    """Per logged step, the version of the batch generated in it (None: no generation in that step)."""
+    return [h.get("rollout_async/version") for h in trainer.state.log_history if "loss" in h]
+
+
+def _no_leftovers(trainer, pid) -> None:
+    assert trainer.rollout_async.pipeline is None and trainer.rollout_async.engine.process is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not [t for t in threading.enumerate() if t.name == "rollout-async-worker"]
+
+
+# ------------------------------------------------------------------------------------------------------ unit
+@pytest.mark.unit
+def test_request_seed():
+    seeds = {request_seed(0, j, r) for j in range(20) for r in range(16)}
+    assert len(seeds) == 320 and all(0 <= s < 2**63 for s in seeds)
+    assert request_seed(3, 5, 7) == request_seed(3, 5, 7) != request_seed(4, 5, 7)
+    expected = int(np.random.SeedSequence([3, 5, 7]).generate_state(1, dtype=np.uint64)[0]) >> 1
+    assert request_seed(3, 5, 7) == expected
+    with pytest.raises(ValueError, match=">= 0"):
+        request_seed(0, -1, 0)
+
+
+@pytest.mark.unit
+def test_first_optimizer_step_by_hand():
+    # generate_every = steps_per_generation * num_iterations micro-steps; GA micro-steps per optimizer step
+    assert [trl_compat.first_optimizer_step(j, 1, 1) for j in range(4)] == [0, 1, 2, 3]
+    assert [trl_compat.first_optimizer_step(j, 2, 1) for j in range(4)] == [0, 2, 4, 6]
+    assert [trl_compat.first_optimizer_step(j, 2, 2) for j in range(4)] == [0, 1, 2, 3]
+    assert [trl_compat.first_optimizer_step(j, 4, 2) for j in range(4)] == [0, 2, 4, 6]
+    assert [trl_compat.first_optimizer_step(j, 2, 4) for j in range(4)] == [0, 0, 1, 1]
+
+
+@pytest.mark.unit
+def test_trl_pins_for_async():
+    """The TRL 1.16 lines ``async_generation`` relies on (``trl_compat``: generate_every, micro_step,
+    generation_prompt_ids); a TRL change here must fail loudly."""
+    from trl import GRPOTrainer
+
+    prepare = inspect.getsource(GRPOTrainer._prepare_inputs)
+    assert "generate_every = self.args.steps_per_generation * self.num_iterations" in prepare
+    assert "if self._step % generate_every == 0 or self._buffered_inputs is None:" in prepare
+    assert "self._step += 1" in inspect.getsource(GRPOTrainer.training_step)
+    assert 'prompts = [x["prompt"] for x in inputs]' in inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    generate = inspect.getsource(GRPOTrainer._generate)
+    assert "prompts = copy.deepcopy(prompts)" in generate
+    assert "prompt_ids, images, multimodal_fields = self._tokenize_prompts(prompts)" in generate
+    assert "completion_ids, logprobs = self._generate_single_turn(" in generate
+    sampler = inspect.getsource(GRPOTrainer._get_train_sampler)
+    assert "repeat_count=self.num_iterations * self.args.steps_per_generation" in sampler
+
+
+@pytest.mark.unit
+def test_config_refusals(make_args, tmp_path):
+    with pytest.raises(ValueError, match="rollout_async_depth must be an int >= 0"):
+        make_args(tmp_path, rollout_async_depth=-1)
+    with pytest.raises(ValueError, match="vllm_mode=.colocate."):
+        make_args(tmp_path, rollout_async_depth=1, use_vllm=True, vllm_mode="colocate")
+    with pytest.raises(ValueError, match="rollout_async_timeout_s"):
+        make_args(tmp_path, rollout_async_depth=1, rollout_async_timeout_s=0)
+
+
+# ------------------------------------------------------------------------------------------------- versions
+# (overrides, expected version per logged step: None where the step trains rows generated earlier)
+VERSION_CASES = {
+    "d1": (dict(rollout_async_depth=1), [0, 0, 1, 2]),
+    "d2": (dict(rollout_async_depth=2), [0, 0, 0, 1]),
+    # generate_every = 2 micro-steps = 2 optimizer steps: batch j at step 2j, version max(0, 2j - 1)
+    "d1_spg2": (dict(rollout_async_depth=1, steps_per_generation=2, per_device_train_batch_size=2, max_steps=5),
+                [0, None, 1, None, 3]),
+    "d1_iter2": (dict(rollout_async_depth=1, num_iterations=2, max_steps=5), [0, None, 1, None, 3]),
+}
+# policy lag of the trained rows per step (current step - version), by hand from the table above
+LAGS = {"d1": [0, 1, 1, 1], "d2": [0, 1, 2, 2], "d1_spg2": [0, 1, 1, 2, 1], "d1_iter2": [0, 1, 1, 2, 1]}
+
+
+@pytest.mark.parametrize("case", list(VERSION_CASES))
+def test_versions_exact(case, llama_dir, tmp_path, make_trainer, step_logs):
+    overrides, expected = VERSION_CASES[case]
+    trainer = make_trainer(llama_dir, tmp_path, **{**ASYNC, **overrides})
+    trainer.train()
+    assert _gen_versions(trainer) == expected
+    assert [h["rollout_corr/policy_lag_mean"] for h in step_logs(trainer)] == LAGS[case]
+    generated = [v for v in expected if v is not None]
+    record = _engine_record(trainer)
+    assert [record[j] for j in range(len(generated))] == generated  # the engine's own record
+    # at the first step the engine holds version 0 = the trainer's weights: its mu equals the trainer's log-probs
+    # to float32 precision (the engine samples softmax(logits / T), the distribution TRL scores)
+    assert step_logs(trainer)[0]["rollout_corr/log_ppl_abs_diff"] < 1e-5
+    depth = overrides["rollout_async_depth"]
+    assert len(record) == len(generated) + depth or len(record) == len(generated) + depth - 1  # generated ahead
+
+
+def test_repeat_bit_for_bit(llama_dir, tmp_path, make_trainer):
+    runs = []
+    for i in range(2):
+        trainer = make_trainer(llama_dir, tmp_path / str(i), rollout_async_depth=1, max_steps=3,
+                               rollout_corr_preset="decoupled_k3_rs_token_tis")
+        trainer.train()
+        logs = [{k: v for k, v in h.items() if not TIMING.match(k)} for h in trainer.state.log_history]
+        runs.append((logs, {k: v.clone() for k, v in trainer.model.state_dict().items()}))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+    initial = make_trainer(llama_dir, tmp_path / "x").model.state_dict()
+    assert any(not torch.equal(runs[0][1][k], initial[k]) for k in initial)  # it trained
+
+
+def test_lag_split_and_rs_on_engine(llama_dir, tmp_path, make_trainer, step_logs):
+    """policy_lag_split on real asynchronous rows: the engine factor pi_train@v / mu is 1 to float precision (the
+    engine is exact at the right version), all the staleness is in the lag factor; RS on the engine factor keeps
+    every row."""
+    trainer = make_trainer(llama_dir, tmp_path, rollout_async_depth=1, max_steps=4,
+                           rollout_corr_preset="decoupled_k3_rs_token_tis", policy_lag_split=True,
+                           rollout_rs_on="engine")
+    trainer.train()
+    logs = step_logs(trainer)
+    stale = [h for h in logs if h["rollout_corr/policy_lag_mean"] == 1]
+    assert len(stale) == 3
+    for h in stale:
+        assert h["rollout_corr/engine_ratio_max"] == pytest.approx(1.0, abs=1e-4)
+        assert h["rollout_corr/engine_ratio_p01"] == pytest.approx(1.0, abs=1e-4)
+        assert h["rollout_corr/rollout_rs_engine_masked_fraction"] == 0.0
+    assert max(abs(h["rollout_corr/lag_ratio_max"] - 1) for h in stale) > 1e-2  # the staleness is real
+
+
+# ---------------------------------------------------------------------------------------------------- faults
+class _AtStep(TrainerCallback):
+    def __init__(self, step, action):
+        self.step, self.action = step, action
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.action()
+
+
+def _trainer_with(make_trainer, llama_dir, tmp_path, action_factory, **overrides):
+    trainer = make_trainer(llama_dir, tmp_path, **{**ASYNC, "rollout_async_depth": 1, "max_steps": 6, **overrides})
+    pids = []
+
+    def act():
+        pids.append(trainer.rollout_async.engine_pid)
+        action_factory(trainer)()
+
+    trainer.add_callback(_AtStep(2, act))
+    return trainer, pids
+
+
+def test_engine_dies(llama_dir, tmp_path, make_trainer):
+    trainer, pids = _trainer_with(make_trainer, llama_dir, tmp_path,
+                                  lambda t: lambda: os.kill(t.rollout_async.engine_pid, signal.SIGKILL))
+    with pytest.raises(EngineError, match=r"died \(exit code -9\)[\s\S]*engine log[\s\S]*at version"):
+        trainer.train()
+    _no_leftovers(trainer, pids[0])
+
+
+def test_engine_hangs(llama_dir, tmp_path, make_trainer):
+    import time
+
+    trainer, pids = _trainer_with(make_trainer, llama_dir, tmp_path,
+                                  lambda t: lambda: os.kill(t.rollout_async.engine_pid, signal.SIGSTOP),
+                                  rollout_async_timeout_s=2.0)
+    started = time.monotonic()
+    with pytest.raises(EngineError, match=r"did not answer its (generation batch|load of version) \d+ within 2 s"):
+        trainer.train()
+    assert time.monotonic() - started < 30
+    _no_leftovers(trainer, pids[0])
+
+
+def test_failed_publish_fails_the_run(llama_dir, tmp_path, make_trainer, monkeypatch):
+    from trl_rollout_corr.engines.async_pipeline import AsyncRolloutPipeline
+
+    publish = AsyncRolloutPipeline.publish
+
+    def broken(self, version, state):
+        if version >= 1:
+            state.pop(next(iter(state)))  # a weight missing: the engine must not generate on unknown weights
+        publish(self, version, state)
+
+    monkeypatch.setattr(AsyncRolloutPipeline, "publish", broken)
+    trainer = make_trainer(llama_dir, tmp_path, **ASYNC, rollout_async_depth=1)
+    with pytest.raises(EngineError, match=r"failed its load of version 1[\s\S]*Missing key"):
+        trainer.train()
+    assert [h.get("rollout_async/version") for h in trainer.state.log_history if "loss" in h] == [0, 0]
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_stop_on_exception_leaves_nothing(error, llama_dir, tmp_path, make_trainer):
+    def raise_it():
+        raise error("stop")
+
+    trainer, pids = _trainer_with(make_trainer, llama_dir, tmp_path, lambda t: raise_it)
+    with pytest.raises(error):
+        trainer.train()
+    _no_leftovers(trainer, pids[0])
+
+
+def test_end_leaves_nothing_and_resume_refused(llama_dir, tmp_path, make_trainer):
+    trainer = make_trainer(llama_dir, tmp_path, **{**ASYNC, "max_steps": 2}, rollout_async_depth=1)
+    pids = []
+    trainer.add_callback(_AtStep(1, lambda: pids.append(trainer.rollout_async.engine_pid)))
+    trainer.train()
+    _no_leftovers(trainer, pids[0])
+    with pytest.raises(ValueError, match="cannot resume from a checkpoint"):
+        trainer.train(resume_from_checkpoint=str(tmp_path))
+
+
+def test_unsupported_sampler_refused(llama_dir, tmp_path, make_trainer):
+    with pytest.raises(ValueError, match=r"rollout_async_depth=1: .*top_k=5"):
+        make_trainer(llama_dir, tmp_path, rollout_async_depth=1, top_k=5)
