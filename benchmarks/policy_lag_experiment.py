@@ -1234,7 +1234,7 @@ def anchor_table(cells: dict, failed: dict[str, list[str]], planned: list[str] |
            "linear interpolation in (KL, endpoint) through the warm start at KL 0 and that seed's plain-TRL arms "
            f"({', '.join(FRONTIER_ARMS)}: step size and KL penalty; same replayed rollouts). Above frontier: the "
            "cell's endpoint minus the frontier at its KL (points; '—': its KL lies past the frontier's largest). "
-           "Figure: `policy_lag_anchor.png` (the on-policy arms' KL is to a moving mu: drawn as lines, not points).",
+           "The figure below the tables draws them (the on-policy arms' KL is to a moving mu: lines, not points).",
            "", "| cell | KL from start, K3 (steps) | K1 | TRL kl | final % | area % | final above frontier "
            "| area above frontier |", "|---|---|---|---|---|---|---|---|"]
     for name, p in sorted(points.items(), key=lambda x: (x[0] != WARMSTART, x[0] != WARMSTART and parse_cell(x[0]))):
@@ -1248,10 +1248,14 @@ def anchor_table(cells: dict, failed: dict[str, list[str]], planned: list[str] |
         k1, tk = ("—" if math.isnan(v) else f"{v:.3f}" for v in (p["k1"], p["trl_kl"]))
         area = "—" if p["area"] is None else f"{100 * p['area']:.1f}"
         out.append(f"| {name} | {kl} | {k1} | {tk} | {100 * p['final']:.1f} | {area} | {fr[0]} | {fr[1]} |")
-    missing = [c for c in (planned or []) if c not in cells and parse_cell(c)[0] in FRONTIER_ARMS
-               and parse_cell(c)[1] == GRID_K]
+    frontier_cells = [c for c in (planned or []) if c != WARMSTART and parse_cell(c)[0] in FRONTIER_ARMS
+                      and parse_cell(c)[1] == GRID_K]
+    missing = [c for c in frontier_cells if c not in cells]
     if missing:
         out += ["", f"Frontier arms not run yet: {', '.join(missing)}."]
+    if planned is not None and not any(parse_cell(c)[0] != "trl" for c in frontier_cells):
+        out += ["", "This grid plans no step-size or anchor arm: its frontier is the warm start and plain TRL "
+                "alone, a straight line that cannot tell anchoring from correction."]
     by_arm: dict[str, dict[str, list[float]]] = {}
     for key in ("final", "area"):
         for name, r in res[key].items():
@@ -1259,7 +1263,7 @@ def anchor_table(cells: dict, failed: dict[str, list[str]], planned: list[str] |
             if r is not None:
                 by_arm[parse_cell(name)[0]][key].append(r)
     if by_arm:
-        out += ["", "| arm at k = 32 | seeds inside the frontier's range | final above frontier [95 % CI], p "
+        out += ["", f"| arm at k = {GRID_K} | seeds inside the frontier's range | final above frontier [95 % CI], p "
                 "| area above frontier [95 % CI], p |", "|---|---|---|---|"]
         for method, r in sorted(by_arm.items()):
             out.append(f"| {method} | {len(r['final'])} | {_iv(r['final'])} | {_iv(r['area'])} |")

@@ -479,3 +479,15 @@ def test_issue47_comparisons_pair_each_arm_with_its_references(exp):
     assert (("trl_lr4", 32), ("trl", 32)) in pairs and (("trl_lr4", 32), ("trl_slow", 32)) in pairs
     assert (("topp_decoupled", 1), ("topp_trl_is", 1)) in pairs
     assert not any(b == ("trl_slow", 32) and a == ("trl_slow", 32) for a, b in pairs)
+
+
+def test_issue47_a_vendor_grid_without_anchor_arms_says_its_frontier_is_plain_trl_alone(exp, tmp_path):
+    no_controls = "This grid plans no step-size or anchor arm"
+    main, vendor = tmp_path / "policy_lag", tmp_path / "policy_lag_intel"
+    for grid in (main, vendor):
+        grid.mkdir()
+        _issue47_grid(grid)
+    assert no_controls not in exp.report(main, figure=False)
+    text = exp.report(vendor, figure=False)
+    assert no_controls in text and "Frontier arms not run yet: trl_k32_s2, trl_k32_s3." in text  # plain TRL only
+    assert "| bypass_k32_s1 | 0.400 | 0.350 | — | 62.5 | 70.0 | +25.0 | +20.0 |" in text  # the committed cells count
