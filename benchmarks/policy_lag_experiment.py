@@ -80,7 +80,8 @@ AVX2_KERNELS = ROOT / "benchmarks" / "avx2_kernels"  # its sitecustomize.py pins
 BEGIN = "<!-- BEGIN policy_lag_experiment.py output -->"
 END = "<!-- END policy_lag_experiment.py output -->"
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from results_md import replace_section  # noqa: E402  (benchmarks/, next to this file)
+import policy_lag_stats as stats  # noqa: E402  (benchmarks/, next to this file)
+from results_md import replace_section  # noqa: E402
 
 BASE_MODEL = os.environ.get("TRL_ROLLOUT_CORR_SMOLLM2", str(ROOT / "models" / "SmolLM2-135M-Instruct"))
 NO_CORR = "cpu_smollm2_no_correction"
@@ -751,6 +752,7 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
              "| mean lag | trained | grad norm | entropy | length | clipped | zero-std groups | step s | wall s "
              "| lag check |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    failed: dict[str, list[str]] = {}  # cell -> its lag-check violations: left out of issue 47's pooled figures
     for name, s in cells.items():
         ref_name = reference_cell(name)
         ref = cells.get(ref_name) if ref_name else None
@@ -764,6 +766,8 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
         check = lag_check(name, s["steps"], engine_kl_max)  # recomputed: the committed log is the evidence
         if s["meta"].get("starts_at_warm_start") is False:
             check.append("the step-0 check differs from the warm start's scores")
+        if check:
+            failed[name] = check
         lines.append(
             f"| {name} | {len(s['steps'])} | {b.get('correct')} -> {a.get('correct')}/{a.get('total')} | {vs} | {p} "
             f"| {_mean(ser('rollout_corr/kl')):.4f} / {_mean(ser('rollout_corr/k3_kl')):.4f} "
@@ -789,6 +793,8 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
         n != WARMSTART and parse_cell(n)[0] in RS_ON_ARMS and parse_cell(n)[0] != "tis" for n in cells)
     lines += ["", *seed_table(cells), *([""] + controls if controls else []),
               *(["", *rs_on_table(cells)] if rs_on else []), "", *topp_table(cells)]
+    anchor = anchor_table(cells, failed, plan(results_root))
+    lines += ["", *reanalysis_tables(cells, failed), *(["", *anchor] if anchor else [])]
     missing = [c for c in plan(results_root) if c not in cells]
     if missing:
         lines += ["", f"Not run yet ({len(missing)} of the planned cells): {', '.join(missing)}."]
@@ -796,6 +802,10 @@ def report(results_root: Path, figure: bool = True, engine_kl_max: float = 0.03)
         acc, curves = f"{results_root.name}_accuracy.png", f"{results_root.name}_curves.png"  # policy_lag_*.png
         plot(cells, ROOT / "benchmarks" / acc, ROOT / "benchmarks" / curves)
         lines += ["", f"![final accuracy against k]({acc})", "", f"![per-step curves]({curves})"]
+        if anchor:
+            name = f"{results_root.name}_anchor.png"  # policy_lag_anchor.png
+            plot_anchor(cells, failed, ROOT / "benchmarks" / name)
+            lines += ["", f"![anchor or correction: endpoints against the KL from the start at k = {GRID_K}]({name})"]
     lines += ["", end]
     return "\n".join(lines)
 
@@ -1022,6 +1032,294 @@ def control_table(cells: dict, planned: list[str] | None = None) -> list[str]:
             "norm per step.", "",
             "| cell | held-out after | mean kl | grad norm | minus trl_slow (paired s.e., McNemar p) "
             "| minus trl_k1 (paired s.e., McNemar p) |", "|---|---|---|---|---|---|", *rows]
+
+
+# ----------------------------------------------------------------------------------------------- issue 47
+# The re-analysis: every cell against the do-nothing arm (the warm start's own scores), 95 % t-intervals for the
+# across-seed figures, the 128-item curve's area as a second endpoint, lag-check failures left out of the pooled
+# figures; and the anchor/step-size frontier at k = GRID_K. The statistics are policy_lag_stats' pure functions.
+# The arms that trace the frontier at k = GRID_K: plain TRL at lr, lr / 2, lr / 4, lr / 8 (the step-size axis) and
+# with TRL's KL penalty to the start (beta 0.1, 1.0: the anchor axis); all replay plain TRL's recorded rollouts.
+FRONTIER_ARMS = ("trl", "trl_slow", "trl_lr4", "trl_lr8", "trl_beta01", "trl_beta1")
+ANCHOR_KL_KEY, ANCHOR_KL_K1, TRL_KL = "rollout_corr/k3_kl", "rollout_corr/kl", "kl"
+ANCHOR_LAST = 4  # the last logged steps averaged for the KL from the start at the end of a run
+
+
+def endpoints(s: dict) -> dict:
+    """A cell's two endpoints: ``final`` (held-out accuracy, fraction) with its per-item ``final_scores``, and
+    ``area`` (``policy_lag_stats.item_curve_areas`` of the 128-item checks plus the final evaluation's first items
+    at the last step: the time-averaged accuracy) with its per-item ``area_items``; for the warm start (the
+    do-nothing arm, constant in time) the area items are its final scores on the checks' items. ``area`` is None
+    where the cell has no usable curve (the reason in ``area_error``)."""
+    after = s["after"]
+    out = {"final": after["accuracy"], "final_scores": after["scores"], "area": None, "area_items": None}
+    try:
+        if s.get("is_warmstart"):
+            n = len(s["curve"][0]["scores"]) if s["curve"] else 128
+            items = [float(x) for x in after["scores"][:n]]
+        else:
+            items = stats.item_curve_areas(stats.curve_checks(s["curve"], after["scores"], len(s["steps"])))
+        out["area_items"], out["area"] = items, statistics.fmean(items)
+    except (ValueError, IndexError, KeyError) as e:
+        out["area_error"] = str(e)
+    return out
+
+
+def _arms(cells: dict, ends: dict, keep) -> dict[tuple[str, int], dict[int, dict]]:
+    """(method, k) -> {seed: endpoints} over the cells ``keep(name)`` accepts (the warm start is no arm)."""
+    arms: dict[tuple[str, int], dict[int, dict]] = {}
+    for name in cells:
+        if name != WARMSTART and keep(name):
+            method, k, seed = parse_cell(name)
+            arms.setdefault((method, k), {})[seed] = ends[name]
+    return arms
+
+
+def arm_comparisons(arms) -> list[tuple[tuple[str, int], tuple[str, int]]]:
+    """The (A, B) arm pairs the re-analysis compares paired by seed, A - B: each arm against its reference arm at the
+    same k (``reference_cell``'s rule), against its own method at k = 1 (the lag effect), against on-policy plain TRL
+    (``trl_k1``: how much of on-policy learning it keeps; lag-panel arms only) and, at ``GRID_K``, against
+    ``trl_slow`` and (bypass only) each anchor control. Only pairs whose two arms both have cells."""
+    pairs = []
+    for a in sorted(arms):
+        method, k = a
+        cands = []
+        if method != reference(method):
+            cands.append((reference(method), k))
+        if k > 1:
+            cands.append((method, 1))
+            if not method.startswith(("topp_", "f32_")) and method != "trl":
+                cands.append(("trl", 1))
+        if k == GRID_K and method not in ("trl", "trl_slow"):
+            cands.append(("trl_slow", GRID_K))
+            if method == "bypass":
+                cands += [(m, GRID_K) for m in FRONTIER_ARMS if m not in ("trl", "trl_slow")]
+        for b in cands:
+            if b in arms and b != a and (a, b) not in pairs:
+                pairs.append((a, b))
+    return pairs
+
+
+def _seed_diffs(a: dict, b: dict, key: str) -> list[float]:
+    return [a[s][key] - b[s][key] for s in sorted(a) if s in b and a[s][key] is not None and b[s][key] is not None]
+
+
+def _iv(xs: list[float], p: bool = True) -> str:
+    return stats.fmt_interval(stats.t_interval(xs), p=p) if xs else "—"
+
+
+def reanalysis_tables(cells: dict, failed: dict[str, list[str]]) -> list[str]:
+    """Issue 47's re-analysis of a grid's committed cells (``report``'s ``cells``; ``failed``: cell -> its lag-check
+    violations): per cell the paired per-item difference to the warm start (512 items final, 128 items curve area,
+    95 % t-interval over items); per arm the difference to the warm start over seeds (95 % t-interval, n - 1 df,
+    t-test p); the arm pairs of ``arm_comparisons`` paired by seed, both endpoints. Failed cells are marked and left
+    out of the pooled figures; an arm that lost one is shown both ways. Empty without a committed warm start."""
+    if WARMSTART not in cells:
+        return []
+    ends = {n: endpoints({**s, "is_warmstart": n == WARMSTART}) for n, s in cells.items()}
+    ws = ends[WARMSTART]
+    out = ["#### Re-analysis (issue 47): against the do-nothing arm, with 95 % intervals and a second endpoint", "",
+           f"The do-nothing arm is the warm start itself ({round(ws['final'] * len(ws['final_scores']))}/"
+           f"{len(ws['final_scores'])} held-out; {100 * ws['area']:.1f} % on the 128 check items). Final: held-out "
+           "accuracy after training. Area: the area under the 128-item check curve (trapezoid over steps 0 = the "
+           "warm start, 8, 16, 24 and the final evaluation's first 128 items at the last step) divided by the "
+           "steps: the run's time-averaged accuracy. Per cell: the paired per-item difference to the warm start "
+           "(95 % t-interval over the 512 or 128 items). Per arm and per pair of arms: the mean over seeds (paired "
+           "by seed) with its 95 % Student-t interval (n seeds, n - 1 df) and the one-sample t-test p; n = 1 has "
+           "no interval. Points are percentage points.", ""]
+    bad = [n for n in cells if n in failed]
+    out += [("Left out of every pooled figure (lag check failed): " + "; ".join(
+        f"{n} ({'; '.join(failed[n][:2])}{'; ...' if len(failed[n]) > 2 else ''})" for n in bad) + "."
+        if bad else f"Every one of the {len(cells) - 1} cells passed the lag check: nothing is left out."), ""]
+    out += ["| cell | final % | final - warm start (512 items) | area % | area - warm start (128 items) "
+            "| lag check |", "|---|---|---|---|---|---|"]
+    for name in cells:
+        if name == WARMSTART:
+            continue
+        e = ends[name]
+        d_final = stats.fmt_interval(stats.paired_items(e["final_scores"], ws["final_scores"]))
+        if e["area"] is None:
+            area = d_area = f"no area: {e['area_error']}"
+        else:
+            area = f"{100 * e['area']:.1f}"
+            d_area = stats.fmt_interval(stats.paired_items(e["area_items"], ws["area_items"]))
+        out.append(f"| {name} | {100 * e['final']:.1f} | {d_final} | {area} | {d_area} "
+                   f"| {'FAILED (left out of pooled figures)' if name in failed else 'passed'} |")
+
+    def arm_rows(arms, suffix=""):
+        rows = []
+        for (method, k), by_seed in sorted(arms.items()):
+            n = len(by_seed)
+            finals = [e["final"] - ws["final"] for e in by_seed.values()]
+            areas = [e["area"] - ws["area"] for e in by_seed.values() if e["area"] is not None]
+            mean_final = statistics.fmean(e["final"] for e in by_seed.values())
+            mean_area = statistics.fmean(e["area"] for e in by_seed.values() if e["area"] is not None) \
+                if areas else math.nan
+            rows.append(f"| {method}_k{k}{suffix} | {n} ({n - 1}) | {100 * mean_final:.1f} | {_iv(finals)} "
+                        f"| {100 * mean_area:.1f} | {_iv(areas)} |")
+        return rows
+
+    passed = _arms(cells, ends, lambda n: n not in failed)
+    every = _arms(cells, ends, lambda n: True)
+    out += ["", "| arm | seeds (df) | final % mean | final - warm start [95 % CI], p | area % mean "
+            "| area - warm start [95 % CI], p |", "|---|---|---|---|---|---|", *arm_rows(passed)]
+    lost = {a: v for a, v in every.items() if passed.get(a, {}).keys() != v.keys()}
+    out += arm_rows(lost, " (incl. failed cells)")
+    out += ["", "Arms paired by seed (A - B over the seeds both ran; lag-check failures left out):", "",
+            "| A - B | seeds (df) | final [95 % CI], p | A above B (final) | area [95 % CI], p |",
+            "|---|---|---|---|---|"]
+    for a, b in arm_comparisons(passed):
+        fin, area = _seed_diffs(passed[a], passed[b], "final"), _seed_diffs(passed[a], passed[b], "area")
+        if not fin:
+            continue
+        out.append(f"| {a[0]}_k{a[1]} - {b[0]}_k{b[1]} | {len(fin)} ({len(fin) - 1}) | {_iv(fin)} "
+                   f"| {sum(d > 0 for d in fin)}/{len(fin)} | {_iv(area)} |")
+    return out
+
+
+def anchor_points(cells: dict, failed: dict[str, list[str]]) -> dict[str, dict]:
+    """Per committed cell at ``GRID_K`` (never synced: mu is the warm start's engine) that passed the lag check:
+    ``kl`` = the mean ``rollout_corr/k3_kl`` (K3, nats/token) over its last ``ANCHOR_LAST`` logged steps (the KL of
+    the warm start's bf16 engine from the trained policy, on the engine's samples: the distance from the start at the
+    end), ``kl_steps`` the steps it averaged, ``k1`` the same for the K1 ``rollout_corr/kl``, ``trl_kl`` for TRL's own
+    ``kl`` (logged only with beta > 0: K3 of the float32 warm start, TRL's ref model, against the policy, on the same
+    samples; a cross-check), and the two endpoints (``endpoints``). The warm start itself is ``{"kl": 0.0, ...}``."""
+    out = {}
+    if WARMSTART in cells:
+        out[WARMSTART] = {"kl": 0.0, "kl_steps": [], "k1": 0.0, "trl_kl": math.nan,
+                          **endpoints({**cells[WARMSTART], "is_warmstart": True})}
+    for name, s in cells.items():
+        if name == WARMSTART or name in failed or parse_cell(name)[1] != GRID_K:
+            continue
+        kl, used = stats.end_kl(s["steps"], ANCHOR_KL_KEY, ANCHOR_LAST)
+        out[name] = {"kl": kl, "kl_steps": used, "k1": stats.end_kl(s["steps"], ANCHOR_KL_K1, ANCHOR_LAST)[0],
+                     "trl_kl": stats.end_kl(s["steps"], TRL_KL, ANCHOR_LAST)[0], **endpoints(s)}
+    return out
+
+
+def frontier_residuals(points: dict[str, dict], key: str) -> dict[str, float | None]:
+    """Per non-frontier cell at ``GRID_K``: its endpoint ``key`` (``final`` or ``area``) minus the frontier at its
+    KL, the frontier being the linear interpolation (``policy_lag_stats.frontier_at``) through the warm start at KL 0
+    and the same seed's ``FRONTIER_ARMS`` cells (same replayed rollouts), in (end KL, endpoint). None where its KL is
+    past the frontier's largest or not logged."""
+    out = {}
+    for name, p in points.items():
+        if name == WARMSTART:
+            continue
+        method, _k, seed = parse_cell(name)
+        if method in FRONTIER_ARMS:
+            continue
+        front = [(0.0, points[WARMSTART][key])] if WARMSTART in points else []
+        front += [(q["kl"], q[key]) for n, q in points.items() if n != WARMSTART and parse_cell(n)[0] in FRONTIER_ARMS
+                  and parse_cell(n)[2] == seed and math.isfinite(q["kl"]) and q[key] is not None]
+        y = stats.frontier_at(front, p["kl"]) if front and math.isfinite(p["kl"]) and p[key] is not None else None
+        out[name] = None if y is None else p[key] - y
+    return out
+
+
+def anchor_table(cells: dict, failed: dict[str, list[str]], planned: list[str] | None = None) -> list[str]:
+    """Issue 47's anchor/step-size table at ``GRID_K`` (``anchor_points``; ``frontier_residuals``): per cell its KL
+    from the start at the end, both endpoints and its distance above (+) or below the same seed's frontier; per
+    non-frontier arm the mean distance over seeds with its 95 % t-interval. Planned anchor controls not committed yet
+    print as "not run yet"."""
+    points = anchor_points(cells, failed)
+    if WARMSTART not in points or len(points) <= 1:
+        return []
+    res = {key: frontier_residuals(points, key) for key in ("final", "area")}
+    out = [f"#### Anchor or correction? k = {GRID_K}, final accuracy and curve area against the KL from the start", "",
+           f"At k = {GRID_K} mu is the warm start's engine, so `rollout_corr/k3_kl` (K3, nats/token, on the engine's "
+           f"samples) at the end of a run is the distance of the trained policy from the start: here its mean over "
+           f"the last {ANCHOR_LAST} logged steps (K1 `rollout_corr/kl` beside it; TRL's own `kl`, logged with beta > "
+           "0 only: K3 of TRL's float32 reference = the warm start, the cross-check). The frontier: per seed, the "
+           "linear interpolation in (KL, endpoint) through the warm start at KL 0 and that seed's plain-TRL arms "
+           f"({', '.join(FRONTIER_ARMS)}: step size and KL penalty; same replayed rollouts). Above frontier: the "
+           "cell's endpoint minus the frontier at its KL (points; '—': its KL lies past the frontier's largest). "
+           "The figure below the tables draws them (the on-policy arms' KL is to a moving mu: lines, not points).",
+           "", "| cell | KL from start, K3 (steps) | K1 | TRL kl | final % | area % | final above frontier "
+           "| area above frontier |", "|---|---|---|---|---|---|---|---|"]
+    for name, p in sorted(points.items(), key=lambda x: (x[0] != WARMSTART, x[0] != WARMSTART and parse_cell(x[0]))):
+        late = p["kl_steps"] and p["kl_steps"][-1] != len(cells[name]["steps"])  # the last steps logged none
+        steps = f" (steps {p['kl_steps'][0]}-{p['kl_steps'][-1]}: none logged later)" if late else ""
+        kl = "not logged" if math.isnan(p["kl"]) else f"{p['kl']:.3f}{steps}"
+        fr = [("—" if (r := res[key].get(name)) is None else f"{100 * r:+.1f}") if name in res[key] else "frontier"
+              for key in ("final", "area")]
+        if name == WARMSTART:
+            fr = ["start", "start"]
+        k1, tk = ("—" if math.isnan(v) else f"{v:.3f}" for v in (p["k1"], p["trl_kl"]))
+        area = "—" if p["area"] is None else f"{100 * p['area']:.1f}"
+        out.append(f"| {name} | {kl} | {k1} | {tk} | {100 * p['final']:.1f} | {area} | {fr[0]} | {fr[1]} |")
+    frontier_cells = [c for c in (planned or []) if c != WARMSTART and parse_cell(c)[0] in FRONTIER_ARMS
+                      and parse_cell(c)[1] == GRID_K]
+    missing = [c for c in frontier_cells if c not in cells]
+    if missing:
+        out += ["", f"Frontier arms not run yet: {', '.join(missing)}."]
+    if planned is not None and not any(parse_cell(c)[0] != "trl" for c in frontier_cells):
+        out += ["", "This grid plans no step-size or anchor arm: its frontier is the warm start and plain TRL "
+                "alone, a straight line that cannot tell anchoring from correction."]
+    by_arm: dict[str, dict[str, list[float]]] = {}
+    for key in ("final", "area"):
+        for name, r in res[key].items():
+            by_arm.setdefault(parse_cell(name)[0], {"final": [], "area": []})
+            if r is not None:
+                by_arm[parse_cell(name)[0]][key].append(r)
+    if by_arm:
+        out += ["", f"| arm at k = {GRID_K} | seeds inside the frontier's range | final above frontier [95 % CI], p "
+                "| area above frontier [95 % CI], p |", "|---|---|---|---|"]
+        for method, r in sorted(by_arm.items()):
+            out.append(f"| {method} | {len(r['final'])} | {_iv(r['final'])} | {_iv(r['area'])} |")
+    return out
+
+
+def plot_anchor(cells: dict, failed: dict[str, list[str]], path: Path) -> None:
+    """Write the anchor/step-size figure (``path``): final accuracy (left) and curve area (right) against the KL from
+    the start at the end (``anchor_points``), every k = ``GRID_K`` cell a point in its method's style, the frontier
+    arms' means joined (with the warm start at KL 0) as the frontier, and the on-policy arms' means (``trl_k1``,
+    ``bypass_k1``: their KL is to a moving mu) as horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = anchor_points(cells, failed)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.6))
+    for ax, key, label in zip(axes, ("final", "area"), ("held-out accuracy after training (512 items)",
+                                                         "curve area: time-averaged accuracy (128 items)")):
+        by_method: dict[str, list[dict]] = {}
+        for name, p in points.items():
+            if name != WARMSTART and math.isfinite(p["kl"]) and p[key] is not None:
+                by_method.setdefault(parse_cell(name)[0], []).append(p)
+        for method, ps in sorted(by_method.items()):
+            colour, marker = METHOD_STYLE.get(method, ("C0", "o"))
+            ax.scatter([p["kl"] for p in ps], [p[key] for p in ps], color=colour, marker=marker, s=36,
+                       label=f"{method}_k{GRID_K} ({len(ps)} seed{'s' if len(ps) > 1 else ''})",
+                       edgecolors="black" if method in FRONTIER_ARMS else "none", linewidths=0.4)
+        if WARMSTART in points:
+            ws = points[WARMSTART][key]
+            front = [(0.0, ws)] + [(statistics.fmean(p["kl"] for p in ps), statistics.fmean(p[key] for p in ps))
+                                   for m, ps in by_method.items() if m in FRONTIER_ARMS]
+            top = max(x for x, _ in front)
+            xs = [top * i / 400 for i in range(401)]  # dense: the line is linear in KL, as frontier_at, on symlog
+            ax.plot(xs, [stats.frontier_at(front, x) for x in xs], color="grey", linestyle="--", linewidth=1,
+                    label="frontier (linear in KL through the frontier arms' means and the warm start)")
+            ax.scatter([0.0], [ws], color="black", marker="*", s=90, label="warm start (KL 0)", zorder=3)
+        ends = {n: endpoints(s) for n, s in cells.items() if n != WARMSTART and n not in failed}
+        for method, style in (("trl", ":"), ("bypass", "-.")):
+            vals = [e[key] for n, e in ends.items() if parse_cell(n)[:2] == (method, 1) and e[key] is not None]
+            if vals:
+                ax.axhline(statistics.fmean(vals), color=METHOD_STYLE[method][0], linestyle=style, linewidth=1,
+                           label=f"{method}_k1 mean ({len(vals)} seeds; its KL is to a moving mu)")
+        ax.set_xscale("symlog", linthresh=0.05)
+        ax.set_xlim(0, 1.3 * max([p["kl"] for p in points.values() if math.isfinite(p["kl"])] + [0.1]))
+        ax.set_xlabel(f"KL from the start at the end (k3_kl, last {ANCHOR_LAST} steps; nats/token; linear below "
+                      "0.05)", fontsize=8)
+        ax.set_ylabel(label, fontsize=9)
+    axes[0].set_title(f"k = {GRID_K}: every cell a point (frontier arms edged)", fontsize=9)
+    axes[1].set_title("the same, curve area", fontsize=9)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=3, frameon=False)
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # The accuracy figure's panels: the lag grid (top_p 1, the bf16 engine: the methods compared against k) and the

@@ -402,3 +402,95 @@ def test_anchor_controls_carry_their_step_size_or_kl_penalty_and_replay_plain_tr
         assert d["--config"].endswith("cpu_smollm2_no_correction.yaml")
         assert exp.rollout_key(f) == exp.rollout_key(kv("trl_k32_s2")[0]), cell
         assert exp.reference_cell(cell) == ("trl_k32_s2" if cell != "trl_k32_s2" else "trl_k1_s2")
+
+
+def _issue47_cell(root, name, k3, after, checks, k1=None, trl_kl=None):
+    """A never-synced synthetic cell for issue 47's tables: lags 0, 1, ... per step, ``k3`` the per-step
+    ``rollout_corr/k3_kl`` (K1 ``rollout_corr/kl``: ``k1`` or equal to it; TRL's ``kl``: ``trl_kl`` where given),
+    final scores ``after`` and the 4-item checks ``checks`` = [(step, scores)]."""
+    import json
+
+    steps = [(lag, 10, {"rollout_corr/k3_kl": v, "rollout_corr/kl": v if k1 is None else k1,
+                        **({"kl": trl_kl} if trl_kl is not None else {})}) for lag, v in enumerate(k3)]
+    _cell(root, name, steps, after)
+    (root / name / "curve.jsonl").write_text("".join(json.dumps({"step": s, "scores": sc}) + "\n" for s, sc in checks))
+
+
+def _issue47_grid(root):
+    """The warm start 3/8 (its 4 check items [1, 0, 1, 0]: area 0.5) and k = 32 cells of 5 steps, checks at 0 and 2."""
+    ws4 = [1, 0, 1, 0]
+    _issue47_cell(root, "warmstart", [0.001], [1, 0, 1, 0, 0, 0, 1, 0], [(0, [0, 0, 0, 0])])
+    k = 32
+    # the frontier arms of seed 1: (KL 2, final 1/8, area 0.3), (KL 1, 3/8, 0.5), (KL 3, 0/8, 0.1)
+    _issue47_cell(root, f"trl_k{k}_s1", [0.001, 2, 2, 2, 2], [0, 0, 1, 0, 0, 0, 0, 0], [(0, ws4), (2, [0, 0, 1, 0])])
+    _issue47_cell(root, f"trl_lr4_k{k}_s1", [0.001, 1, 1, 1, 1], [1, 0, 1, 0, 0, 0, 1, 0], [(0, ws4), (2, ws4)])
+    _issue47_cell(root, f"trl_beta1_k{k}_s1", [0.001, 3, 3, 3, 3], [0] * 8, [(0, ws4), (2, [0, 0, 0, 0])], trl_kl=0.2)
+    # bypass: seed 1 at KL 0.4 (item areas 1, 0.8, 1, 0: 0.7), seed 2 (0.9) has no frontier arm, seed 3 fails the
+    # lag check (k3_kl 0.5 at its lag-0 step)
+    _issue47_cell(root, f"bypass_k{k}_s1", [0.001, 0.4, 0.4, 0.4, 0.4], [1, 1, 1, 0, 1, 0, 1, 0],
+                  [(0, ws4), (2, [1, 1, 1, 0])], k1=0.35)
+    _issue47_cell(root, f"bypass_k{k}_s2", [0.001, 0.4, 0.4, 0.4, 0.4], [1, 1, 1, 1, 1, 0, 1, 0],
+                  [(0, ws4), (2, [1, 1, 1, 1])])
+    _issue47_cell(root, f"bypass_k{k}_s3", [0.5, 0.4, 0.4, 0.4, 0.4], [0] * 8, [(0, ws4), (2, [0, 0, 0, 0])])
+
+
+def test_issue47_reanalysis_by_hand(exp, tmp_path):
+    grid = tmp_path / "policy_lag"
+    grid.mkdir()
+    _issue47_grid(grid)
+    text = exp.report(grid, figure=False)
+    rows = [x for x in text.splitlines() if x.startswith("| ")]
+    assert "lag check failed): bypass_k32_s3 (step 1: lag 0 but k3_kl 0.5000 > 0.03 (engine level))." in text
+    # per cell against the warm start, paired per item: final differences 0,1,0,0,1,0,0,0 (mean 0.25, se
+    # sqrt(1.5 / 7 / 8) = 0.1637, t(0.975, 7) = 2.3646: half 0.387); area items 1, 0.8, 1, 0 minus 1, 0, 1, 0 (mean
+    # 0.2, sd 0.4, se 0.2, t(0.975, 3) = 3.1824: half 0.636)
+    assert "| bypass_k32_s1 | 62.5 | +25.0 [-13.7, +63.7] | 70.0 | +20.0 [-43.6, +83.6] | passed |" in rows
+    assert any(r.startswith("| bypass_k32_s3 | 0.0 |") and r.endswith("| FAILED (left out of pooled figures) |")
+               for r in rows)
+    # per arm over the seeds that passed (1, 2): finals 5/8, 6/8 minus 3/8 = 0.25, 0.375 (t(0.975, 1) = 12.706, se
+    # 0.0625, t = 5: p 0.126); areas 0.7, 0.9 minus 0.5 = 0.2, 0.4 (se 0.1, t = 3: p 0.205)
+    assert "| bypass_k32 | 2 (1) | 68.8 | +31.2 [-48.2, +110.7], p 0.13 | 80.0 | +30.0 [-97.1, +157.1], p 0.2 |" \
+        in rows
+    assert any(r.startswith("| bypass_k32 (incl. failed cells) | 3 (2) | 45.8 |") for r in rows)  # both ways
+    # paired by seed: only seed 1 has plain TRL; final 5/8 - 1/8, area 0.7 - 0.3
+    assert "| bypass_k32 - trl_k32 | 1 (0) | +50.0 (n = 1: no interval) | 1/1 | +40.0 (n = 1: no interval) |" in rows
+    # the anchor table: seed 1's frontier (0, 3/8), (1, 3/8), (2, 1/8), (3, 0) is 3/8 at KL 0.4 (area: 0.5)
+    assert "| warmstart | 0.000 | 0.000 | — | 37.5 | 50.0 | start | start |" in rows
+    assert "| bypass_k32_s1 | 0.400 | 0.350 | — | 62.5 | 70.0 | +25.0 | +20.0 |" in rows
+    assert "| bypass_k32_s2 | 0.400 | 0.400 | — | 75.0 | 90.0 | — | — |" in rows  # no frontier arm at seed 2
+    assert "| trl_beta1_k32_s1 | 3.000 | 3.000 | 0.200 | 0.0 | 10.0 | frontier | frontier |" in rows  # TRL's kl
+    assert not any(r.startswith("| bypass_k32_s3 | 0.400") for r in rows)  # the failed cell is no anchor point
+    assert "| bypass | 1 | +25.0 (n = 1: no interval) | +20.0 (n = 1: no interval) |" in rows
+    line = next(x for x in text.splitlines() if x.startswith("Frontier arms not run yet: "))
+    missing = set(line.removeprefix("Frontier arms not run yet: ").rstrip(".").split(", "))
+    planned = {c for c in exp.ORDER[1:] if exp.parse_cell(c)[0] in exp.FRONTIER_ARMS and exp.parse_cell(c)[1] == 32}
+    assert missing == planned - {"trl_k32_s1", "trl_lr4_k32_s1", "trl_beta1_k32_s1"}  # the committed ones are not
+    assert {"trl_lr4_k32_s2", "trl_beta01_k32_s1", "trl_slow_k32_s2", "trl_k32_s3"} <= missing
+
+
+def test_issue47_comparisons_pair_each_arm_with_its_references(exp):
+    arms = {a: {} for a in [("bypass", 32), ("trl", 32), ("trl_beta1", 32), ("trl_lr4", 32), ("bypass", 8),
+                            ("trl", 8), ("trl", 1), ("bypass", 1), ("trl_slow", 32), ("topp_decoupled", 1),
+                            ("topp_trl_is", 1)]}
+    pairs = exp.arm_comparisons(arms)
+    assert [p for p in pairs if p[0] == ("bypass", 32)] == [
+        (("bypass", 32), ("trl", 32)), (("bypass", 32), ("bypass", 1)), (("bypass", 32), ("trl", 1)),
+        (("bypass", 32), ("trl_slow", 32)), (("bypass", 32), ("trl_lr4", 32)), (("bypass", 32), ("trl_beta1", 32))]
+    assert [p for p in pairs if p[0] == ("bypass", 8)] == [
+        (("bypass", 8), ("trl", 8)), (("bypass", 8), ("bypass", 1)), (("bypass", 8), ("trl", 1))]
+    assert [p for p in pairs if p[0][0] == "trl"] == [(("trl", 8), ("trl", 1)), (("trl", 32), ("trl", 1))]
+    assert (("trl_lr4", 32), ("trl", 32)) in pairs and (("trl_lr4", 32), ("trl_slow", 32)) in pairs
+    assert (("topp_decoupled", 1), ("topp_trl_is", 1)) in pairs
+    assert not any(b == ("trl_slow", 32) and a == ("trl_slow", 32) for a, b in pairs)
+
+
+def test_issue47_a_vendor_grid_without_anchor_arms_says_its_frontier_is_plain_trl_alone(exp, tmp_path):
+    no_controls = "This grid plans no step-size or anchor arm"
+    main, vendor = tmp_path / "policy_lag", tmp_path / "policy_lag_intel"
+    for grid in (main, vendor):
+        grid.mkdir()
+        _issue47_grid(grid)
+    assert no_controls not in exp.report(main, figure=False)
+    text = exp.report(vendor, figure=False)
+    assert no_controls in text and "Frontier arms not run yet: trl_k32_s2, trl_k32_s3." in text  # plain TRL only
+    assert "| bypass_k32_s1 | 0.400 | 0.350 | — | 62.5 | 70.0 | +25.0 | +20.0 |" in text  # the committed cells count
