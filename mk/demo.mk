@@ -74,7 +74,10 @@ vllm-serve: demo-model
 
 ## Tests that need real vLLM CPU, reasoning-gym and the converted model: tests/test_vllm_cpu.py, the end-to-end
 ## tests/test_e2e_vllm_cpu.py (2 real training steps of the main job), tests/test_recipe.py with reasoning-gym and
-## tests/test_trl_vllm_colocate.py (TRL's own vLLM colocate path: 3 trainers x 2 steps, the recipe's 2 steps).
-## About 7 minutes on 2 cores (test_trl_vllm_colocate.py: 3 of them), plus the install and conversion when not done.
+## tests/test_trl_vllm_colocate.py (TRL's own vLLM colocate path: 3 trainers x 2 steps, the recipe's 2 steps),
+## tests/test_trl_vllm_server.py (TRL's server path: one float32 server, gloo weight sync, about 3 minutes),
+## tests/test_async_vllm_server.py (asynchronous GRPO on that server, about 1.5 minutes) and the lag split with the
+## real asynchronous vLLM CPU engine (about 40 s). About 13 minutes on 2 cores, plus the install and conversion.
 test-vllm: demo-model
-	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) tests/test_vllm_cpu.py tests/test_e2e_vllm_cpu.py tests/test_recipe.py tests/test_support_vllm.py tests/test_trl_vllm_colocate.py tests/test_trl_vllm_server.py
+	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) tests/test_vllm_cpu.py tests/test_e2e_vllm_cpu.py tests/test_recipe.py tests/test_support_vllm.py tests/test_trl_vllm_colocate.py tests/test_trl_vllm_server.py \
+	  tests/test_async_vllm_server.py tests/test_lag_versions.py::test_lag_split_with_the_real_async_vllm_cpu_engine
