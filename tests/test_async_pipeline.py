@@ -94,6 +94,11 @@ def test_config_refusals(make_args, tmp_path):
         make_args(tmp_path, rollout_async_depth=1, use_vllm=True, vllm_mode="colocate")
     with pytest.raises(ValueError, match="rollout_async_timeout_s"):
         make_args(tmp_path, rollout_async_depth=1, rollout_async_timeout_s=0)
+    # every batch from step d on is d steps stale: a smaller max_policy_lag would drop every row and train nothing
+    with pytest.raises(ValueError, match="max_policy_lag=1 < rollout_async_depth=2: .* Set max_policy_lag >= 2"):
+        make_args(tmp_path, rollout_async_depth=2, max_policy_lag=1, rollout_corr_preset="bypass_ppo_clip")
+    assert make_args(tmp_path, rollout_async_depth=2, max_policy_lag=2,
+                     rollout_corr_preset="bypass_ppo_clip").max_policy_lag == 2
 
 
 # ------------------------------------------------------------------------------------------------- versions

@@ -28,8 +28,12 @@ from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrain
 def test_row_versions_checks_and_per_token_minimum():
     assert row_versions([3, [4, 2, 5], 0], 3, current_step=5).tolist() == [3, 2, 0]
     assert row_versions(None, 2, current_step=7).tolist() == [7, 7]
-    with pytest.raises(ValueError, match="row 1 is 6, ahead of the trainer's optimizer step 5"):
+    with pytest.raises(ValueError, match="row 1 reaches 6, ahead of the trainer's optimizer step 5"):
         row_versions([5, 6], 2, current_step=5)
+    # a per-token version from the future is refused too, though the row's own (oldest) version is not ahead
+    with pytest.raises(ValueError, match="row 0 reaches 5, ahead of the trainer's optimizer step 4"):
+        row_versions([[3, 5]], 1, current_step=4, completion_lengths=[2])
+    assert row_versions([[3, 4]], 1, current_step=4, completion_lengths=[2]).tolist() == [3]
     with pytest.raises(ValueError, match="max_policy_lag is set but the rollout_func returned no 'policy_version'"):
         row_versions(None, 2, current_step=1, required=True)
     with pytest.raises(ValueError, match="3 entries for 2 rows"):

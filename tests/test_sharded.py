@@ -93,6 +93,13 @@ def test_sharded_backend_and_full_parameter_bytes():
     assert not trl_compat.dropped_fsdp(args(fsdp_plugin_args={"fsdp_version": 2}),
                                        accelerator(fsdp=ns(fsdp_version=2)))
     assert not trl_compat.dropped_fsdp(args(fsdp_plugin_args=None), accelerator())
+    # accelerate launch with an FSDP config asks through the environment, not through fsdp=
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ACCELERATE_USE_FSDP", "true")
+        assert trl_compat.dropped_fsdp(args(fsdp_plugin_args=None), accelerator())
+        assert not trl_compat.dropped_fsdp(args(fsdp_plugin_args=None), accelerator(fsdp=ns(fsdp_version=2)))
+        mp.setenv("ACCELERATE_USE_FSDP", "false")
+        assert not trl_compat.dropped_fsdp(args(fsdp_plugin_args=None), accelerator())
     model = torch.nn.Linear(3, 5)  # 15 + 5 float32 = 80 bytes
     assert trl_compat.full_parameter_bytes(model) == 80
     model.weight.ds_numel = 1000  # ZeRO-3: the full size, the tensor itself empty

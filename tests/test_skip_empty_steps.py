@@ -73,3 +73,11 @@ def test_skip_empty_steps_needs_a_correction(tmp_path, make_args):
     with pytest.raises(ValueError, match="skip_empty_steps skips the optimizer .* Configure a rollout correction"):
         make_args(tmp_path, skip_empty_steps=True)
     assert make_args(tmp_path, rollout_corr_preset="decoupled_token_is", skip_empty_steps=True).skip_empty_steps
+
+
+
+def test_skip_empty_steps_refuses_fp16(tmp_path, make_args):
+    """A skipped step would skip accelerate's GradScaler update after clipping unscaled the gradients (the next
+    unscale_ fails): refused at construction."""
+    with pytest.raises(ValueError, match="skip_empty_steps with fp16"):
+        make_args(tmp_path, rollout_corr_preset="decoupled_token_is", skip_empty_steps=True, fp16=True, bf16=False)

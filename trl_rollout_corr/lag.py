@@ -73,12 +73,13 @@ def row_versions(
     if len(raw) != num_rows:
         raise ValueError(f"policy_version has {len(raw)} entries for {num_rows} rows; return one per row.")
     lengths = [None] * num_rows if completion_lengths is None else list(completion_lengths)
-    versions = [_row_version(i, v, n) for i, (v, n) in enumerate(zip(raw, lengths))]
-    future = [i for i, v in enumerate(versions) if v > current_step]
+    spans = [_row_version(i, v, n) for i, (v, n) in enumerate(zip(raw, lengths))]  # (oldest, newest) per row
+    versions = [oldest for oldest, _ in spans]
+    future = [i for i, (_, newest) in enumerate(spans) if newest > current_step]  # a token's version counts too
     if future:
         i = future[0]
         raise ValueError(
-            f"policy_version of row {i} is {versions[i]}, ahead of the trainer's optimizer step {current_step} "
+            f"policy_version of row {i} reaches {spans[i][1]}, ahead of the trainer's optimizer step {current_step} "
             f"({len(future)} such rows): a version is the trainer.state.global_step of the weights that generated "
             "the sample, never a later step. Report the step at which the engine's weights were synced."
         )
@@ -136,7 +137,8 @@ def _integer(value: Any) -> Optional[int]:
         return None
 
 
-def _row_version(row: int, value: Any, length: Optional[int]) -> int:
+def _row_version(row: int, value: Any, length: Optional[int]) -> tuple[int, int]:
+    """(oldest, newest) version of one row: equal for one int; the min and max of a per-token list."""
     give = "give the optimizer step as an int, or one int per completion token"
     if isinstance(value, bool):
         raise ValueError(f"policy_version of row {row} is a bool ({value}); {give}.")
@@ -160,9 +162,12 @@ def _row_version(row: int, value: Any, length: Optional[int]) -> int:
                 "tokens; give one version per completion token, or one int for the row."
             )
         version = min(ints)  # a rollout spanning a weight update: its oldest token's version
+        newest = max(ints)
+    else:
+        newest = version
     if version < 0:
         raise ValueError(f"policy_version of row {row} is {version}; versions are optimizer steps (>= 0).")
-    return version
+    return version, newest
 
 
 def policy_lag(versions: torch.Tensor, current_step: int) -> torch.Tensor:

@@ -371,6 +371,12 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 "correction nothing is rejected and the trainer is TRL's GRPO. Configure a rollout correction or "
                 "unset skip_empty_steps."
             )
+        if self.skip_empty_steps and self.fp16:
+            _refuse(
+                "skip_empty_steps with fp16: a skipped step would skip accelerate's GradScaler update after the "
+                "gradient clipping has already unscaled the gradients, and the next step fails in torch's unscale_. "
+                "Train in bf16 or float32, or unset skip_empty_steps."
+            )
         self._check_keep_rejected(correction)
         if correction.enabled:
             self._check_compatibility(correction)
@@ -446,6 +452,12 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             )
         if depth and self.rollout_generate_dtype is not None:
             _refuse(f"rollout_async_depth={depth}: its engine samples in float32; unset rollout_generate_dtype.")
+        if depth and self.max_policy_lag is not None and self.max_policy_lag < depth:
+            _refuse(
+                f"max_policy_lag={self.max_policy_lag} < rollout_async_depth={depth}: every batch from step {depth} "
+                f"on is generated {depth} optimizer steps behind, so every row would be dropped and nothing trained. "
+                f"Set max_policy_lag >= {depth}, or a smaller rollout_async_depth."
+            )
 
     def _check_policy_lag(self, correction: RolloutCorrectionConfig) -> None:
         """``max_policy_lag``: an int >= 0 with a configured correction; ``policy_lag_split``: not in bypass mode."""

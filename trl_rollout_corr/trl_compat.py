@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
 import types
 from typing import Any, Callable, Iterator, Mapping, MutableSequence, NamedTuple, Optional
 
@@ -1012,8 +1013,12 @@ def sharded_backend(accelerator: Any) -> Optional[str]:
 def dropped_fsdp(args: Any, accelerator: Any) -> bool:
     """True when ``args`` asks for FSDP (``fsdp=...``: transformers builds ``args.fsdp_plugin_args``) but the
     accelerator runs without it: accelerate 1.15's ``AcceleratorState`` keeps an FSDP plugin only on accelerator
-    device types (``MULTI_GPU``, ``MULTI_XPU``, ...), so on CPU ranks (``use_cpu=True``) it silently runs DDP."""
-    return bool(getattr(args, "fsdp_plugin_args", None)) and getattr(accelerator.state, "fsdp_plugin", None) is None
+    device types (``MULTI_GPU``, ``MULTI_XPU``, ...), so on CPU ranks (``use_cpu=True``) it silently runs DDP.
+    FSDP asked for by ``accelerate launch`` with an FSDP config (``ACCELERATE_USE_FSDP=true`` in the environment)
+    counts as asked for too."""
+    asked = bool(getattr(args, "fsdp_plugin_args", None)) or \
+        os.environ.get("ACCELERATE_USE_FSDP", "false").strip().lower() in ("1", "true", "yes")
+    return asked and getattr(accelerator.state, "fsdp_plugin", None) is None
 
 
 def full_parameter_bytes(model: torch.nn.Module, world_size: int = 1) -> int:
