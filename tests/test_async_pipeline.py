@@ -65,6 +65,10 @@ def test_first_optimizer_step_by_hand():
     assert [trl_compat.first_optimizer_step(j, 2, 2) for j in range(4)] == [0, 1, 2, 3]
     assert [trl_compat.first_optimizer_step(j, 4, 2) for j in range(4)] == [0, 2, 4, 6]
     assert [trl_compat.first_optimizer_step(j, 2, 4) for j in range(4)] == [0, 0, 1, 1]
+    # transformers 5.x ends an epoch of 3 micro-steps at accumulation 2 with a short step: 2 optimizer steps per
+    # epoch, so epoch 2's first batch (micro-step 3) is trained at step 2, not 3 // 2 = 1
+    assert [trl_compat.first_optimizer_step(j, 1, 2, steps_in_epoch=3) for j in range(7)] == [0, 0, 1, 2, 2, 3, 4]
+    assert [trl_compat.first_optimizer_step(j, 2, 2, steps_in_epoch=4) for j in range(4)] == [0, 1, 2, 3]
 
 
 @pytest.mark.unit

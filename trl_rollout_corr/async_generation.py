@@ -157,6 +157,7 @@ class AsyncGeneration:
         self._dir: Optional[tempfile.TemporaryDirectory] = None
         self.log_path = os.path.join(args.output_dir, "rollout_async_engine.log")
         self.pulled = self.yielded = 0
+        self.steps_in_epoch: Optional[int] = None  # micro-steps per epoch: len(TRL's loader), set by start
         self._prompts: dict[int, list] = {}
         self._taken = -1
         self.row_versions: Optional[list[int]] = None  # the current batch's, read by PolicyLag
@@ -165,7 +166,7 @@ class AsyncGeneration:
     # ------------------------------------------------------------------ versions
     def first_step(self, batch: int) -> int:
         """The optimizer step that first trains generation batch ``batch``."""
-        return trl_compat.first_optimizer_step(batch, self.generate_every, self.accumulation)
+        return trl_compat.first_optimizer_step(batch, self.generate_every, self.accumulation, self.steps_in_epoch)
 
     def batch_version(self, batch: int) -> int:
         """The version generation batch ``batch`` is generated with: ``max(0, s_j - d)``."""
@@ -204,6 +205,10 @@ class AsyncGeneration:
         self.pipeline = AsyncRolloutPipeline(self.engine, batch_version=self.batch_version,
                                              timeout_s=args.rollout_async_timeout_s)
         self.pulled = self.yielded = 0
+        try:
+            self.steps_in_epoch = len(loader)  # an epoch's last optimizer step may be shorter (first_step)
+        except TypeError:  # an iterable dataset: one epoch, no boundary
+            self.steps_in_epoch = None
         self._prompts.clear()
         self._taken = -1
         self.publish(0)

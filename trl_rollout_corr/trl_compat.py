@@ -1078,10 +1078,18 @@ def generate_every(args: Any, num_iterations: int) -> int:
     return int(args.steps_per_generation) * int(num_iterations)
 
 
-def first_optimizer_step(batch: int, every: int, gradient_accumulation_steps: int) -> int:
+def first_optimizer_step(batch: int, every: int, gradient_accumulation_steps: int,
+                         steps_in_epoch: Optional[int] = None) -> int:
     """The optimizer step (``state.global_step``) during which TRL generates generation batch ``batch``: its first
-    micro-step is ``batch * every`` and ``global_step`` advances every ``gradient_accumulation_steps`` micro-steps."""
-    return (int(batch) * int(every)) // int(gradient_accumulation_steps)
+    micro-step is ``batch * every`` and ``global_step`` advances every ``gradient_accumulation_steps`` micro-steps,
+    and (transformers 5.x's ``_inner_training_loop``) once more at the end of an epoch whose ``steps_in_epoch``
+    micro-steps leave a remainder: an epoch has ``ceil(steps_in_epoch / gradient_accumulation_steps)`` optimizer
+    steps. ``steps_in_epoch`` None: one epoch (no boundary)."""
+    micro, accumulation = int(batch) * int(every), int(gradient_accumulation_steps)
+    if not steps_in_epoch:
+        return micro // accumulation
+    epoch, within = divmod(micro, int(steps_in_epoch))
+    return epoch * -(-int(steps_in_epoch) // accumulation) + within // accumulation
 
 
 def micro_step(trainer: Any) -> int:
