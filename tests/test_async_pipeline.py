@@ -252,3 +252,26 @@ def test_end_leaves_nothing_and_resume_refused(llama_dir, tmp_path, make_trainer
 def test_unsupported_sampler_refused(llama_dir, tmp_path, make_trainer):
     with pytest.raises(ValueError, match=r"rollout_async_depth=1: .*top_k=5"):
         make_trainer(llama_dir, tmp_path, rollout_async_depth=1, top_k=5)
+
+
+@pytest.mark.unit
+def test_server_requests_run_on_daemon_threads_so_a_hung_request_cannot_block_exit(tmp_path):
+    """A request stuck on a hung server (TRL's client has no timeout) must not keep the interpreter alive at exit,
+    which a ThreadPoolExecutor's worker would (Python joins those at exit even after shutdown(wait=False))."""
+    import subprocess
+    import sys
+    import time
+
+    from trl_rollout_corr.engines.async_vllm_server import _DaemonRequests
+
+    pool = _DaemonRequests(2)
+    assert [pool.submit(pow, 2, k).result(timeout=10) for k in range(3)] == [1, 2, 4]
+    failed = pool.submit(int, "x")
+    with pytest.raises(ValueError):
+        failed.result(timeout=10)
+    code = ("import time; from trl_rollout_corr.engines.async_vllm_server import _DaemonRequests; "
+            "p = _DaemonRequests(1); p.submit(time.sleep, 3600); time.sleep(0.2); p.shutdown(); print('exiting')")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "exiting", out.stderr
+    assert time.monotonic() - t0 < 30
