@@ -564,7 +564,8 @@ def engine_record(rollout_engine: str, rollout_dtype: str, model_path: str, *, v
             ``"trl_vllm"`` (TRL's own vLLM path; placeholder until the trainer's ``rollout_engine_record`` replaces
             it) or ``"transformers"`` (TRL's ``generate`` path).
         rollout_dtype: the requested rollout dtype, ``"bfloat16"`` or ``"float32"``.
-        model_path: the checkpoint folder (read for its dtype with ``trl_vllm``).
+        model_path: the checkpoint folder (kept for the callers; no longer read: both of TRL's vLLM paths take
+            ``rollout_dtype`` explicitly).
         vllm_mode: TRL's ``vllm_mode`` (``"colocate"`` or ``"server"``), recorded with ``trl_vllm``; in server mode
             ``rollout_dtype`` is the server's ``--dtype`` (``check_server_dtype`` compares it with the server).
         bf16: the trainer's ``bf16`` flag (``transformers`` generates under the trainer's autocast).
@@ -573,9 +574,9 @@ def engine_record(rollout_engine: str, rollout_dtype: str, model_path: str, *, v
         ``{"rollout_engine", "rollout_dtype", "rollout_logprobs_mode", ...}``.
 
     Raises:
-        ValueError: unknown ``rollout_engine``; or ``trl_vllm`` in server mode with a ``rollout_dtype`` other than
-            the checkpoint's dtype (the server loads with ``dtype="auto"``; in colocate mode the trainer passes
-            ``rollout_dtype`` to TRL's engine as ``rollout_vllm_dtype``).
+        ValueError: unknown ``rollout_engine`` or ``vllm_mode``. (In colocate mode the trainer passes
+            ``rollout_dtype`` to TRL's engine as ``rollout_vllm_dtype``; in server mode it is the server's
+            ``--dtype``, which ``check_server_dtype`` compares with the running server.)
     """
     if rollout_engine == "vllm_cpu":
         return {"rollout_engine": "vllm_cpu", "rollout_dtype": rollout_dtype,
@@ -584,22 +585,12 @@ def engine_record(rollout_engine: str, rollout_dtype: str, model_path: str, *, v
         return {"rollout_engine": "trl_vllm_colocate", "rollout_dtype": rollout_dtype,
                 "rollout_logprobs_mode": "processed_logprobs"}
     if rollout_engine == "trl_vllm":
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(model_path)
-        checkpoint = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)).removeprefix("torch.")
-        if vllm_mode == "server":  # the server's --dtype; checked against the server (check_server_dtype)
-            return {"rollout_engine": "trl_vllm_server", "rollout_dtype": rollout_dtype,
-                    "rollout_logprobs_mode": "processed_logprobs",
-                    "rollout_weight_sync": "TRL VLLMGeneration.sync_weights (CPU: trl_rollout_corr_gloo)"}
-        if checkpoint != rollout_dtype:
-            raise ValueError(
-                f"TRL's vLLM path loads the checkpoint with dtype='auto' = {checkpoint}, but rollout_dtype="
-                f"{rollout_dtype!r}: set rollout_dtype to {checkpoint!r} (or convert the checkpoint)."
-            )
-        return {"rollout_engine": f"trl_vllm_{vllm_mode}", "rollout_dtype": checkpoint,
+        if vllm_mode != "server":
+            raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {vllm_mode!r}.")
+        # the server's --dtype; checked against the server (check_server_dtype)
+        return {"rollout_engine": "trl_vllm_server", "rollout_dtype": rollout_dtype,
                 "rollout_logprobs_mode": "processed_logprobs",
-                "rollout_weight_sync": "TRL VLLMGeneration.sync_weights"}
+                "rollout_weight_sync": "TRL VLLMGeneration.sync_weights (CPU: trl_rollout_corr_gloo)"}
     if rollout_engine == "transformers":
         return {"rollout_engine": "transformers.generate",
                 "rollout_dtype": "bfloat16 (autocast)" if bf16 else "trainer dtype",

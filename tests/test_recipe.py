@@ -236,8 +236,11 @@ def test_vllm_server_start_needs_the_server_path_and_the_server_dtype_is_checked
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32", "model_type": "llama"}))
     record = ru.engine_record("trl_vllm", "bfloat16", str(tmp_path), vllm_mode="server")
     assert record["rollout_engine"] == "trl_vllm_server" and record["rollout_dtype"] == "bfloat16"
-    with pytest.raises(ValueError, match="dtype='auto' = float32"):
-        ru.engine_record("trl_vllm", "bfloat16", str(tmp_path), vllm_mode="colocate")
+    # colocate: the trainer hands rollout_dtype to TRL's engine (rollout_vllm_dtype), whatever the checkpoint's dtype
+    record = ru.engine_record("trl_vllm", "bfloat16", str(tmp_path), vllm_mode="colocate")
+    assert record["rollout_engine"] == "trl_vllm_colocate" and record["rollout_dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="vllm_mode must be 'colocate' or 'server'"):
+        ru.engine_record("trl_vllm", "bfloat16", str(tmp_path), vllm_mode="remote")
 
     class Client:
         base_url = "http://127.0.0.1:1"
