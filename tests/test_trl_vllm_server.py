@@ -167,7 +167,7 @@ def test_bf16_server_sync_lands_with_packed_weights(tmp_path):
     from trl_rollout_corr import trl_compat
     from trl_rollout_corr.engines.vllm_serve import VLLMServer, free_port
 
-    _skip_unless_ready()
+    skip_unless_ready()
     base, perturbed = _load_model(), _load_model()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
