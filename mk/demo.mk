@@ -80,4 +80,8 @@ vllm-serve: demo-model
 ## real asynchronous vLLM CPU engine (about 40 s). About 13 minutes on 2 cores, plus the install and conversion.
 test-vllm: demo-model
 	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) tests/test_vllm_cpu.py tests/test_e2e_vllm_cpu.py tests/test_recipe.py tests/test_support_vllm.py tests/test_trl_vllm_colocate.py tests/test_trl_vllm_server.py \
-	  tests/test_async_vllm_server.py tests/test_lag_versions.py::test_lag_split_with_the_real_async_vllm_cpu_engine
+	  tests/test_async_vllm_server.py
+	# its own process: an in-process vLLM engine started after TRL's colocate engines in one process finds vLLM's
+	# parallel state half torn down (docs/known-limits.md)
+	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) \
+	  tests/test_lag_versions.py::test_lag_split_with_the_real_async_vllm_cpu_engine
