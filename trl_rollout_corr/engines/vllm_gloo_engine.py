@@ -10,7 +10,7 @@ vLLM imports this module only in a server started with ``--weight-transfer-confi
 * ``receive_weights``: receive the announced tensors chunk by chunk and pass them to ``model.load_weights``
   (checkpoint names; vLLM fuses q/k/v and gate/up itself);
 * ``finish_weight_update``: ``finalize_layerwise_reload(model, model_config)``, then re-run the tied LM head's
-  ``process_weights_after_loading``.
+  ``process_weights_after_loading`` (``engines.vllm_cpu.reprocess_tied_layers``, shared with the in-process sync).
 
 The last step is the one NCCL's engine does not need on a GPU. With tied embeddings ``lm_head.weight`` IS
 ``embed_tokens.weight``, but vLLM's CPU linear kernels (``dispatch_cpu_unquantized_gemm``: oneDNN, used for float32
@@ -33,6 +33,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from trl_rollout_corr.engines.vllm_cpu import reprocess_tied_layers
 from trl_rollout_corr.engines.vllm_weight_sync import (
     BACKEND,
     DEFAULT_CHUNK_BYTES,
@@ -166,7 +167,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
-        repack_tied_head(self.model, self.model_config)
+        with torch.no_grad():
+            reprocess_tied_layers(self.model)  # the tied head (module docstring)
 
     def _abort_reload(self) -> None:
         """After a failed update: finish vLLM's layerwise reload (layers that received nothing get their tensors
@@ -174,26 +176,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
-        repack_tied_head(self.model, self.model_config)
+        with torch.no_grad():
+            reprocess_tied_layers(self.model)  # the tied head (module docstring)
 
     def shutdown(self) -> None:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-
-
-def repack_tied_head(model: torch.nn.Module, model_config: Any) -> bool:
-    """Re-run the LM head's ``process_weights_after_loading`` when it shares the embedding's weight.
-
-    Returns:
-        True if the head was re-processed (tied embeddings and a head with a quant method), else False.
-    """
-    if not bool(getattr(model_config.hf_config, "tie_word_embeddings", False)):
-        return False
-    head = getattr(model, "lm_head", None)
-    method = getattr(head, "quant_method", None)
-    if head is None or method is None or getattr(head, "weight", None) is None or head.weight.is_meta:
-        return False
-    with torch.no_grad():
-        method.process_weights_after_loading(head)
-    return True
