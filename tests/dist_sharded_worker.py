@@ -6,7 +6,8 @@ Recipe (CPU, 2 ranks over gloo)::
         tests/dist_sharded_worker.py OUT.json MODEL_DIR BACKEND CASE[,CASE...]
 
 ``BACKEND``: ``ddp`` (also the 1-rank reference), ``zero3`` (DeepSpeed ZeRO-3, ``stage3_param_persistence_threshold``
-0 so that every parameter of the tiny model is really sharded) or ``fsdp2`` (torch FSDP2 ``fully_shard``).
+0 so that every parameter of the tiny model is really sharded), ``fsdp2`` (torch FSDP2 ``fully_shard``) or ``fsdp1``
+(torch FSDP1, one ``FlatParameter`` per wrapped unit; started as FSDP2 is).
 Each rank writes ``OUT.json.rank<k>``: per case, the logged loss, grad_norm and every ``rollout_corr/*`` value of each
 step, the trainer's forward counts, and whether a parameter of this rank is partial (``sharded``), or the refusal
 (``refused``: the error text) when the trainer refuses the case at construction.
@@ -46,6 +47,7 @@ ZERO3 = {
     "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
 }
 FSDP2 = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True}}
+FSDP1 = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 1}}
 
 # case -> RolloutCorrGRPOConfig fields (the rollout table's versions: "stale" rows on rank 0 only)
 CASES = {
@@ -123,6 +125,11 @@ def cpu_fsdp_state():
 def param_is_partial(trainer) -> dict:
     """Whether this rank holds only part of a parameter: the LM head / embedding weight's local numel vs full."""
     model = trainer.model_wrapped
+    for module in model.modules():  # FSDP1: this rank's (padded) part of the first FlatParameter
+        flat = getattr(module, "_flat_param", None)
+        if flat is not None:
+            return {"name": "_flat_param", "local": int(flat._local_shard.numel()),
+                    "full": int(flat._unpadded_unsharded_size.numel())}
     for name, p in model.named_parameters():
         if getattr(p, "ds_tensor", None) is not None:  # ZeRO-3: p is empty outside a gather, ds_tensor the shard
             return {"name": name, "local": int(p.ds_tensor.numel()), "full": int(p.ds_numel)}
@@ -150,8 +157,8 @@ def run_case(case: str, backend: str, model_dir: str, work: str, world: int) -> 
         kwargs.update(FSDP2)
     elif backend == "zero3":
         kwargs["deepspeed"] = ZERO3
-    elif backend == "fsdp2":
-        kwargs.update(FSDP2, accelerator_config={"use_configured_state": True})
+    elif backend in ("fsdp2", "fsdp1"):
+        kwargs.update(FSDP2 if backend == "fsdp2" else FSDP1, accelerator_config={"use_configured_state": True})
     if case == "plain_generate":
         rollout = None
         kwargs["max_steps"] = 1
@@ -173,9 +180,28 @@ def run_case(case: str, backend: str, model_dir: str, work: str, world: int) -> 
     handle.remove()
     logs = [{k: v for k, v in h.items() if k in ("loss", "grad_norm") or k.startswith("rollout_corr/")}
             for h in trainer.state.log_history if "loss" in h]
-    return {"logs": logs, "forwards": dict(trainer.rollout_corr_forward_counts), "model_calls": calls,
-            "sharded": param_is_partial(trainer), "distributed_type": str(trainer.accelerator.distributed_type),
-            "wrapped": type(trainer.model_wrapped).__name__}
+    out = {"logs": logs, "forwards": dict(trainer.rollout_corr_forward_counts), "model_calls": calls,
+           "sharded": param_is_partial(trainer), "distributed_type": str(trainer.accelerator.distributed_type),
+           "wrapped": type(trainer.model_wrapped).__name__}
+    if case == "policy_lag_split":
+        out["lag_split_memory"] = lag_split_memory(trainer)
+    return out
+
+
+def lag_split_memory(trainer) -> dict:
+    """What ``policy_lag_split`` holds on this rank at the end: bytes per kept version (by version), the full
+    parameters' bytes, and this rank's live shard bytes (ZeRO-3 ``ds_tensor``, FSDP2 local shard, else whole)."""
+    from trl_rollout_corr import trl_compat
+    from trl_rollout_corr.features import LagSplit
+    from trl_rollout_corr.features.version_store import _local_shard
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    with torch.no_grad():
+        shard = sum(_local_shard(p).numel() * _local_shard(p).element_size() for p in model.parameters())
+    kept = trainer.rollout_corr_features.get(LagSplit).kept_bytes()
+    return {"per_version": {str(v): b for v, b in kept.items()}, "rank_shard_bytes": int(shard),
+            "full_bytes": trl_compat.full_parameter_bytes(model, trainer.accelerator.num_processes),
+            "store": type(trainer.rollout_corr_features.get(LagSplit).store).__name__}
 
 
 def main() -> None:
@@ -188,7 +214,7 @@ def main() -> None:
 
         deepspeed.init_distributed(dist_backend="gloo")
     stack = contextlib.ExitStack()
-    if backend == "fsdp2":
+    if backend in ("fsdp2", "fsdp1"):
         stack.enter_context(cpu_fsdp_state())
     result = {"world": world, "backend": backend, "cases": {}}
     with stack:

@@ -118,9 +118,9 @@ TOL = 2e-5
 TOL_SUPPORT = 2e-4
 # what each backend refuses at construction, and why (a fragment of the message)
 REFUSED = {
-    ("zero3", "policy_lag_split"): "policy_lag_split is not supported on DeepSpeed ZeRO-3",
-    ("fsdp2", "policy_lag_split"): "policy_lag_split is not supported on FSDP2",
     ("zero3", "support_recompute"): "DeepSpeed ZeRO-3 holds only this rank's shard",
+    ("fsdp1", "policy_lag_split"): "policy_lag_split is not supported on FSDP1",
+    ("fsdp1", "support_recompute"): "FSDP1 holds only this rank's shard",
     # fsdp= with use_cpu=True on 2 torchrun ranks, last in the FSDP2 launch (its args reset accelerate's state, so
     # the harness's cpu_fsdp_state no longer applies): accelerate 1.15 would silently run DDP (1 process:
     # transformers' own "Using fsdp only works in distributed training"; in a DeepSpeed launch: "Using --fsdp xxx
@@ -193,6 +193,14 @@ def check_backend(backend: str, two: list[dict], one: dict) -> dict:
             assert support[0] < TOL_SUPPORT and len(split(ref, True)[0]) > 3, (case, support)
             table[f"{case} (support_*)"] = support
         assert r0["forwards"] == one["cases"][case]["forwards"], case
+        if case == "policy_lag_split":  # each version kept as the rank's own shards, not a whole copy
+            for r in (r0, r1):
+                memory = r["lag_split_memory"]
+                assert memory["store"] == "RankShards" and memory["per_version"], memory
+                assert set(memory["per_version"].values()) == {memory["rank_shard_bytes"]}, memory
+                assert memory["rank_shard_bytes"] <= memory["full_bytes"] // 2 + 4096, memory
+            table["policy_lag_split (bytes per version per rank / full)"] = (
+                r0["lag_split_memory"]["rank_shard_bytes"], r0["lag_split_memory"]["full_bytes"])
         table[case] = (diff, key)
     return table
 

@@ -1,26 +1,31 @@
 """``policy_lag_split``: the direct ratio split in three (spec section 7), engine ``pi_train@v / mu``, lag
 ``pi_old / pi_train@v`` and update ``pi_theta / pi_old``.
 
-The trainer keeps a copy of the policy's weights per version still in use: one per optimizer step of lag, taken when
-a generation batch starts and at the first micro-batch of every optimizer step, so that it holds every version an
-engine can publish, also steps at which it did not generate (an asynchronous engine publishing after every optimizer
-step, with ``num_iterations > 1`` or ``steps_per_generation`` > accumulation). After the mode has scored a batch
-(pi_old exists then), it scores each stale version's rows with a scratch copy of the policy: one no-grad forward
-(role ``version``: support-scored when matching, as pi_old and mu are; each row's own routes replayed with routing
-replay) per stale version and generation batch.
+The trainer keeps the weights of every version still in use (``version_store``: a whole copy on one process, DDP and
+ZeRO-1/2; this rank's own shards on DeepSpeed ZeRO-3 and FSDP2, one shard per version): one per optimizer step of
+lag, taken when a generation batch starts and at the first micro-batch of every optimizer step, so that it holds every
+version an engine can publish, also steps at which it did not generate (an asynchronous engine publishing after every
+optimizer step, with ``num_iterations > 1`` or ``steps_per_generation`` > accumulation). After the mode has scored a
+batch (pi_old exists then), it scores each stale version's rows: one no-grad forward (role ``version``:
+support-scored when matching, as pi_old and mu are; each row's own routes replayed with routing replay) per stale
+version and generation batch, with that version's weights (a scratch copy, or the live sharded model with the
+version's shards swapped in).
+The stale versions are the union over ranks (one all-reduce), so on a sharded model, where a forward is a collective,
+every rank runs the same version forwards (a rank without rows of a version scores one placeholder row and discards
+it); the versions no rank needs any more are dropped on every rank alike.
 The result rides in the batch as ``rollout_version_log_probs``; the mode's ratio decomposition reads it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
 from .. import support, trl_compat
 from ..hooks import Feature, ForwardCall, GenerationBatch, LossStep
+from .version_store import store_for
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
@@ -33,14 +38,17 @@ _ROW_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "
 class LagSplit(Feature):
     """The weights of every version in use, and the per-version log-probs (module docstring).
 
+    Attributes:
+        weights: version (optimizer step) -> what ``store`` keeps of it (``version_store``); the same versions on
+            every rank.
+        store: ``version_store.FullCopies`` or ``RankShards`` (by backend).
+
     Raises:
-        NotImplementedError: at construction, on a backend that shards the parameters (DeepSpeed ZeRO-3, FSDP1,
-            FSDP2): the version copies are whole-model copies (``state_dict`` of the unwrapped model, a deep copy
-            for the scratch model), which those backends cannot make, and the version forward runs only on the
-            ranks holding stale rows, which is a collective there (the message gives the memory it would need).
-        ValueError: (``after_score``) a row's version is one whose weights this trainer never held (a version
-            that is not a step at which it generated or trained, or one before the checkpoint it resumed from) or no
-            longer holds (versions going backwards).
+        NotImplementedError: at construction, on FSDP1 or a ZeRO-3 setting whose shards it cannot keep
+            (``version_store.store_for``).
+        ValueError: (``after_score``, on every rank) a row's version, on any rank, is one whose weights this
+            trainer never held (a version that is not a step at which it generated or trained, or one before the
+            checkpoint it resumed from) or no longer holds (versions going backwards).
     """
 
     name = "lag_split"
@@ -50,17 +58,25 @@ class LagSplit(Feature):
         return bool(args.policy_lag_split)
 
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
-        refuse_sharded(trainer)
-        self.weights: dict[int, dict[str, torch.Tensor]] = {}  # version (optimizer step) -> state dict
-        self.model: Optional[torch.nn.Module] = None  # the scratch copy that scores old versions
+        self.store = store_for(trainer)
+        self.weights: dict[int, object] = {}
+        self._oldest: Optional[int] = None  # the oldest row version over all ranks of the batch last scored
+
+    @property
+    def model(self) -> Optional[torch.nn.Module]:
+        """The scratch copy that scores old versions (``FullCopies``), or None (not built yet, or sharded)."""
+        return getattr(self.store, "model", None)
+
+    def kept_bytes(self) -> dict[int, int]:
+        """Bytes this rank holds per kept version (a whole copy, or this rank's shards)."""
+        return {version: self.store.kept_bytes(kept) for version, kept in self.weights.items()}
 
     def _keep_current(self, trainer) -> None:
-        """Training: keep a copy of the policy's weights as version ``global_step`` (the weights any engine syncing
-        or publishing now would receive; pruned in ``after_score``), once per optimizer step."""
+        """Training: keep the policy's weights as version ``global_step`` (the weights any engine syncing or
+        publishing now would receive; pruned in ``after_score``), once per optimizer step."""
         step = trainer.state.global_step
         if trainer.metrics_mode == "train" and step not in self.weights:
-            state = trainer.accelerator.unwrap_model(trainer.model).state_dict()
-            self.weights[step] = {k: v.detach().clone() for k, v in state.items()}
+            self.weights[step] = self.store.keep(trainer)
 
     @contextlib.contextmanager
     def generation(self, trainer, gen: GenerationBatch) -> Iterator[None]:
@@ -76,18 +92,44 @@ class LagSplit(Feature):
 
     def after_score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
         """``batch["rollout_version_log_probs"]`` (``version_log_probs``, unless the mode asked for it already: RS on
-        the engine factor, ``rollout_rs_on="engine"``), then the weights no row needs any more are dropped."""
+        the engine factor, ``rollout_rs_on="engine"``), then the weights no row of any rank needs any more are
+        dropped (on every rank alike)."""
         if self.version_log_probs(trainer, batch) is None:
             return
-        oldest = int(batch["rollout_policy_version"].min())
-        for version in [v for v in self.weights if v < oldest]:
+        for version in [v for v in self.weights if self._oldest is not None and v < self._oldest]:
             del self.weights[version]
+
+    def _stale_versions(self, trainer, local: set, oldest: int, device=None) -> list[int]:
+        """The stale versions some rank holds rows of (sorted, the same list on every rank; one all-reduce), and
+        ``self._oldest``, the oldest row version over all ranks. ``device``: where the all-reduce runs (the batch's
+        device: NCCL reduces CUDA tensors only).
+
+        Raises:
+            ValueError: on every rank, when some rank's versions include one not held (class Raises).
+        """
+        held = sorted(self.weights)
+        missing = sorted(local - set(held))
+        flags = torch.tensor([v in local for v in held] + [len(missing), -oldest], dtype=torch.long, device=device)
+        flags = trainer.rollout_corr_reducers.max(flags).cpu()
+        self._oldest = -int(flags[-1])
+        if int(flags[-2]) > 0:
+            where = f"rows of version {missing[0]} arrived" if missing else "another rank got rows of a version"
+            raise ValueError(
+                f"policy_lag_split: {where}, but the trainer holds no weights of that "
+                f"version (held: {held}); versions must be optimizer steps at which this trainer "
+                "generated or trained, never going backwards. A trainer resumed from a checkpoint holds no "
+                "weights of the steps before the resume (the checkpoint has the current ones only): restart "
+                "the engine with the trainer, or resume from a checkpoint at one of its weight syncs. Else "
+                "unset policy_lag_split."
+            )
+        return [v for v, needed in zip(held, flags[:-2].tolist()) if needed]
 
     def version_log_probs(self, trainer, batch: dict) -> Optional[torch.Tensor]:
         """(B, T) float32 log pi_train@v of each token at its own version v, stored as
         ``batch["rollout_version_log_probs"]`` (computed once per batch; the stored tensor afterwards). A token's
         version is its row's, or, for a row that spans a weight update, its own (``rollout_policy_version_tokens``):
-        one forward per stale version over the rows holding a token of it. Tokens of the current version reuse
+        one forward per stale version of any rank over the rows holding a token of it (``_stale_versions``; on a
+        sharded model a rank without such rows runs it on a placeholder row). Tokens of the current version reuse
         pi_old exactly (their lag ratio is 1). None while the batch has no pi_old or no versions."""
         if "rollout_version_log_probs" in batch:
             return batch["rollout_version_log_probs"]
@@ -100,53 +142,25 @@ class LagSplit(Feature):
         if tokens is None:
             tokens = versions[:, None].expand(old.shape)
         version_log_probs = old.detach().float().clone()
-        for version in sorted(set(tokens.unique().tolist()) - {step}):
-            weights = self.weights.get(version)
-            if weights is None:
-                raise ValueError(
-                    f"policy_lag_split: rows of version {version} arrived, but the trainer holds no weights of that "
-                    f"version (held: {sorted(self.weights)}); versions must be optimizer steps at which this trainer "
-                    "generated or trained, never going backwards. A trainer resumed from a checkpoint holds no "
-                    "weights of the steps before the resume (the checkpoint has the current ones only): restart "
-                    "the engine with the trainer, or resume from a checkpoint at one of its weight syncs. Else "
-                    "unset policy_lag_split."
-                )
+        local = set(tokens.unique().tolist()) - {step}
+        for version in self._stale_versions(trainer, local, int(versions.min()), old.device):
             at = tokens == version
             rows = at.any(dim=1)
-            scored = self._log_probs_at_version(trainer, weights, {k: batch[k][rows] for k in _ROW_KEYS if k in batch})
+            if not bool(rows.any()):
+                if self.store.collective:  # join the collective forward: score row 0, discard it
+                    self._log_probs_at_version(trainer, version, {k: batch[k][:1] for k in _ROW_KEYS if k in batch})
+                continue
+            scored = self._log_probs_at_version(trainer, version, {k: batch[k][rows] for k in _ROW_KEYS if k in batch})
             version_log_probs[rows] = torch.where(at[rows], scored, version_log_probs[rows])
         batch["rollout_version_log_probs"] = version_log_probs
         return version_log_probs
 
-    def _log_probs_at_version(self, trainer, weights: dict, rows: dict) -> torch.Tensor:
-        """(b, T) float32 log-probs of ``rows`` under the policy with ``weights`` loaded (the scratch copy)."""
-        if self.model is None:
-            self.model = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model)).eval()
-        self.model.load_state_dict(weights)
+    def _log_probs_at_version(self, trainer, version: int, rows: dict) -> torch.Tensor:
+        """(b, T) float32 log-probs of ``rows`` under the policy at ``version`` (``store.loaded``)."""
         fwd = trl_compat.prompt_completion_inputs(rows)
         trainer.rollout_corr_forward_counts["version_log_probs"] += 1
-        call = ForwardCall("version", self.model, batch=rows)
-        with torch.no_grad():
-            lp, _, _ = trainer.policy_forward(call, fwd, batch_size=trainer.args.per_device_train_batch_size)
+        with self.store.loaded(trainer, self.weights[version]) as model:
+            call = ForwardCall("version", model, batch=rows)
+            with torch.no_grad():
+                lp, _, _ = trainer.policy_forward(call, fwd, batch_size=trainer.args.per_device_train_batch_size)
         return support.invalidate_misses(lp.float(), call.miss)  # support matching: missed tokens NaN, as mu's
-
-
-def refuse_sharded(trainer) -> None:
-    """``policy_lag_split`` on a parameter-sharding backend: NotImplementedError naming the backend, the reasons and
-    the memory its whole-model copies would take (see ``LagSplit``'s Raises)."""
-    backend = trl_compat.sharded_backend(trainer.accelerator)
-    if backend is None:
-        return
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    gib = trl_compat.full_parameter_bytes(model, trainer.accelerator.num_processes) / 2**30
-    lag = trainer.args.max_policy_lag
-    copies = (f"{lag + 2} copies = {(lag + 2) * gib:.3g} GiB per rank at max_policy_lag={lag}" if lag is not None
-              else f"k + 1 copies = (k + 1) x {gib:.3g} GiB per rank at a lag of k steps")
-    raise NotImplementedError(
-        f"policy_lag_split is not supported on {backend}: it keeps a whole-model copy of the weights per version in "
-        f"flight plus a scratch copy for the version forward ({gib:.3g} GiB each here: {copies}), which {backend} "
-        "cannot take from its sharded parameters, and a rank runs the version forward only for the stale "
-        "versions it holds, while on a sharded model every forward is a collective that all ranks must join (a "
-        "hang when only some ranks hold stale rows). Use DDP or DeepSpeed ZeRO-1/2, or unset policy_lag_split "
-        "(the rollout_corr/* diagnostics and the correction itself work on sharded backends)."
-    )
