@@ -119,8 +119,6 @@ TOL_SUPPORT = 2e-4
 # what each backend refuses at construction, and why (a fragment of the message)
 REFUSED = {
     ("zero3", "support_recompute"): "DeepSpeed ZeRO-3 holds only this rank's shard",
-    ("fsdp1", "policy_lag_split"): "policy_lag_split is not supported on FSDP1",
-    ("fsdp1", "support_recompute"): "FSDP1 holds only this rank's shard",
     # fsdp= with use_cpu=True on 2 torchrun ranks, last in the FSDP2 launch (its args reset accelerate's state, so
     # the harness's cpu_fsdp_state no longer applies): accelerate 1.15 would silently run DDP (1 process:
     # transformers' own "Using fsdp only works in distributed training"; in a DeepSpeed launch: "Using --fsdp xxx
