@@ -13,7 +13,8 @@ The ordering rules (written once, here and in ``features.FEATURES``; tested in `
    "after" sees the work of every feature it encloses).
 3. Construction and ``check_trainer_args`` run in list order (the one feature with side effects outside the process,
    the rollout records, is last).
-4. The mode scores a generation batch between ``on_batch`` and ``after_score``, and it alone produces the loss.
+4. The mode scores a generation batch between ``on_batch`` and ``after_score``, and it alone produces the loss. Its
+   own ``forward`` hook encloses the features' around every log-prob forward.
 
 The prior art for the shape: torchtitan's model converters (a protocol plus a sequential container built from the
 config, undone in reverse) and Composer's algorithm passes (list order, reversed on "after" events).
@@ -54,6 +55,12 @@ class GenerationBatch:
         trl_old_seen: TRL's first no-grad policy forward of this batch has run (the trainer: forward roles).
         trl_old_skipped: TRL's own pi_old forward returned a NaN placeholder (the trainer; bypass and routing
             replay replace that forward).
+        version_log_probs: the lag split's scorer ``batch -> (B, T) float32 log pi_train@v or None``
+            (``LagSplit.version_log_probs``, published in its ``generation`` hook; computed once per batch and stored
+            as ``rollout_version_log_probs``), or None without ``policy_lag_split``. The mode calls it when RS judges
+            the engine factor (``rollout_rs_on="engine"``).
+        support: the support-matched score (``support.SupportScore``, (B, T) fields) of this batch's measured pi_old
+            forward (role ``trl_old`` or ``old``; matching on), set by the trainer from ``ForwardCall.support``.
     """
 
     started: float
@@ -67,6 +74,8 @@ class GenerationBatch:
     record_kept_sets: bool = False
     trl_old_seen: bool = False
     trl_old_skipped: bool = False
+    version_log_probs: Optional[Callable[[dict], Optional[torch.Tensor]]] = None
+    support: Optional[Any] = None
 
 
 @dataclass
@@ -103,9 +112,13 @@ class ForwardCall:
             generation-time forwards (the batch dict does not exist yet).
         measure: count this forward's diagnostics (routing mismatch, support statistics).
         logits_to_keep: the completion length T scored (set by the trainer from TRL's call).
+        input_ids, attention_mask: (B, P + T) the tokens forwarded (set by the trainer from TRL's call).
         compute_entropy: the caller wants the entropies (TRL's ``compute_entropy``; set by the trainer).
-        result: ``(log_probs (B, T), entropies, aux_loss)`` once the forward ran; a feature's exit may replace it.
+        result: ``(log_probs (B, T), entropies, aux_loss)`` once the forward ran; a feature's exit may replace it;
+            the mode's ``forward`` may set it on entry (the forward then does not run: ``LossStep.reuse``).
         miss: (B, T) bool tokens this forward could not score (sampled outside the trainer's support), or None.
+        support: the support-matched score of this forward (``support.SupportScore``: (B, T) ``log_probs``,
+            ``log_mass``, ``size``, ``miss``), set by ``SupportMatching`` on exit when matching is on; None otherwise.
     """
 
     role: Role
@@ -113,9 +126,12 @@ class ForwardCall:
     batch: Optional[Mapping[str, Any]] = None
     measure: bool = False
     logits_to_keep: Optional[int] = None
+    input_ids: Optional[torch.Tensor] = None
+    attention_mask: Optional[torch.Tensor] = None
     compute_entropy: bool = False
     result: Optional[tuple] = None
     miss: Optional[torch.Tensor] = None
+    support: Optional[Any] = None
 
 
 @dataclass
@@ -129,10 +145,13 @@ class LossStep:
             records and the ratio decomposition; for bypass + batch normalisation + accumulation, at a step's first
             micro-batch, the batch-norm window's no-grad forward of the same rows).
         old_from_loss: this loss step's first policy forward is also its batch's pi_old (``old_forward``: set by the
-            mode's ``prepare_loss``); the trainer gives it the role ``old`` (routes replayed and measured, support
-            scored and measured, missed tokens into the batch) instead of ``loss``.
+            mode's ``prepare_loss``); the mode's ``forward`` gives it the role ``old`` (routes replayed and measured,
+            support scored and measured, missed tokens into the batch) instead of ``loss``.
         reuse: ``(input_ids, attention_mask, logits_to_keep, result)`` of a policy forward the mode ran itself in
-            ``prepare_loss``; TRL's own loss forward over the same rows returns ``result`` instead of running again.
+            ``prepare_loss``; the mode's ``forward`` answers TRL's own loss forward over the same rows with ``result``
+            instead of running it again.
+        support: the support-matched score (``support.SupportScore``) of this loss step's measured forward (role
+            ``old`` or ``bypass_loss``; matching on), set by the trainer from ``ForwardCall.support``; else None.
         trained_tokens: 0-d int64, the tokens of this micro-batch that carry gradient (in the loss mask after RS and
             the lag filter, with a non-zero IS weight), set by the correction modes' ``loss``; None otherwise.
     """
@@ -143,6 +162,7 @@ class LossStep:
     old_from_loss: bool = False
     reuse: Optional[tuple] = None
     trained_tokens: Optional[torch.Tensor] = None
+    support: Optional[Any] = None
 
 
 # ---------------------------------------------------------------------------------------------- the protocols
@@ -241,6 +261,12 @@ class CorrectionMode:
 
     def score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
         """Score one generation batch, between the features' ``on_batch`` and ``after_score``."""
+
+    def forward(self, trainer, call: ForwardCall, step: Optional[LossStep]) -> contextlib.AbstractContextManager:
+        """Around every log-prob forward, outside the features' ``forward`` hooks (``step``: the loss step in
+        progress, or None). On entry the mode may give a forward TRL started another role (a loss forward that is
+        also pi_old's) or answer it (``call.result`` set: neither the features' hooks nor the forward run)."""
+        return contextlib.nullcontext()
 
     def prepare_loss(self, trainer, model: torch.nn.Module, step: LossStep) -> None:
         """Before the features' ``before_loss``: finish what the batch's scoring left to its first loss forward

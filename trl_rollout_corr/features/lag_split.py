@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
@@ -64,8 +65,10 @@ class LagSplit(Feature):
 
     @contextlib.contextmanager
     def generation(self, trainer, gen: GenerationBatch) -> Iterator[None]:
-        """The weights of this generation's step (``_keep_current``)."""
+        """The weights of this generation's step (``_keep_current``); the version scorer published on the batch
+        (``gen.version_log_probs``: the mode runs it early when RS judges the engine factor)."""
         self._keep_current(trainer)
+        gen.version_log_probs = functools.partial(self.version_log_probs, trainer)
         yield
 
     def before_loss(self, trainer, step: LossStep) -> None:

@@ -180,7 +180,7 @@ class SupportMatching(Feature):
         matched = support.SupportScore.cat(scores)
         if replace:
             entropies = matched.entropy if entropy_t is not None else entropies
-            call.result, call.miss = (matched.log_probs, entropies, aux_loss), matched.miss
+            call.result, call.miss, call.support = (matched.log_probs, entropies, aux_loss), matched.miss, matched
         if call.role == "trl_old":  # its batch does not exist yet: recorded in on_batch
             self._trl_old_score = matched
         elif call.measure:
@@ -189,16 +189,12 @@ class SupportMatching(Feature):
     def _record(self, trainer, batch: dict, matched: support.SupportScore, *, miss_key: bool) -> None:
         """A measured forward's ``rollout_corr/support_*`` statistics over the batch's loss mask; ``miss_key``:
         matching on, its missed tokens go to ``batch["rollout_support_miss"]`` (made invalid by the mode's
-        correction); matching on with records, the forward's (B, T) log S, |K| and misses go to
-        ``batch["rollout_record_support_{log_mass,size,miss}"]`` (``features.rollout_records``)."""
+        correction). The score itself travels on the per-call objects (``ForwardCall.support``)."""
         trainer.rollout_corr_metrics.add_support(trainer.metrics_mode,
                                                  support.SupportStats.from_score(matched, trl_compat.loss_mask(batch)))
         self.measure_due = False
         if miss_key and self.scorer is not None:
             batch["rollout_support_miss"] = matched.miss
-        if self.scorer is not None and trainer.args.rollout_dump_dir is not None:  # for the records (analyze)
-            for name in ("log_mass", "size", "miss"):
-                batch[f"rollout_record_support_{name}"] = getattr(matched, name)
 
     # ------------------------------------------------------------------ logging
     def on_log(self, trainer, logs: dict) -> None:
