@@ -21,14 +21,10 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 
 from .. import support, trl_compat
-from ..hooks import Feature, ForwardCall, GenerationBatch, LossStep
+from ..hooks import FORWARD_INPUT_KEYS, Feature, ForwardCall, GenerationBatch, LossStep
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
-
-
-# the batch keys the version forward reads: TRL's rows, and their routes (routing replay, replayed in it)
-_ROW_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "routed_experts")
 
 
 class LagSplit(Feature):
@@ -116,7 +112,8 @@ class LagSplit(Feature):
                 )
             at = tokens == version
             rows = at.any(dim=1)
-            scored = self._log_probs_at_version(trainer, weights, {k: batch[k][rows] for k in _ROW_KEYS if k in batch})
+            inputs = {k: batch[k][rows] for k in FORWARD_INPUT_KEYS if k in batch}  # the rows, their routes
+            scored = self._log_probs_at_version(trainer, weights, inputs)
             version_log_probs[rows] = torch.where(at[rows], scored, version_log_probs[rows])
         batch["rollout_version_log_probs"] = version_log_probs
         return version_log_probs

@@ -23,15 +23,13 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 
 from .. import support, trl_compat
-from ..hooks import Feature, ForwardCall, GenerationBatch, PlainGenerate
+from ..hooks import ROLE_TRAITS, Feature, ForwardCall, GenerationBatch, PlainGenerate
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
 
 logger = logging.getLogger("trl_rollout_corr.trainer")  # the trainer's logger: its messages keep their source
 
-# "version": policy_lag_split's pi_train@v, compared with mu and pi_old, so scored over the same support
-SCORED_ROLES = frozenset({"trl_old", "old", "loss", "bypass_loss", "batch_norm_window", "version"})
 
 
 class SupportMatching(Feature):
@@ -133,9 +131,10 @@ class SupportMatching(Feature):
 
     # ------------------------------------------------------------------ forwards
     def _wanted(self, trainer, call: ForwardCall) -> bool:
-        """Matching on: every policy forward of ``SCORED_ROLES``; off: the forwards that measure, while the one-time
-        measurement of the kept mass is due (training only)."""
-        if call.role not in SCORED_ROLES:
+        """Matching on: every policy forward of a scored role (``hooks.ForwardRole.scored``; ``version``, the lag
+        split's pi_train@v, is compared with mu and pi_old, so scored over the same support); off: the forwards that
+        measure, while the one-time measurement of the kept mass is due (training only)."""
+        if not ROLE_TRAITS[call.role].scored:
             return False
         return self.scorer is not None or (call.measure and self.measure_due and trainer.metrics_mode == "train")
 
