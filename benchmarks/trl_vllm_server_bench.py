@@ -7,12 +7,14 @@ Two parts, each printing one JSON line per measurement (and appending it to ``--
   32 tokens, as ``recipes/configs/cpu_smollm2_decoupled.yaml``) and re-score every sampled token with the trainer in
   float32: max and mean |log mu - log pi| over the tokens.
 * ``steps``: the main job (``recipes/grpo_rollout_corr.py`` with the CPU config) for ``--steps`` steps, 1 torch
-  thread, ``--eval_size 0``, alternating the ``rollout_func`` engine (vllm_cpu, bf16, in process) and the server
-  path (bf16 server started by the recipe, ``--vllm_server_start``) ``--rounds`` times: per step, generate / sync /
-  train seconds (train = step - generate - sync), means over steps 2..N.
+  thread, ``--eval_size 0``, interleaving the ``rollout_func`` engine (vllm_cpu, bf16, in process), TRL's colocate
+  engine (bf16, eager) and the server path (bf16 server started by the recipe, ``--vllm_server_start``) ``--rounds``
+  times (the order reversed every other round): per step, generate / sync / train seconds (train = step - generate
+  - sync), means over steps 2..N, and the engine's start-up seconds.
 
     python benchmarks/trl_vllm_server_bench.py rescore --out outputs/server_bench.jsonl
-    python benchmarks/trl_vllm_server_bench.py steps --rounds 1 --out outputs/server_bench.jsonl
+    python benchmarks/trl_vllm_server_bench.py steps --rounds 2 --out outputs/server_bench.jsonl
+    python benchmarks/trl_vllm_server_bench.py table outputs/server_bench.jsonl   # the RESULTS.md table
 """
 
 from __future__ import annotations
@@ -91,10 +93,10 @@ def steps(args) -> None:
     import subprocess
 
     for r in range(args.rounds):
-        for path in args.paths:
+        for path in (args.paths if r % 2 == 0 else args.paths[::-1]):
             out = Path(args.out).parent / f"steps_{path}_r{r}"
             cmd = [sys.executable, str(Path(__file__).resolve()), "one-run", "--path", path, "--output_dir", str(out),
-                   "--steps", str(args.steps), "--out", args.out]
+                   "--steps", str(args.steps), "--out", args.out, "--round", str(r)]
             subprocess.run(cmd, check=True, cwd=ROOT)
 
 
@@ -115,9 +117,10 @@ def one_run(args) -> None:
     flags = ["--config", str(CONFIG), "--model_name_or_path", MODEL, "--output_dir", args.output_dir,
              "--max_steps", str(args.steps), "--eval_size", "0", "--torch_threads", "1", "--report_to", "none",
              "--plots", "false"]
+    if args.path in ("server", "colocate"):
+        flags += ["--rollout_engine", "trl_vllm", "--use_vllm", "true", "--vllm_mode", args.path]
     if args.path == "server":
-        flags += ["--rollout_engine", "trl_vllm", "--use_vllm", "true", "--vllm_mode", "server",
-                  "--vllm_server_start", "true"]
+        flags += ["--vllm_server_start", "true"]
     parser = TrlParser((recipe.ScriptArguments, recipe.RolloutCorrGRPOConfig, ModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config(args=flags)
     timings: dict = {"generate": {}, "sync": {}, "step": {}}
@@ -161,19 +164,53 @@ def one_run(args) -> None:
             setattr(obj, name, timed)
 
     torch.set_num_threads(1)
+    t_start = time.perf_counter()
     results = recipe.main(script_args, training_args, model_args, trainer_cls=Timed)
+    wall_s = time.perf_counter() - t_start
     later = [s for s in timings["step"] if s >= 2]
 
     def mean(kind):
         vals = [timings[kind].get(s, 0.0) for s in later]
         return round(sum(vals) / len(vals), 2) if vals else None
 
-    record = {"part": "steps", "path": args.path, "steps": len(timings["step"]), "step_s": mean("step"),
+    record = {"part": "steps", "path": args.path, "round": args.round, "wall_s": round(wall_s, 1),
+              "steps": len(timings["step"]), "step_s": mean("step"),
               "generate_s": mean("generate"), "sync_s": mean("sync"),
               "engine": results["engine"], "per_step": timings}
     if record["step_s"] is not None and record["generate_s"] is not None:
         record["train_s"] = round(record["step_s"] - record["generate_s"] - (record["sync_s"] or 0.0), 2)
     emit(Path(args.out), record)
+
+
+def table(path: Path) -> str:
+    """The RESULTS.md table of the ``steps`` records in ``path``: per path, the median over rounds of each round's
+    means over steps 2..N (seconds), the rounds' range of the step time, and the step-time ratio to ``rollout_func``
+    computed within each round (interleaved runs) then its median."""
+    import statistics
+
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if r.get("part") == "steps"]
+    by_round: dict = {}
+    for r in recs:
+        by_round.setdefault(r.get("round", 0), {})[r["path"]] = r
+    rows = ["| path | rounds | step (median, range) | generate | sync | train | step / rollout_func |",
+            "|---|---|---|---|---|---|---|"]
+    for path in ("rollout_func", "colocate", "server"):
+        mine = [rs[path] for rs in by_round.values() if path in rs]
+        if not mine:
+            continue
+        ratios = [rs[path]["step_s"] / rs["rollout_func"]["step_s"] for rs in by_round.values()
+                  if path in rs and "rollout_func" in rs]
+
+        def med(key):
+            vals = [m[key] for m in mine if m.get(key) is not None]
+            return f"{statistics.median(vals):.2f} s" if vals else "-"
+
+        steps = [m["step_s"] for m in mine]
+        rows.append(f"| {path} | {len(mine)} | {statistics.median(steps):.2f} s ({min(steps):.2f}-{max(steps):.2f}) "
+                    f"| {med('generate_s')} | {med('sync_s')} | {med('train_s')} "
+                    f"| {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |")
+    return "\n".join(rows)
 
 
 def main() -> None:
@@ -185,14 +222,20 @@ def main() -> None:
     s = sub.add_parser("steps")
     s.add_argument("--rounds", type=int, default=1)
     s.add_argument("--steps", type=int, default=4)
-    s.add_argument("--paths", nargs="+", default=["rollout_func", "server"])
+    s.add_argument("--paths", nargs="+", default=["rollout_func", "colocate", "server"])
     o = sub.add_parser("one-run")
-    o.add_argument("--path", choices=["rollout_func", "server"], required=True)
+    o.add_argument("--path", choices=["rollout_func", "colocate", "server"], required=True)
+    o.add_argument("--round", type=int, default=0)
+    t = sub.add_parser("table")
+    t.add_argument("jsonl")
     o.add_argument("--output_dir", required=True)
     o.add_argument("--steps", type=int, default=4)
     for q in (r, s, o):
         q.add_argument("--out", default="outputs/server_bench/results.jsonl")
     args = p.parse_args()
+    if args.part == "table":
+        print(table(Path(args.jsonl)))
+        return
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     {"rescore": rescore, "steps": steps, "one-run": one_run}[args.part](args)
 
