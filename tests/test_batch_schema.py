@@ -127,17 +127,19 @@ def watch(monkeypatch) -> WriteWatch:
 # what each case must show the watch seeing (so that a watch that sees nothing cannot pass)
 EXPECTED = {
     "no_correction": {("DiagnosticsMode", "rollout_log_probs"), ("DiagnosticsMode", "rollout_old_log_probs")},
-    "no_correction_r3": {("RoutingReplay", "routed_experts"), ("DiagnosticsMode", "old_per_token_logps")},
+    "no_correction_r3": {("RoutingReplay", "routed_experts"), ("DiagnosticsMode", "rollout_old_log_probs")},
     "decoupled_k3rs_tis_iter2_lag_split_max_lag0_records": {
         ("DecoupledMode", "rollout_rs_mask"), ("DecoupledMode", "rollout_is_weights"),
-        ("DecoupledMode", "rollout_generation_row"), ("LagSplit", "rollout_version_log_probs"),
+        ("LagSplit", "rollout_version_log_probs"),
         ("RolloutRecords", "rollout_record_row"), ("PolicyLag", "rollout_rs_mask")},
-    "decoupled_support_recompute_r3": {("SupportMatching", "rollout_support_miss"),
-                                       ("DecoupledMode", "num_items_in_batch")},
+    "decoupled_support_recompute_r3": {("SupportMatching", "rollout_support_miss"),  # pi_old from the loss forward
+                                       ("DecoupledMode", "num_items_in_batch"),
+                                       ("DecoupledMode", "rollout_generation_row")},
     "bypass_ppo_batch_norm_ga2_support_r3_records": {
         ("BypassMode", "rollout_log_probs"), ("RolloutRecords", "rollout_record_support_log_mass")},
     "bypass_reinforce_max_lag": {("BypassMode", "rollout_policy_version"), ("PolicyLag", "tool_mask")},
-    "decoupled_stale_rollout_lag_split": {("LagSplit", "rollout_version_log_probs")},
+    "decoupled_stale_rollout_lag_split": {("LagSplit", "rollout_version_log_probs"),
+                                          ("DecoupledMode", "old_per_token_logps")},
 }
 
 
