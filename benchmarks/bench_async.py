@@ -126,15 +126,25 @@ def _train(setting: str, model: str, steps: int, out: Path, server) -> None:
 
 
 def summarise(runs: dict[str, list[dict]]) -> str:
-    """The Markdown table: per setting, medians over rounds of the per-run medians (steps 2..n)."""
-    lines = ["| setting | step s | generate s | train s | wait s | publish s | overlap efficiency |",
-             "|---|---|---|---|---|---|---|"]
+    """The Markdown table: per setting, medians over rounds of the per-run medians (steps 2..n).
+
+    Two overlap efficiencies for the asynchronous settings: ``own`` = max(G, T) / step with G and T of the
+    asynchronous run itself (T = step - wait - publish, so it is near 1 whenever the trainer never waits: it shows
+    only that generation is hidden), and ``vs sync_t1`` = max(G, T) of the 1-thread synchronous run / the
+    asynchronous step (below 1 when running the engine beside the trainer slows the trainer down)."""
+    med = {}
     for setting, results in runs.items():
-        med = {k: statistics.median(statistics.median(r[k] for r in res["steps"][1:]) for res in results)
-               for k in ("step_s", "generate_s", "train_s", "wait_s", "publish_s")}
-        eff = (f"{max(med['generate_s'], med['train_s']) / med['step_s']:.2f}" if SETTINGS[setting][0] else "-")
-        lines.append(f"| {setting} | {med['step_s']:.2f} | {med['generate_s']:.2f} | {med['train_s']:.2f} | "
-                     f"{med['wait_s']:.2f} | {med['publish_s']:.3f} | {eff} |")
+        med[setting] = {k: statistics.median(statistics.median(r[k] for r in res["steps"][1:]) for res in results)
+                        for k in ("step_s", "generate_s", "train_s", "wait_s", "publish_s")}
+    base = med.get("sync_t1")
+    lines = ["| setting | step s | generate s | train s | wait s | publish s | overlap eff. (own) | "
+             "overlap eff. (vs sync_t1) |", "|---|---|---|---|---|---|---|---|"]
+    for setting, m in med.items():
+        asynchronous = SETTINGS[setting][0] > 0
+        own = f"{max(m['generate_s'], m['train_s']) / m['step_s']:.2f}" if asynchronous else "-"
+        ref = (f"{max(base['generate_s'], base['train_s']) / m['step_s']:.2f}" if asynchronous and base else "-")
+        lines.append(f"| {setting} | {m['step_s']:.2f} | {m['generate_s']:.2f} | {m['train_s']:.2f} | "
+                     f"{m['wait_s']:.2f} | {m['publish_s']:.3f} | {own} | {ref} |")
     return "\n".join(lines)
 
 
@@ -148,8 +158,14 @@ def main() -> None:
     parser.add_argument("--engine", choices=["server", "transformers"], default="server",
                         help="server: TRL's vLLM server (float32) for every setting (sync: TRL's server path); "
                         "transformers: TRL's generate in the trainer (sync) vs the transformers engine process")
+    parser.add_argument("--summarise", metavar="DIR", help="only rebuild the table from DIR/round*/<setting>.json")
     a = parser.parse_args()
     out = Path(a.out)
+    if a.summarise:
+        found = {s: [json.loads(p.read_text()) for p in sorted(Path(a.summarise).glob(f"round*/{s}.json"))]
+                 for s in SETTINGS}
+        print(summarise({s: res for s, res in found.items() if res}))
+        return
     if a.worker:
         worker(a.worker, a.model, a.steps, out, a.engine)
         return

@@ -40,7 +40,7 @@ from trl.trainer.utils import get_config_model_id
 
 from . import model_card, trl_compat
 from .accumulator import Reducers, RolloutCorrAccumulator
-from .async_generation import AsyncGeneration
+from .async_generation import AsyncGeneration, LookAheadLoader
 from .config import CORRECTION_FIELDS, RolloutCorrectionConfig
 from .features import RolloutRecords, RoutingReplay, SupportMatching, build_features, check_trainer_args
 from .hooks import ForwardCall, GenerationBatch, LossStep, PlainGenerate
@@ -223,20 +223,19 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """TRL's ``train``; the asynchronous engine process and worker stop when it ends, also on an exception or
         Ctrl-C.
 
+        With ``rollout_async_depth``, a resume restarts the pipeline at the checkpoint's step R (``async_generation``:
+        the first d steps train batches generated with the weights of step R).
+
         Raises:
-            ValueError: ``resume_from_checkpoint`` with ``rollout_async_depth``: not supported yet (the pipeline's
-                versions start at step 0).
+            ValueError: a resume the pipeline cannot restart exactly (``AsyncGeneration.resume_micro_step``).
         """
-        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-        if self.rollout_async is not None and resume:
-            raise ValueError(f"rollout_async_depth={self.args.rollout_async_depth} cannot resume from a checkpoint "
-                             "yet (the pipeline's versions start at optimizer step 0); resume with "
-                             "rollout_async_depth=0, or start a new run.")
-        try:
+        if self.rollout_async is None:
             return super().train(*args, **kwargs)
+        try:
+            with trl_compat.loader_skips_itself(LookAheadLoader):
+                return super().train(*args, **kwargs)
         finally:
-            if self.rollout_async is not None:
-                self.rollout_async.close()
+            self.rollout_async.close()
 
     # ------------------------------------------------------------------ generation
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
