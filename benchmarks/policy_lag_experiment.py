@@ -1182,8 +1182,9 @@ def anchor_points(cells: dict, failed: dict[str, list[str]]) -> dict[str, dict]:
     ``kl`` = the mean ``rollout_corr/k3_kl`` (K3, nats/token) over its last ``ANCHOR_LAST`` logged steps (the KL of
     the warm start's bf16 engine from the trained policy, on the engine's samples: the distance from the start at the
     end), ``kl_steps`` the steps it averaged, ``k1`` the same for the K1 ``rollout_corr/kl``, ``trl_kl`` for TRL's own
-    ``kl`` (logged only with beta > 0: K3 of the float32 warm start, TRL's ref model, against the policy, on the same
-    samples; a cross-check), and the two endpoints (``endpoints``). The warm start itself is ``{"kl": 0.0, ...}``."""
+    ``kl`` (logged only with beta > 0: TRL's penalty term, the K3 estimate of KL(pi_theta || pi_ref) with pi_ref the
+    float32 warm start, on the same engine samples; another quantity than K3 of KL(mu || pi), shown beside it),
+    and the two endpoints (``endpoints``). The warm start itself is ``{"kl": 0.0, ...}``."""
     out = {}
     if WARMSTART in cells:
         out[WARMSTART] = {"kl": 0.0, "kl_steps": [], "k1": 0.0, "trl_kl": math.nan,
@@ -1230,7 +1231,9 @@ def anchor_table(cells: dict, failed: dict[str, list[str]], planned: list[str] |
            f"At k = {GRID_K} mu is the warm start's engine, so `rollout_corr/k3_kl` (K3, nats/token, on the engine's "
            f"samples) at the end of a run is the distance of the trained policy from the start: here its mean over "
            f"the last {ANCHOR_LAST} logged steps (K1 `rollout_corr/kl` beside it; TRL's own `kl`, logged with beta > "
-           "0 only: K3 of TRL's float32 reference = the warm start, the cross-check). The frontier: per seed, the "
+           "0 only, is TRL's penalty term: the K3 estimate of KL(pi_theta || pi_ref), pi_ref the float32 warm "
+           "start, averaged over the same engine samples; the other direction than KL(mu || pi) and not drawn from "
+           "pi_theta, so it is shown beside K3, not compared with it). The frontier: per seed, the "
            "linear interpolation in (KL, endpoint) through the warm start at KL 0 and that seed's plain-TRL arms "
            f"({', '.join(FRONTIER_ARMS)}: step size and KL penalty; same replayed rollouts). Above frontier: the "
            "cell's endpoint minus the frontier at its KL (points; '—': its KL lies past the frontier's largest). "

@@ -84,4 +84,4 @@ test-vllm: demo-model
 	# its own process: an in-process vLLM engine started after TRL's colocate engines in one process finds vLLM's
 	# parallel state half torn down (docs/known-limits.md)
 	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) \
-	  tests/test_lag_versions.py::test_lag_split_with_the_real_async_vllm_cpu_engine
+	  tests/test_lag_versions.py::test_lag_split_with_the_real_async_vllm_cpu_engine tests/test_async_vs_emulated_vllm.py

@@ -542,7 +542,7 @@ def pick_threads(requested: int = 1) -> int:
 
     The recipe's default is a fixed 1 (``--torch_threads``): the thread count changes the order of floating-point
     reductions, so runs are only comparable, and a run only reproducible, at the same count; 0 makes the count, and
-    with it the computation, depend on the machine's load (``benchmarks/RESULTS.md``, "Thread policy", for the
+    with it the computation, depend on the machine's load (``benchmarks/LOG.md``, "Thread policy", for the
     measured 1 vs 2 thread step times).
     """
     if requested > 0:

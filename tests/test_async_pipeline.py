@@ -88,6 +88,23 @@ def test_trl_pins_for_async():
     assert "completion_ids, logprobs = self._generate_single_turn(" in generate
     sampler = inspect.getsource(GRPOTrainer._get_train_sampler)
     assert "repeat_count=self.num_iterations * self.args.steps_per_generation" in sampler
+    # resume (AsyncGeneration.begin / resume_micro_step, trl_compat.loader_skips_itself): TRL's micro-step counter
+    # starts at 0 in every trainer; transformers 5.x skips (global_step % steps per epoch) * accumulation items of
+    # the resumed epoch through the module-level skip_first_batches, after on_train_begin's state is restored
+    import transformers.trainer as hf_trainer
+    from transformers import Trainer
+
+    assert "self._step = 0" in inspect.getsource(GRPOTrainer.__init__)
+    assert hf_trainer.skip_first_batches.__module__ == "accelerate.data_loader"
+    run_epoch = inspect.getsource(Trainer._run_epoch)
+    assert "train_dataloader = skip_first_batches(train_dataloader, steps_trained_in_current_epoch)" in run_epoch
+    state = inspect.getsource(Trainer._init_training_state)
+    assert "epochs_trained = int(self.state.global_step // num_update_steps_per_epoch)" in state
+    assert "steps_trained_in_current_epoch = self.state.global_step % num_update_steps_per_epoch" in state
+    assert "steps_trained_in_current_epoch *= self.args.gradient_accumulation_steps" in state
+    loop = inspect.getsource(Trainer._inner_training_loop)
+    assert loop.index("self._init_training_state(") < loop.index("self.callback_handler.on_train_begin(") < \
+        loop.index("self._run_epoch(")
 
 
 @pytest.mark.unit
@@ -239,19 +256,85 @@ def test_stop_on_exception_leaves_nothing(error, llama_dir, tmp_path, make_train
     _no_leftovers(trainer, pids[0])
 
 
-def test_end_leaves_nothing_and_resume_refused(llama_dir, tmp_path, make_trainer):
+def test_end_leaves_nothing(llama_dir, tmp_path, make_trainer):
     trainer = make_trainer(llama_dir, tmp_path, **{**ASYNC, "max_steps": 2}, rollout_async_depth=1)
     pids = []
     trainer.add_callback(_AtStep(1, lambda: pids.append(trainer.rollout_async.engine_pid)))
     trainer.train()
     _no_leftovers(trainer, pids[0])
-    with pytest.raises(ValueError, match="cannot resume from a checkpoint"):
-        trainer.train(resume_from_checkpoint=str(tmp_path))
+
+
+def test_resume_restarts_the_pipeline_at_the_checkpoint(llama_dir, tmp_path, make_trainer, step_logs):
+    """d = 2, 5 steps, a checkpoint at step 2. Uninterrupted, the batch first trained at optimizer step s is generated
+    at version max(0, s - 2): [0, 0, 0, 1, 2]. Resumed from step 2 (R), only the checkpoint's weights exist, so the
+    batches of steps 2, 3, 4 are generated at max(R, s - 2) = [2, 2, 2] (lags 0, 1, 2: fewer steps back than d right
+    after the restart, d from step R + d on). Batches keep their index from the run's start (the same prompts and
+    seeds); the versions are the engine's own record, and at step R its mu equals the trainer's log-probs (it holds
+    the checkpoint's weights)."""
+    run = dict(ASYNC, rollout_async_depth=2, max_steps=5, save_strategy="steps", save_steps=2)
+    first = make_trainer(llama_dir, tmp_path / "a", **run)
+    first.train()
+    assert _gen_versions(first) == [0, 0, 0, 1, 2]
+    resumed = make_trainer(llama_dir, tmp_path / "b", **run)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-2"))
+    assert _gen_versions(resumed) == [0, 0, 2, 2, 2]  # steps 0-1 from the checkpoint's log history
+    logs = step_logs(resumed)
+    assert [h["step"] for h in logs] == [1, 2, 3, 4, 5]
+    assert [h["rollout_corr/policy_lag_mean"] for h in logs] == [0, 1, 0, 1, 2]
+    record = _engine_record(resumed)
+    assert min(record) == 2 and [record[j] for j in (2, 3, 4)] == [2, 2, 2]
+    assert logs[2]["rollout_corr/log_ppl_abs_diff"] < 1e-5  # version 2 = the checkpoint's weights
+    assert logs[3]["rollout_corr/log_ppl_abs_diff"] > 1e-4  # one step stale
+    assert resumed.rollout_async.pipeline is None and resumed.state.global_step == 5
+
+
+def test_resume_inside_a_generation_batch_is_refused(llama_dir, tmp_path, make_trainer):
+    trainer = make_trainer(llama_dir, tmp_path, rollout_async_depth=1, steps_per_generation=2,
+                           per_device_train_batch_size=2)
+    ag = trainer.rollout_async
+    ag.steps_in_epoch = 8  # micro-steps per epoch, as start() reads from TRL's loader
+    assert [ag.resume_micro_step(s) for s in (0, 2, 4, 8)] == [0, 2, 4, 8]
+    with pytest.raises(ValueError, match=r"optimizer step 3 \(micro-step 3\) lies inside a generation batch of 2"):
+        ag.resume_micro_step(3)
+    trainer.args.ignore_data_skip = True
+    with pytest.raises(ValueError, match="set ignore_data_skip=False"):
+        ag.resume_micro_step(2)
 
 
 def test_unsupported_sampler_refused(llama_dir, tmp_path, make_trainer):
     with pytest.raises(ValueError, match=r"rollout_async_depth=1: .*top_k=5"):
         make_trainer(llama_dir, tmp_path, rollout_async_depth=1, top_k=5)
+
+
+@pytest.mark.unit
+def test_several_ranks_refused_with_the_reason():
+    """2 ranks (issue 45, Show): not supported under TRL 1.16; refused at construction, saying why."""
+    import types
+
+    from trl_rollout_corr.async_generation import check_async_trainer
+
+    fake = types.SimpleNamespace(args=types.SimpleNamespace(rollout_async_depth=1),
+                                 accelerator=types.SimpleNamespace(num_processes=2))
+    with pytest.raises(ValueError, match=r"rollout_async_depth=1: it runs on one process, not 2 \(.*rank-distinct "
+                                         r"seeds.*VLLMClient on the main process only.*Set rollout_async_depth=0"):
+        check_async_trainer(fake)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"min_new_tokens": 3}, "min_new_tokens=3"),
+    ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size=2"),
+    ({"suppress_tokens": [5]}, r"suppress_tokens=\[5\]"),
+    ({"bad_words_ids": [[5]]}, r"bad_words_ids=\[\[5\]\]"),
+    ({"temperature": 0.5}, r"temperature=0.5 \(the engine samples at args.temperature=1.0\)"),
+    ({"max_new_tokens": 3}, r"max_new_tokens=3 \(the engine stops at max_completion_length=8\)"),
+])
+def test_generation_kwargs_the_engine_would_ignore_are_refused(kwargs, named, llama_dir, tmp_path, make_trainer):
+    """The transformers engine samples softmax(logits / T) up to max_completion_length tokens: a logits processor or
+    stopping rule from generation_kwargs would be ignored (the sampler not the one configured), so it is refused,
+    naming the setting and the fix."""
+    with pytest.raises(ValueError, match=rf"rollout_async_depth=1: .*{named}.*remove them \(generation_kwargs"):
+        make_trainer(llama_dir, tmp_path, rollout_async_depth=1, generation_kwargs=kwargs)
+    make_trainer(llama_dir, tmp_path / "ok", rollout_async_depth=1, generation_kwargs={"do_sample": True})
 
 
 @pytest.mark.unit
@@ -262,15 +345,15 @@ def test_server_requests_run_on_daemon_threads_so_a_hung_request_cannot_block_ex
     import sys
     import time
 
-    from trl_rollout_corr.engines.async_vllm_server import _DaemonRequests
+    from trl_rollout_corr.engines.daemon_requests import DaemonRequests
 
-    pool = _DaemonRequests(2)
+    pool = DaemonRequests(2)
     assert [pool.submit(pow, 2, k).result(timeout=10) for k in range(3)] == [1, 2, 4]
     failed = pool.submit(int, "x")
     with pytest.raises(ValueError):
         failed.result(timeout=10)
-    code = ("import time; from trl_rollout_corr.engines.async_vllm_server import _DaemonRequests; "
-            "p = _DaemonRequests(1); p.submit(time.sleep, 3600); time.sleep(0.2); p.shutdown(); print('exiting')")
+    code = ("import time; from trl_rollout_corr.engines.daemon_requests import DaemonRequests; "
+            "p = DaemonRequests(1); p.submit(time.sleep, 3600); time.sleep(0.2); p.shutdown(); print('exiting')")
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "exiting", out.stderr

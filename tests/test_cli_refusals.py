@@ -109,3 +109,27 @@ def test_steps_that_cut_a_generation_batch_are_refused(tmp_path, capsys):
     # the whole batch: analysed and checked (kl 0 logged, recomputed 0)
     code, out, _ = _run(["analyze", dump, "--no-plots", "--steps", "1:2"], capsys)
     assert "cuts generation batch" not in out and "values recomputed" in out
+
+
+def test_probe_gate_fails_on_non_finite_measurements():
+    """``--fail-above``: a NaN statistic (``nan > X`` is False) or NaN/inf log ratios left out of the statistics
+    (``log_ratio_stats`` keeps finite tokens only) used to pass the gate; both fail it now."""
+    import math
+
+    from trl_rollout_corr import probe
+
+    def report(mean_abs, non_finite, sc_max=0.0, sc_non_finite=0):
+        return {"log_ratio": {"mean_abs": mean_abs, "non_finite": non_finite, "out_of_band": {"0.9_1.1": 0.0}},
+                "self_consistency": {"max_abs": sc_max, "non_finite": sc_non_finite}}
+
+    assert probe.gate(report(0.01, 0), "mean_abs", 0.05)[0]["failed"] is False
+    assert probe.gate(report(0.10, 0), "mean_abs", 0.05)[0]["failed"] is True
+    fail, text = probe.gate(report(0.01, 3), "mean_abs", 0.05)
+    assert fail == {"metric": "mean_abs", "value": 0.01, "threshold": 0.05, "non_finite": 3, "failed": True}
+    assert "and 3 non-finite log ratio(s) left out of it vs 0.05: FAIL" in text
+    fail, _ = probe.gate(report(math.nan, 0), "mean_abs", 0.05)
+    assert fail["failed"] is True and math.isnan(fail["value"])
+    assert probe.gate(report(0.01, 0, sc_max=math.inf), "self_consistency_max_abs", 1.0)[0]["failed"] is True
+    assert probe.gate(report(0.01, 0, sc_non_finite=1), "self_consistency_max_abs", 1.0)[0]["failed"] is True
+    assert probe.gate(report(0.01, 2, sc_non_finite=0), "self_consistency_max_abs", 1.0)[0]["failed"] is False
+    assert probe.fail_value(report(0.01, 0), "out_of_band") == 0.0

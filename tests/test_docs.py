@@ -10,7 +10,7 @@ import pytest
 
 import trl_features
 from trl_rollout_corr.config import markdown_table
-from trl_rollout_corr.docgen import hook_table, main
+from trl_rollout_corr.docgen import batch_key_table, hook_table, main, role_table
 
 pytestmark = pytest.mark.unit
 
@@ -21,7 +21,9 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 def test_generated_tables_are_in_their_pages():
     assert markdown_table() in (ROOT / "docs" / "configuration.md").read_text()
     assert trl_features.markdown_table() in (ROOT / "docs" / "trl-options.md").read_text()
-    assert hook_table() in (ROOT / "docs" / "architecture.md").read_text()
+    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    assert hook_table() in architecture
+    assert batch_key_table() in architecture and role_table() in architecture
 
 
 def test_hook_table_lists_exactly_the_overriding_features():
@@ -34,6 +36,8 @@ def test_hook_table_lists_exactly_the_overriding_features():
 def test_docgen_prints_each_table(capsys):
     assert main(["--hook-table"]) == 0 and capsys.readouterr().out.strip() == hook_table()
     assert main(["--config-table"]) == 0 and capsys.readouterr().out.strip() == markdown_table()
+    assert main(["--batch-key-table"]) == 0 and capsys.readouterr().out.strip() == batch_key_table()
+    assert main(["--role-table"]) == 0 and capsys.readouterr().out.strip() == role_table()
     with pytest.raises(SystemExit):
         main([])
 

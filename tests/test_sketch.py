@@ -249,3 +249,17 @@ def test_analyze_checks_exact_logs_against_the_sketch_interval(tmp_path, monkeyp
     check, _, _ = analyse_dump(bad, [])
     assert [key for _, key, _, _ in check.failures] == ["rollout_corr/engine_ratio_p99"]
     assert check.max_abs_diff == pytest.approx(upper * 0.001, rel=1e-6)
+
+
+@pytest.mark.parametrize("exact_max", [0, 65_536])
+def test_non_finite_values_are_refused_not_sketched(exact_max):
+    """NaN has no place in a quantile: add refuses it (never a silent NaN p50 or a NaN bucket); a ratio layout clamps
+    +-inf to its bound (documented), a size layout refuses it."""
+    with pytest.raises(RuntimeError, match="ValueSketch.add: a non-finite value"):
+        ValueSketch(ratio_layout(), exact_max).add(torch.tensor([0.1, float("nan"), -0.2]))
+    with pytest.raises(RuntimeError, match="inf in a size layout"):
+        ValueSketch(size_layout(), exact_max).add(torch.tensor([3.0, float("inf")]))
+    clamped = ValueSketch(ratio_layout(), exact_max).add(torch.tensor([0.0, float("inf"), float("-inf")]))
+    assert clamped.n == 3
+    assert [q[0] for q in clamped.quantiles([0.0, 1.0])] == pytest.approx(
+        [math.exp(-sk.SAFETY_BOUND), math.exp(sk.SAFETY_BOUND)], rel=2e-3)

@@ -430,3 +430,16 @@ def test_missing_or_misaligned_behaviour_log_probs_are_errors(llama_dir, tmp_pat
     with pytest.raises(ValueError, match="Row 2"):
         trainer.train()
 
+
+
+@pytest.mark.parametrize("preset, mode", [(None, "diagnostics"), ("decoupled_token_is", "decoupled"),
+                                          ("bypass_ppo_clip", "bypass")])
+def test_records_name_the_mode_that_runs(preset, mode, llama_dir, tmp_path, make_trainer):
+    """run.json's correction mode is the trainer's mode: a run with no correction is not recorded as "decoupled"
+    (issue 48)."""
+    import json
+
+    overrides = {} if preset is None else dict(rollout_corr_preset=preset)
+    trainer = make_trainer(llama_dir, tmp_path, rollout_dump_dir=str(tmp_path / "dump"), **overrides)
+    run = json.loads((tmp_path / "dump" / "run.json").read_text())
+    assert run["correction"]["mode"] == mode == trainer.rollout_corr_mode.name

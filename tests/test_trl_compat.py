@@ -803,3 +803,91 @@ def test_trl_coupling_fsdp2_generate_wrapper_pin():
     assert 'register_fsdp_forward_method(self.model, "generate")' in inspect.getsource(transformers.trainer.Trainer)
     state_src = inspect.getsource(accelerate.state.AcceleratorState)
     assert "self.fsdp_plugin = fsdp_plugin" in state_src and "deepspeed_plugin" in state_src
+
+
+@pytest.mark.unit
+def test_trl_coupling_vllm_server_sampling():
+    """``trl_compat.vllm_server_sampling`` copies the keyword arguments TRL 1.16's server-mode generation passes to
+    ``VLLMClient.generate`` (the asynchronous vLLM engine sends them, one request per row). Pinned to TRL's source:
+    the ``sampling_params`` dict of ``VLLMGeneration.generate``'s server branch, key for key, and where each local
+    comes from; a key TRL adds, drops or fills differently fails here."""
+    import ast
+    import textwrap
+    import types
+
+    from trl.generation import vllm_generation
+
+    src = textwrap.dedent(inspect.getsource(vllm_generation.VLLMGeneration.generate))
+    dicts = [node for node in ast.walk(ast.parse(src)) if isinstance(node, ast.Assign)
+             and any(getattr(t, "id", None) == "sampling_params" for t in node.targets)
+             and isinstance(node.value, ast.Dict)]
+    assert len(dicts) == 1, "TRL's server branch no longer builds one sampling_params dict"
+    trl_dict = {ast.literal_eval(k): ast.unparse(v) for k, v in zip(dicts[0].value.keys, dicts[0].value.values)}
+    assert trl_dict == {
+        "n": "num_generations", "repetition_penalty": "repetition_penalty", "temperature": "temperature",
+        "top_p": "top_p", "top_k": "top_k", "min_p": "0.0 if min_p is None else min_p",
+        "max_tokens": "max_completion_length", "logprobs": "self.logprobs",
+        "structured_outputs_regex": "self.structured_outputs_regex", "generation_kwargs": "self.generation_kwargs"}
+    for local in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_completion_length"):
+        assert f"{local} = self.{local}\n" in src, local
+    assert "self.vllm_client.generate(\n" in src and "prompts=ordered_set_of_prompt_ids, features=features, " \
+        "**sampling_params" in src
+    # ours: every key but n (one request per row, n=1), the same values, generation_kwargs copied
+    g = types.SimpleNamespace(repetition_penalty=1.1, temperature=0.7, top_p=0.9, top_k=5, min_p=None,
+                              max_completion_length=12, logprobs=0, structured_outputs_regex=None,
+                              generation_kwargs={"seed": 3})
+    ours = trl_compat.vllm_server_sampling(g)
+    assert set(ours) == set(trl_dict) - {"n"}
+    assert ours == {"repetition_penalty": 1.1, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.0,
+                    "max_tokens": 12, "logprobs": 0, "structured_outputs_regex": None,
+                    "generation_kwargs": {"seed": 3}}
+    assert ours["generation_kwargs"] is not g.generation_kwargs  # a copy: per-row seeds never leak into TRL's
+
+
+@pytest.mark.unit
+def test_cpu_weight_sync_leaves_no_thread_that_blocks_exit():
+    """The gloo sync's background POST (``_init_cpu_communicator``, ``_cpu_update_named_params``): after a failed
+    rendezvous or broadcast the request may never return. On a ``ThreadPoolExecutor`` worker that kept the
+    interpreter alive at exit (Python joins those even after ``shutdown(wait=False)``); on a daemon thread
+    (``engines.daemon_requests``) the run fails with the sync's message and the process exits at once."""
+    import subprocess
+    import sys
+    import time
+
+    code = '''
+import threading, time
+from trl_rollout_corr import trl_compat
+from trl_rollout_corr.engines import vllm_weight_sync as ws
+
+class Client:
+    base_url, host, group_port, _updating_weights = "http://127.0.0.1:9", "127.0.0.1", 9, True
+    def get_server_info(self): return {"weight_transfer_config": {"backend": ws.BACKEND}}
+    def get_world_size(self): return 1
+    def _post(self, *a, **k): time.sleep(3600)  # a server that never answers
+    def _get(self, *a, **k): raise OSError("down")
+
+def refuse(*a, **k): raise ConnectionError("peer gone")
+
+ws.GlooChannel = ws.send_tensors = refuse
+try:
+    trl_compat._init_cpu_communicator(Client())
+except RuntimeError as e:
+    print("init:", str(e).split(" (")[0])
+client = Client()
+client.communicator = type("Channel", (), {"chunk_bytes": 1})()
+try:
+    trl_compat._cpu_update_named_params(client, [("w", "float32", [1])], iter([]))
+except RuntimeError as e:
+    print("update:", str(e).split(" (")[0])
+print("threads:", sorted({t.name for t in threading.enumerate()}))
+'''
+    started = time.monotonic()
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process did not exit: a thread stuck in a request was joined at interpreter exit")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "init: weight-sync set-up failed: peer gone", "update: weight sync failed: peer gone",
+        "threads: ['MainThread', 'trl-rollout-corr-sync']"]
+    assert time.monotonic() - started < 30

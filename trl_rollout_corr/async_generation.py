@@ -10,9 +10,10 @@ tokenised: else an error).
 
 Versions, exactly: generation batch j is first trained at optimizer step ``s_j = (j * generate_every) //
 gradient_accumulation_steps`` (``trl_compat.first_optimizer_step``) and generated with the weights of version
-``max(0, s_j - d)``: the weights after optimizer step ``s_j - d``. The trainer publishes a CPU copy of its weights
-after every optimizer step some batch needs (a ``TrainerCallback``'s ``on_step_end``), and each row carries the
-version the engine reports it held (``PolicyLag`` reads ``row_versions``), checked against the rule.
+``max(0, s_j - d)``: the weights after optimizer step ``s_j - d`` (after a resume at R: ``max(R, s_j - d)``). The
+trainer publishes a CPU copy of its weights after every optimizer step some batch needs (a ``TrainerCallback``'s
+``on_step_end``), and each row carries the version the engine reports it held (``PolicyLag`` reads
+``row_versions``), checked against the rule.
 
 Per-step metrics (averaged by TRL's ``log``): ``rollout_async/trainer_wait_s`` (the trainer waiting for its batch),
 ``rollout_async/engine_idle_s`` (the engine waiting for the batch's weights), ``rollout_async/generate_s`` (the
@@ -20,9 +21,12 @@ engine generating it), ``rollout_async/publish_s`` (the trainer copying weights)
 
 Engines: ``use_vllm=False``: ``engines.async_pipeline.TransformersProcessEngine``, a child process sampling the
 temperature-scaled distribution; ``use_vllm=True, vllm_mode="server"``: TRL's vLLM server through TRL's client
-(``engines.async_vllm_server.VLLMServerEngine``). Supported: one process, no tools / environments /
-``rollout_func`` / images, no PEFT, no resume from a checkpoint, no evaluation in server mode; anything else is
-refused with the reason.
+(``engines.async_vllm_server.VLLMServerEngine``). The engine starts when training begins (``on_train_begin``), at
+the optimizer step R the run starts or resumes at, with the current weights as version R: a resumed run holds no
+older weights, so batch j is generated with ``max(R, s_j - d)`` (``batch_version``) and keeps its index, prompts
+and seeds from the run's start (TRL's loader skips the trained items through ``LookAheadLoader.skip_first``).
+Supported: one process, no tools / environments / ``rollout_func`` / images, no PEFT, no evaluation in server mode,
+a resume only at a generation boundary; anything else is refused with the reason.
 """
 
 from __future__ import annotations
@@ -59,7 +63,9 @@ def check_async_trainer(trainer: "RolloutCorrGRPOTrainer") -> None:
     args = trainer.args
     why = None
     if trainer.accelerator.num_processes > 1:
-        why = f"it runs on one process, not {trainer.accelerator.num_processes}"
+        why = (f"it runs on one process, not {trainer.accelerator.num_processes} (with several ranks each rank's "
+               "look-ahead batches would need its engine and rank-distinct seeds, and TRL 1.16's server mode holds "
+               "its VLLMClient on the main process only: not built, docs/known-limits.md)")
     elif trainer.rollout_func is not None:
         why = "a rollout_func generates by itself"
     elif trainer.tools or trainer.environment_factories is not None:
@@ -76,13 +82,61 @@ def check_async_trainer(trainer: "RolloutCorrGRPOTrainer") -> None:
     elif not trainer.use_vllm:
         config = trl_compat.resolved_generation_config(trainer.accelerator.unwrap_model(trainer.model),
                                                        trainer.generation_config)
-        unsupported = trl_compat.truncating_sampler_settings(config)
+        unsupported = truncating_sampler_settings(config) + ignored_generation_settings(trainer, config)
         if unsupported:
-            why = (f"its engine samples the temperature-scaled distribution only, but the sampler sets "
-                   f"{', '.join(unsupported)}")
+            why = (f"its engine (transformers, in its own process) samples softmax(logits / temperature) of the "
+                   f"full vocabulary up to max_completion_length tokens only, but the sampler sets "
+                   f"{', '.join(unsupported)}: remove them (generation_kwargs, or the model's "
+                   "generation_config.json), or use TRL's vLLM server as the engine (use_vllm=True, "
+                   "vllm_mode='server')")
     if why is not None:
         raise ValueError(f"rollout_async_depth={args.rollout_async_depth}: {why}. Set rollout_async_depth=0 "
                          "(synchronous generation) or remove the setting.")
+
+
+# GenerationConfig fields that add a logits processor or a stopping rule transformers' generate would apply and the
+# transformers engine (``engines.async_pipeline._sample_row``) does not, with their neutral values.
+IGNORED_BY_ENGINE = {
+    "min_length": (None, 0), "min_new_tokens": (None, 0), "no_repeat_ngram_size": (None, 0),
+    "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None, []), "suppress_tokens": (None, []),
+    "begin_suppress_tokens": (None, []), "sequence_bias": (None, {}), "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0),
+    "exponential_decay_length_penalty": (None,), "encoder_repetition_penalty": (None, 1.0),
+    "renormalize_logits": (None, False), "stop_strings": (None, [], ""), "guidance_scale": (None, 1.0),
+    "watermarking_config": (None,),
+}
+
+
+def truncating_sampler_settings(config) -> list[str]:
+    """The settings of a resolved ``GenerationConfig`` under which sampling is not ``softmax(logits /
+    temperature)`` of the full vocabulary (greedy, top-k, top-p, min-p, typical, repetition penalty), as
+    ``name=value``."""
+    out = []
+    if not config.do_sample or (config.num_beams or 1) > 1:
+        out.append(f"do_sample={config.do_sample}, num_beams={config.num_beams}")
+    for name, neutral in (("top_k", (None, 0)), ("top_p", (None, 1.0)), ("min_p", (None, 0.0)),
+                          ("typical_p", (None, 1.0)), ("repetition_penalty", (None, 1.0))):
+        value = getattr(config, name, None)
+        if value not in neutral:
+            out.append(f"{name}={value!r}")
+    return out
+
+
+
+def ignored_generation_settings(trainer: "RolloutCorrGRPOTrainer", config) -> list[str]:
+    """The settings of the resolved ``GenerationConfig`` (``args.generation_kwargs`` applied) that the
+    transformers engine would silently ignore, as ``name=value``: logits processors and stopping rules
+    (``IGNORED_BY_ENGINE``), a ``temperature`` or ``max_new_tokens`` other than the config's ``temperature`` /
+    ``max_completion_length`` (the engine samples with those)."""
+    out = [f"{name}={getattr(config, name)!r}" for name, neutral in IGNORED_BY_ENGINE.items()
+           if getattr(config, name, None) not in neutral]
+    args = trainer.args
+    if config.temperature != args.temperature:
+        out.append(f"temperature={config.temperature!r} (the engine samples at args.temperature={args.temperature})")
+    if config.max_new_tokens != args.max_completion_length:
+        out.append(f"max_new_tokens={config.max_new_tokens!r} (the engine stops at max_completion_length="
+                   f"{args.max_completion_length})")
+    return out
 
 
 class LookAheadLoader:
@@ -99,6 +153,11 @@ class LookAheadLoader:
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
+
+    def skip_first(self, n: int, skip_first_batches) -> "LookAheadLoader":
+        """A resumed epoch (``trl_compat.loader_skips_itself``): this loader over ``skip_first_batches(TRL's
+        loader, n)``; the items skipped were trained before the checkpoint and are never submitted."""
+        return LookAheadLoader(skip_first_batches(self._loader, n), self._owner)
 
     def __iter__(self):
         owner = self._owner
@@ -125,10 +184,14 @@ class LookAheadLoader:
 
 
 class _Publisher(TrainerCallback):
-    """Publishes the weights after every optimizer step that a generation batch needs."""
+    """Starts the engine when training begins; publishes the weights after every optimizer step that a generation
+    batch needs."""
 
     def __init__(self, owner: "AsyncGeneration") -> None:
         self.owner = owner
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.owner.begin(state.global_step)  # a resumed state is restored by now
 
     def on_step_end(self, args, state, control, **kwargs):
         self.owner.publish(state.global_step)
@@ -156,7 +219,8 @@ class AsyncGeneration:
         self.engine = None
         self._dir: Optional[tempfile.TemporaryDirectory] = None
         self.log_path = os.path.join(args.output_dir, "rollout_async_engine.log")
-        self.pulled = self.yielded = 0
+        self.pulled = self.yielded = 0  # dataloader items (micro-steps, over epochs) pulled / handed to TRL
+        self.resume_step = self.micro_offset = 0  # the optimizer step and micro-step the run (re)started at
         self.steps_in_epoch: Optional[int] = None  # micro-steps per epoch: len(TRL's loader), set by start
         self._prompts: dict[int, list] = {}
         self._taken = -1
@@ -169,24 +233,61 @@ class AsyncGeneration:
         return trl_compat.first_optimizer_step(batch, self.generate_every, self.accumulation, self.steps_in_epoch)
 
     def batch_version(self, batch: int) -> int:
-        """The version generation batch ``batch`` is generated with: ``max(0, s_j - d)``."""
-        return max(0, self.first_step(batch) - self.depth)
+        """The version generation batch ``batch`` is generated with: ``max(R, s_j - d)``, R the optimizer step the
+        run started or resumed at (a resumed run holds no weights older than its checkpoint's: the first d steps
+        after a resume at R train batches generated with the weights of step R, lag ``s_j - R < d``)."""
+        return max(self.resume_step, self.first_step(batch) - self.depth)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, loader):
-        """Start the engine with the current weights as version 0 and return the look-ahead loader.
+        """Wrap TRL's training dataloader in the look-ahead loader (the engine starts at ``begin``, once the
+        Trainer has restored a resumed state)."""
+        self.close()
+        try:
+            self.steps_in_epoch = len(loader)  # an epoch's last optimizer step may be shorter (first_step)
+        except TypeError:  # an iterable dataset: one epoch, no boundary
+            self.steps_in_epoch = None
+        return LookAheadLoader(loader, self)
+
+    def resume_micro_step(self, step: int) -> int:
+        """The micro-step (dataloader item, counted over epochs) at which training resumes at optimizer step
+        ``step``, as transformers 5.x skips: ``epoch * steps_in_epoch + (step % steps_per_epoch) * accumulation``.
 
         Raises:
-            ValueError: the trainer is not at optimizer step 0 (a resume: not supported yet).
+            ValueError: ``ignore_data_skip`` (the items would not be the ones the pipeline expects), or a step
+                inside a generation batch (TRL 1.16's micro-step counter restarts at 0 on resume, so TRL would
+                regenerate that batch's rest from other prompts than the run that saved the checkpoint).
+        """
+        if step == 0:
+            return 0
+        if self.trainer.args.ignore_data_skip:
+            raise ValueError(f"rollout_async_depth={self.depth}: resuming with ignore_data_skip=True would train "
+                             "other prompts than the pipeline takes ahead; set ignore_data_skip=False.")
+        if self.steps_in_epoch:
+            epoch, within = divmod(step, -(-self.steps_in_epoch // self.accumulation))
+            micro = epoch * self.steps_in_epoch + within * self.accumulation
+        else:
+            micro = step * self.accumulation
+        if micro % self.generate_every:
+            raise ValueError(
+                f"rollout_async_depth={self.depth}: the checkpoint at optimizer step {step} (micro-step {micro}) lies "
+                f"inside a generation batch of {self.generate_every} micro-steps; TRL regenerates such a batch's "
+                "rest on resume. Resume from a checkpoint at a generation boundary (save_steps a multiple of "
+                "steps_per_generation * num_iterations / gradient_accumulation_steps).")
+        return micro
+
+    def begin(self, step: int) -> None:
+        """Start the engine at optimizer step ``step`` (0, or the resumed checkpoint's: ``on_train_begin``) with
+        the current weights as version ``step``; generation batches are numbered from the run's start, so a
+        resumed run's batch j has the same index, prompts and seeds as in the run that saved the checkpoint.
+
+        Raises:
+            ValueError: see ``resume_micro_step``.
             EngineError: the engine did not start (its log's last lines).
         """
         self.close()
-        trainer = self.trainer
-        if trainer.state.global_step != 0:
-            raise ValueError(
-                f"rollout_async_depth={self.depth}: resuming at optimizer step {trainer.state.global_step} is not "
-                "supported (the pipeline's versions start at step 0); resume with rollout_async_depth=0.")
-        args = trainer.args
+        micro = self.resume_micro_step(step)
+        trainer, args = self.trainer, self.trainer.args
         if trainer.use_vllm:  # TRL's vLLM server, through TRL's client
             vllm = trainer.vllm_generation
             self.engine = VLLMServerEngine(
@@ -202,17 +303,14 @@ class AsyncGeneration:
                 eos_token_ids=trainer.eos_token_ids, threads=args.rollout_async_engine_threads,
                 timeout_s=args.rollout_async_timeout_s, log_path=self.log_path)
         self.engine.start()
+        self.resume_step, self.micro_offset = step, micro
+        first = micro // self.generate_every
         self.pipeline = AsyncRolloutPipeline(self.engine, batch_version=self.batch_version,
-                                             timeout_s=args.rollout_async_timeout_s)
-        self.pulled = self.yielded = 0
-        try:
-            self.steps_in_epoch = len(loader)  # an epoch's last optimizer step may be shorter (first_step)
-        except TypeError:  # an iterable dataset: one epoch, no boundary
-            self.steps_in_epoch = None
+                                             timeout_s=args.rollout_async_timeout_s, first_batch=first)
+        self.pulled = self.yielded = micro
         self._prompts.clear()
-        self._taken = -1
-        self.publish(0)
-        return LookAheadLoader(loader, self)
+        self._taken = first - 1
+        self.publish(step)
 
     @property
     def engine_pid(self) -> Optional[int]:
@@ -259,9 +357,10 @@ class AsyncGeneration:
         trainer = self.trainer
         batch = self._taken + 1
         step = trainer.state.global_step
-        if trl_compat.micro_step(trainer) != batch * self.generate_every or step != self.first_step(batch):
+        micro = self.micro_offset + trl_compat.micro_step(trainer)  # TRL counts from the (re)start
+        if micro != batch * self.generate_every or step != self.first_step(batch):
             raise RuntimeError(
-                f"asynchronous generation: TRL generates at micro-step {trl_compat.micro_step(trainer)} (optimizer "
+                f"asynchronous generation: TRL generates at micro-step {micro} (optimizer "
                 f"step {step}), but generation batch {batch} starts at micro-step {batch * self.generate_every} "
                 f"(step {self.first_step(batch)}); report this.")
         submitted = self._prompts.pop(batch, None)

@@ -5,7 +5,9 @@ rendered from ``config.CORRECTION_FIELD_TABLE`` (the same table that defines the
 ``RolloutCorrectionConfig`` and ``RolloutCorrectionArguments`` and their ``--help`` texts).
 ``--hook-table`` prints the hook table of ``docs/architecture.md``: for each hook of the protocol (``hooks.py``),
 the features (``features.FEATURES``) that implement it, read from the classes (a feature lists a hook if and only if
-it overrides it), so the table cannot drift. ``tests/test_docs.py`` checks that both pages hold them.
+it overrides it), so the table cannot drift. ``--batch-key-table`` and ``--role-table`` print the batch keys and
+the forward roles of ``docs/architecture.md`` from their one declaration (``hooks.BATCH_KEYS``,
+``hooks.FORWARD_ROLES``). ``tests/test_docs.py`` checks that the pages hold them all.
 """
 
 from __future__ import annotations
@@ -45,15 +47,43 @@ def hook_table() -> str:
     return "\n".join(lines)
 
 
+def batch_key_table() -> str:
+    """The Markdown table of the batch keys, from ``hooks.BATCH_KEYS`` (declaration order)."""
+    from .hooks import BATCH_KEYS
+
+    lines = ["| key | shape | written by | read by | when |", "|---|---|---|---|---|"]
+    for key in BATCH_KEYS:
+        lines.append(f"| `{key.name}` | {key.shape} | {', '.join(key.writers)} | {key.readers} | {key.note or '-'} |")
+    return "\n".join(lines)
+
+
+def role_table() -> str:
+    """The Markdown table of the forward roles, from ``hooks.FORWARD_ROLES``."""
+    from .hooks import FORWARD_ROLES
+
+    lines = ["| role | started by | grad | routing replay | support scoring | counts as pi_theta |",
+             "|---|---|---|---|---|---|"]
+    for r in FORWARD_ROLES:
+        lines.append(f"| `{r.name}` | {r.started_by} | {r.grad} | {r.replay} | {r.support} | {r.pi_theta} |")
+    return "\n".join(lines)
+
+
+_TABLES = {"config_table": lambda: markdown_table(), "hook_table": hook_table, "batch_key_table": batch_key_table,
+           "role_table": role_table}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Print the requested document to stdout; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m trl_rollout_corr.docgen", description=__doc__.splitlines()[0])
     parser.add_argument("--config-table", action="store_true", help="docs/configuration.md's table (Markdown)")
     parser.add_argument("--hook-table", action="store_true", help="docs/architecture.md's hook table (Markdown)")
+    parser.add_argument("--batch-key-table", action="store_true", help="docs/architecture.md's batch keys (Markdown)")
+    parser.add_argument("--role-table", action="store_true", help="docs/architecture.md's forward roles (Markdown)")
     args = parser.parse_args(argv)
-    if not (args.config_table or args.hook_table):
-        parser.error("nothing to print: pass --config-table or --hook-table")
-    print(markdown_table() if args.config_table else hook_table())
+    chosen = [name for name in _TABLES if getattr(args, name)]
+    if not chosen:
+        parser.error("nothing to print: pass --config-table, --hook-table, --batch-key-table or --role-table")
+    print("\n\n".join(_TABLES[name]() for name in chosen))
     return 0
 
 

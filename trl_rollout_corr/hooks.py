@@ -2,7 +2,9 @@
 
 ``RolloutCorrGRPOTrainer`` (``trainer.py``) overrides TRL 1.16's hooks and, in each, calls the features (``features/``)
 and the one correction mode (``modes/``) in TRL's call order. Features and the mode hand values to each other only
-through the per-call objects below and through the documented batch keys (``docs/architecture.md``, "Batch keys").
+through the per-call objects below and through the batch keys declared once at the end of this module
+(``BATCH_KEYS``: writers, readers, shape; ``FORWARD_ROLES``: each forward role's traits), from which
+``docs/architecture.md``'s tables are generated (``docgen``).
 
 The ordering rules (written once, here and in ``features.FEATURES``; tested in ``tests/test_features_order.py``):
 
@@ -13,7 +15,8 @@ The ordering rules (written once, here and in ``features.FEATURES``; tested in `
    "after" sees the work of every feature it encloses).
 3. Construction and ``check_trainer_args`` run in list order (the one feature with side effects outside the process,
    the rollout records, is last).
-4. The mode scores a generation batch between ``on_batch`` and ``after_score``, and it alone produces the loss.
+4. The mode scores a generation batch between ``on_batch`` and ``after_score``, and it alone produces the loss. Its
+   own ``forward`` hook encloses the features' around every log-prob forward.
 
 The prior art for the shape: torchtitan's model converters (a protocol plus a sequential container built from the
 config, undone in reverse) and Composer's algorithm passes (list order, reversed on "after" events).
@@ -30,8 +33,9 @@ import torch
 if TYPE_CHECKING:  # the trainer's type only; no feature imports trainer.py
     from .trainer import RolloutCorrGRPOTrainer
 
-__all__ = ["AROUND_HOOKS", "AFTER_HOOKS", "BEFORE_HOOKS", "CorrectionMode", "Feature", "Features", "ForwardCall",
-           "GenerationBatch", "LossStep", "PlainGenerate", "Role"]
+__all__ = ["AROUND_HOOKS", "AFTER_HOOKS", "BATCH_KEYS", "BATCH_KEY_SCHEMA", "BEFORE_HOOKS", "BatchKey",
+           "CorrectionMode", "FORWARD_INPUT_KEYS", "FORWARD_ROLES", "Feature", "Features", "ForwardCall",
+           "ForwardRole", "GenerationBatch", "LossStep", "PlainGenerate", "ROLE_TRAITS", "Role"]
 
 
 # ---------------------------------------------------------------------------------------------- per-call objects
@@ -54,6 +58,12 @@ class GenerationBatch:
         trl_old_seen: TRL's first no-grad policy forward of this batch has run (the trainer: forward roles).
         trl_old_skipped: TRL's own pi_old forward returned a NaN placeholder (the trainer; bypass and routing
             replay replace that forward).
+        version_log_probs: the lag split's scorer ``batch -> (B, T) float32 log pi_train@v or None``
+            (``LagSplit.version_log_probs``, published in its ``generation`` hook; computed once per batch and stored
+            as ``rollout_version_log_probs``), or None without ``policy_lag_split``. The mode calls it when RS judges
+            the engine factor (``rollout_rs_on="engine"``).
+        support: the support-matched score (``support.SupportScore``, (B, T) fields) of this batch's measured pi_old
+            forward (role ``trl_old`` or ``old``; matching on), set by the trainer from ``ForwardCall.support``.
     """
 
     started: float
@@ -67,6 +77,8 @@ class GenerationBatch:
     record_kept_sets: bool = False
     trl_old_seen: bool = False
     trl_old_skipped: bool = False
+    version_log_probs: Optional[Callable[[dict], Optional[torch.Tensor]]] = None
+    support: Optional[Any] = None
 
 
 @dataclass
@@ -103,9 +115,13 @@ class ForwardCall:
             generation-time forwards (the batch dict does not exist yet).
         measure: count this forward's diagnostics (routing mismatch, support statistics).
         logits_to_keep: the completion length T scored (set by the trainer from TRL's call).
+        input_ids, attention_mask: (B, P + T) the tokens forwarded (set by the trainer from TRL's call).
         compute_entropy: the caller wants the entropies (TRL's ``compute_entropy``; set by the trainer).
-        result: ``(log_probs (B, T), entropies, aux_loss)`` once the forward ran; a feature's exit may replace it.
+        result: ``(log_probs (B, T), entropies, aux_loss)`` once the forward ran; a feature's exit may replace it;
+            the mode's ``forward`` may set it on entry (the forward then does not run: ``LossStep.reuse``).
         miss: (B, T) bool tokens this forward could not score (sampled outside the trainer's support), or None.
+        support: the support-matched score of this forward (``support.SupportScore``: (B, T) ``log_probs``,
+            ``log_mass``, ``size``, ``miss``), set by ``SupportMatching`` on exit when matching is on; None otherwise.
     """
 
     role: Role
@@ -113,9 +129,12 @@ class ForwardCall:
     batch: Optional[Mapping[str, Any]] = None
     measure: bool = False
     logits_to_keep: Optional[int] = None
+    input_ids: Optional[torch.Tensor] = None
+    attention_mask: Optional[torch.Tensor] = None
     compute_entropy: bool = False
     result: Optional[tuple] = None
     miss: Optional[torch.Tensor] = None
+    support: Optional[Any] = None
 
 
 @dataclass
@@ -129,10 +148,13 @@ class LossStep:
             records and the ratio decomposition; for bypass + batch normalisation + accumulation, at a step's first
             micro-batch, the batch-norm window's no-grad forward of the same rows).
         old_from_loss: this loss step's first policy forward is also its batch's pi_old (``old_forward``: set by the
-            mode's ``prepare_loss``); the trainer gives it the role ``old`` (routes replayed and measured, support
-            scored and measured, missed tokens into the batch) instead of ``loss``.
+            mode's ``prepare_loss``); the mode's ``forward`` gives it the role ``old`` (routes replayed and measured,
+            support scored and measured, missed tokens into the batch) instead of ``loss``.
         reuse: ``(input_ids, attention_mask, logits_to_keep, result)`` of a policy forward the mode ran itself in
-            ``prepare_loss``; TRL's own loss forward over the same rows returns ``result`` instead of running again.
+            ``prepare_loss``; the mode's ``forward`` answers TRL's own loss forward over the same rows with ``result``
+            instead of running it again.
+        support: the support-matched score (``support.SupportScore``) of this loss step's measured forward (role
+            ``old`` or ``bypass_loss``; matching on), set by the trainer from ``ForwardCall.support``; else None.
         trained_tokens: 0-d int64, the tokens of this micro-batch that carry gradient (in the loss mask after RS and
             the lag filter, with a non-zero IS weight), set by the correction modes' ``loss``; None otherwise.
     """
@@ -143,6 +165,7 @@ class LossStep:
     old_from_loss: bool = False
     reuse: Optional[tuple] = None
     trained_tokens: Optional[torch.Tensor] = None
+    support: Optional[Any] = None
 
 
 # ---------------------------------------------------------------------------------------------- the protocols
@@ -242,6 +265,12 @@ class CorrectionMode:
     def score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
         """Score one generation batch, between the features' ``on_batch`` and ``after_score``."""
 
+    def forward(self, trainer, call: ForwardCall, step: Optional[LossStep]) -> contextlib.AbstractContextManager:
+        """Around every log-prob forward, outside the features' ``forward`` hooks (``step``: the loss step in
+        progress, or None). On entry the mode may give a forward TRL started another role (a loss forward that is
+        also pi_old's) or answer it (``call.result`` set: neither the features' hooks nor the forward run)."""
+        return contextlib.nullcontext()
+
     def prepare_loss(self, trainer, model: torch.nn.Module, step: LossStep) -> None:
         """Before the features' ``before_loss``: finish what the batch's scoring left to its first loss forward
         (pi_old read from it, ``old_forward``)."""
@@ -298,3 +327,123 @@ class Features:
     def get(self, cls: type[F]) -> Optional[F]:
         """The feature of type ``cls``, or None when it is absent for this config."""
         return next((f for f in self.items if isinstance(f, cls)), None)
+
+
+# ---------------------------------------------------------------------------------------------- the schema
+@dataclass(frozen=True)
+class ForwardRole:
+    """One forward role (``ForwardCall.role``) and its traits, which the features read instead of keeping role lists.
+
+    Attributes:
+        name: the role. started_by: who starts such a forward (docs). grad: whether it carries gradient (docs).
+        replayed: routing replay replays the batch's recorded routes in it (``RoutingReplay``).
+        scored: support matching scores it over the engine's support (``SupportMatching``: matching on, or the
+            one-time kept-mass measurement when the call measures).
+        pi_theta: what it counts as for ``LossStep.policy_log_probs`` (docs).
+        replay, support: what routing replay and support matching do in it, in words (docs).
+    """
+
+    name: str
+    started_by: str
+    grad: str
+    replayed: bool
+    scored: bool
+    pi_theta: str
+    replay: str
+    support: str
+
+
+FORWARD_ROLES: tuple[ForwardRole, ...] = (
+    ForwardRole("trl_old", "TRL", "no", False, True, "no",
+                "never: replaced by a NaN placeholder when the mode (bypass) or a feature (routing) replaces it",
+                "measure; replace if matching"),
+    ForwardRole("ref", "TRL", "no", False, False, "no", "no", "no"),
+    ForwardRole("old", "`trainer.old_log_probs` (modes); the mode's `forward` / `prepare_loss` (pi_old from the loss "
+                "forward)", "no (from the loss forward: yes)", True, True, "no (from the loss forward: first in the "
+                "loss step)", "replay, measure", "measure; replace if matching"),
+    ForwardRole("loss", "TRL's `_compute_loss`", "yes", True, True, "first in the loss step", "replay, no measure",
+                "replace if matching"),
+    ForwardRole("bypass_loss", "`BypassMode.loss`", "yes", True, True, "first in the loss step", "replay, measure",
+                "measure; replace if matching"),
+    ForwardRole("batch_norm_window", "`BypassMode` (first micro-batch of a step)", "no", True, True,
+                "first in the loss step", "replay, no measure", "replace if matching (else none)"),
+    ForwardRole("version", "`LagSplit` (scratch copy; sharded: live model)", "no", True, True, "no",
+                "replay (the copy's own replayer), no measure", "replace if matching"),
+    ForwardRole("other", "TRL, outside a generation batch and a loss step", "-", False, False, "no", "no", "no"),
+)
+ROLE_TRAITS: Mapping[str, ForwardRole] = {role.name: role for role in FORWARD_ROLES}
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """One key of the batch dict between the parts: TRL builds the batch, the parts add keys, TRL's shuffle and split
+    carry every (B, ...) key with its rows to the micro-batches of the loss.
+
+    Attributes:
+        name: the key. shape: its shape (B: local rows, T: completion length, P: prompt length, F: reward functions).
+        writers: the parts that write it (class names; ``"TRL"``). ``tests/test_batch_schema.py`` fails when a part
+            writes a key not declared here, or a key it is not declared a writer of.
+        readers: who reads it (docs).
+        forward_input: a policy forward over some of the rows takes it with them (``LagSplit``'s version forward).
+        note: when it is written, in words (docs).
+    """
+
+    name: str
+    shape: str
+    writers: tuple[str, ...]
+    readers: str
+    forward_input: bool = False
+    note: str = ""
+
+
+_MODES = ("DiagnosticsMode", "DecoupledMode", "BypassMode")
+BATCH_KEYS: tuple[BatchKey, ...] = (
+    BatchKey("prompt_ids", "(B, P)", ("TRL",), "every policy forward", forward_input=True),
+    BatchKey("prompt_mask", "(B, P)", ("TRL",), "every policy forward", forward_input=True),
+    BatchKey("completion_ids", "(B, T)", ("TRL",), "every policy forward", forward_input=True),
+    BatchKey("completion_mask", "(B, T)", ("TRL",), "every policy forward, the loss mask", forward_input=True),
+    BatchKey("routed_experts", "(B, P + T, L, k) int16", ("RoutingReplay",), "RoutingReplay `forward`, records",
+             forward_input=True, note="`on_batch`"),
+    BatchKey("rollout_log_probs", "(B, T)", _MODES, "losses, the correction, LagSplit, records",
+             note="every mode's `score` (diagnostics only when mu is usable)"),
+    BatchKey("rollout_generation_step", "0-d int64", _MODES, "records", note="with `rollout_log_probs`"),
+    BatchKey("rollout_policy_version", "(B,) int64", _MODES, "PolicyLag `before_loss`, LagSplit, records",
+             note="with `rollout_log_probs`"),
+    BatchKey("rollout_policy_version_tokens", "(B, T) int64", _MODES, "LagSplit, records",
+             note="with `rollout_log_probs`, only when a row spans a weight update (per-token `policy_version`)"),
+    BatchKey("old_per_token_logps", "(B, T)", ("TRL", "DecoupledMode", "DiagnosticsMode"),
+             "TRL's loss, the ratio decomposition, LagSplit, records",
+             note="TRL's key; decoupled when TRL has none; diagnostics after a replaced TRL pi_old"),
+    BatchKey("rollout_old_log_probs", "(B, T)", ("DiagnosticsMode",), "the decomposition, LagSplit, records",
+             note="pi_old when TRL has none (no correction)"),
+    BatchKey("rollout_generation_row", "(B,) int64", ("DecoupledMode",), "`DecoupledMode.prepare_loss`",
+             note="pi_old read from the loss forward: each row's place in generation order"),
+    BatchKey("rollout_support", "list of B `support.KeptTokens`", ("SupportMatching",), "SupportMatching `forward`",
+             note="replay, `on_batch`"),
+    BatchKey("rollout_support_miss", "(B, T) bool", ("SupportMatching",), "the modes (`support.invalidate_misses`), "
+             "records", note="matching on: the measured pi_old forward's missed tokens"),
+    BatchKey("rollout_rs_mask", "(B, T) float", ("DecoupledMode", "PolicyLag"),
+             "`trl_compat.inject_rs_mask_and_is_weights`, records",
+             note="PolicyLag: on its `before_loss` copy, stale rows out (`lag.drop_stale_rows`)"),
+    BatchKey("rollout_is_weights", "(B, T) or (B, 1)", ("DecoupledMode",),
+             "`trl_compat.inject_rs_mask_and_is_weights`, records", note="IS on"),
+    BatchKey("num_items_in_batch", "0-d", ("TRL", "DecoupledMode"), "TRL's loss normaliser",
+             note="decoupled: the kept tokens, global"),
+    BatchKey("advantages", "(B,)", ("TRL",) + _MODES[1:], "TRL's loss, the bypass loss, records",
+             note="rows rejected (decoupled: RS or stale; bypass: stale) out of their group's baseline"),
+    BatchKey("tool_mask", "(B, T)", ("TRL", "PolicyLag"), "the loss mask",
+             note="PolicyLag: on its `before_loss` copy (bypass with a max lag), stale rows out"),
+    BatchKey("rollout_version_log_probs", "(B, T)", ("LagSplit",), "the decomposition in the loss, RS on the engine "
+             "factor, records", note="LagSplit `after_score`, or its scorer (`GenerationBatch.version_log_probs`) "
+             "run by the mode"),
+    BatchKey("rollout_record_row", "(B,) int64", ("RolloutRecords",), "records `after_loss`", note="`on_batch`"),
+    BatchKey("rollout_record_batch", "0-d int64", ("RolloutRecords",), "records `after_loss`", note="`on_batch`"),
+    BatchKey("rollout_record_rewards", "(B, F)", ("RolloutRecords",), "records `after_loss`", note="`on_batch`"),
+    BatchKey("rollout_record_times", "(B, 2) float64", ("RolloutRecords",), "records `after_loss`",
+             note="`on_batch`"),
+    *(BatchKey(f"rollout_record_support_{name}", "(B, T)", ("RolloutRecords",), "records `after_loss`",
+               note="matching on: the measured forward's score (`GenerationBatch.support` in `after_score`, "
+                    "`LossStep.support` in `after_loss`)") for name in ("log_mass", "size", "miss")),
+)
+BATCH_KEY_SCHEMA: Mapping[str, BatchKey] = {key.name: key for key in BATCH_KEYS}
+FORWARD_INPUT_KEYS: tuple[str, ...] = tuple(key.name for key in BATCH_KEYS if key.forward_input)

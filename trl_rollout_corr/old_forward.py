@@ -195,3 +195,18 @@ def to_generation_order(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(t)
     out[rows] = t
     return out
+
+
+def reused_forward(reuse: tuple, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> tuple:
+    """The result of a policy forward a mode ran itself (``hooks.LossStep.reuse``: ``(input_ids, attention_mask,
+    logits_to_keep, result)``), for TRL's own loss call over the same rows ((B, P + T) ids and mask).
+
+    Raises:
+        RuntimeError: TRL's call is over other rows (a TRL change the pins missed): the reuse would be wrong.
+    """
+    ids, mask, keep, result = reuse
+    if not (torch.is_grad_enabled() and logits_to_keep == keep and torch.equal(input_ids, ids)
+            and torch.equal(attention_mask, mask)):
+        raise RuntimeError("TRL's loss forward is not over the rows whose forward gave pi_old "
+                           "(rollout_corr_old_forward='auto'); set rollout_corr_old_forward='always' and report this.")
+    return result

@@ -575,19 +575,15 @@ def _report(args, bands, samples, fp32_samples, tokenizer, truncation, fp32_head
             lr.tolist()
     sc = flat(samples, "train_batch1", minus="train")["l"]
     report = {
-        "identity": identity(args),
-        "tokens": int(main["l"].numel()), "samples": len(samples),
-        "log_ratio": variants["engine_vs_train"],
-        "variants": variants,
+        "identity": identity(args), "tokens": int(main["l"].numel()), "samples": len(samples),
+        "log_ratio": variants["engine_vs_train"], "variants": variants,
         "by_position": by_bucket(main["l"], main["position"], POSITION_EDGES, band),
         "by_length": by_bucket(main["l"], main["length"], LENGTH_EDGES, band),
         "top_tokens": top_tokens(samples, "train", tokenizer, args.top_tokens),
         "self_consistency": {"batch_size": args.train_batch_size, "dtype": args.train_dtype,
                              **log_ratio_stats(sc, bands),
                              "exactly_equal_fraction": float((sc == 0).double().mean()) if sc.numel() else 0.0},
-        "truncation": truncation,
-        "fp32_lm_head": fp32_head,
-        "timings_s": timings,
+        "truncation": truncation, "fp32_lm_head": fp32_head, "timings_s": timings,
     }
     return report, samples, {"series": series, "self_consistency": sc.tolist()}
 
@@ -602,12 +598,22 @@ def identity(args: argparse.Namespace) -> dict[str, Any]:
 
 def fail_value(report: dict[str, Any], metric: str) -> float:
     """The statistic ``--fail-above`` tests (see ``FAIL_METRICS``)."""
-    if metric == "self_consistency_max_abs":
-        return float(report["self_consistency"]["max_abs"])
-    stats = report["log_ratio"]
-    if metric == "out_of_band":
-        return float(next(iter(stats["out_of_band"].values())))
-    return float(stats[metric])
+    stats = report["self_consistency" if metric == "self_consistency_max_abs" else "log_ratio"]
+    return float(next(iter(stats["out_of_band"].values())) if metric == "out_of_band" else
+                 stats["max_abs" if metric == "self_consistency_max_abs" else metric])
+
+
+def gate(report: dict[str, Any], metric: str, threshold: float) -> tuple[dict[str, Any], str]:
+    """``--fail-above``: (the report's ``fail`` entry, one line of text). Fails when the statistic exceeds
+    ``threshold``, is itself non-finite, or its statistics left non-finite log ratios out (``non_finite``: a NaN or
+    inf token is the worst mismatch, never a pass)."""
+    value = fail_value(report, metric)
+    left_out = int(report["self_consistency" if metric == "self_consistency_max_abs" else "log_ratio"].get(
+        "non_finite", 0))
+    failed = not math.isfinite(value) or left_out > 0 or value > threshold
+    why = f" and {left_out} non-finite log ratio(s) left out of it" if left_out else ""
+    return ({"metric": metric, "value": value, "threshold": threshold, "non_finite": left_out, "failed": failed},
+            f"{FAIL_METRICS[metric]} = {value:.4g}{why} vs {threshold:g}: {'FAIL' if failed else 'ok'}")
 
 
 def print_report(report: dict[str, Any], say=print) -> None:
@@ -636,16 +642,12 @@ def print_report(report: dict[str, Any], say=print) -> None:
             f"recomputed support ({t['processor_order']} processor order)")
     for side, text in report["fp32_lm_head"].items():
         say(f"float32 LM head, {side} side: {text}")
-    say("\nBy completion position:")
-    say(format_table(["position", "tokens", "mean l", "mean |l|", "p99 |l|", "max |l|", "out of band"],
-                     [[r["bucket"], str(r["tokens"]), f"{r['mean']:.2e}", f"{r['mean_abs']:.2e}",
-                       f"{r['p99_abs']:.2e}", f"{r['max_abs']:.2e}", f"{100 * r['out_of_band']:.2f}%"]
-                      for r in report["by_position"]]))
-    say("\nBy completion length:")
-    say(format_table(["length", "tokens", "mean l", "mean |l|", "p99 |l|", "max |l|", "out of band"],
-                     [[r["bucket"], str(r["tokens"]), f"{r['mean']:.2e}", f"{r['mean_abs']:.2e}",
-                       f"{r['p99_abs']:.2e}", f"{r['max_abs']:.2e}", f"{100 * r['out_of_band']:.2f}%"]
-                      for r in report["by_length"]]))
+    for by in ("position", "length"):
+        say(f"\nBy completion {by}:")
+        say(format_table([by, "tokens", "mean l", "mean |l|", "p99 |l|", "max |l|", "out of band"],
+                         [[r["bucket"], str(r["tokens"]), f"{r['mean']:.2e}", f"{r['mean_abs']:.2e}",
+                           f"{r['p99_abs']:.2e}", f"{r['max_abs']:.2e}", f"{100 * r['out_of_band']:.2f}%"]
+                          for r in report[f"by_{by}"]]))
     say("\nMost mismatched tokens (context [[token]] next):")
     for t in report["top_tokens"]:
         say(f"  l={t['log_ratio']:+.3e}  mu={t['mu']:.4g} pi_train={t['pi_train']:.4g}  sample {t['sample']} "
@@ -673,13 +675,9 @@ def main(args: argparse.Namespace) -> int:
         written += probe_figures(report, series["series"], series["self_consistency"], out, report["identity"])
     status = EXIT_OK
     if args.fail_above is not None:
-        value = fail_value(report, args.fail_metric)
-        report["fail"] = {"metric": args.fail_metric, "value": value, "threshold": args.fail_above,
-                          "failed": value > args.fail_above}
-        print(f"\n--fail-above: {FAIL_METRICS[args.fail_metric]} = {value:.4g} "
-              f"{'>' if value > args.fail_above else '<='} {args.fail_above:g}: "
-              f"{'FAIL' if value > args.fail_above else 'ok'}")
-        status = EXIT_CHECK_FAILED if value > args.fail_above else EXIT_OK
+        report["fail"], text = gate(report, args.fail_metric, args.fail_above)
+        print(f"\n--fail-above: {text}")
+        status = EXIT_CHECK_FAILED if report["fail"]["failed"] else EXIT_OK
     (out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
     print("Wrote " + ", ".join(str(p) for p in written))
     return status

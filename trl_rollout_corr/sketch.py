@@ -172,9 +172,18 @@ class ValueSketch:
         return self.values is not None
 
     def add(self, values: torch.Tensor) -> "ValueSketch":
-        """Add ``values`` (any shape, any float dtype; NaN-free: pass only valid tokens); no host sync. Returns
-        self."""
+        """Add ``values`` (any shape, any float dtype; pass only valid tokens). A ratio layout clamps +-inf to its
+        bound (``prepare``); a value still non-finite after that (NaN; +-inf in a size layout) has no place in a
+        quantile and is refused, never dropped or counted silently. No host sync (``torch._assert_async``).
+        Returns self.
+
+        Raises:
+            RuntimeError: a non-finite value (on CPU at once; on an accelerator as a device-side assertion).
+        """
         v = self.layout.prepare(values)
+        torch._assert_async(torch.isfinite(v).all(), f"ValueSketch.add: a non-finite value (NaN, or inf in a "
+                            f"{self.layout.name} layout) cannot be sketched; pass only the valid tokens' finite "
+                            "values (mask NaN out first)")
         self.device = self.device or v.device
         self.n += v.numel()
         if self.values is not None:

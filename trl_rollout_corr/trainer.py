@@ -40,7 +40,7 @@ from trl.trainer.utils import get_config_model_id
 
 from . import model_card, trl_compat
 from .accumulator import Reducers, RolloutCorrAccumulator
-from .async_generation import AsyncGeneration
+from .async_generation import AsyncGeneration, LookAheadLoader
 from .config import CORRECTION_FIELDS, RolloutCorrectionConfig
 from .features import RolloutRecords, RoutingReplay, SupportMatching, build_features, check_trainer_args
 from .hooks import ForwardCall, GenerationBatch, LossStep, PlainGenerate
@@ -223,20 +223,19 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """TRL's ``train``; the asynchronous engine process and worker stop when it ends, also on an exception or
         Ctrl-C.
 
+        With ``rollout_async_depth``, a resume restarts the pipeline at the checkpoint's step R (``async_generation``:
+        the first d steps train batches generated with the weights of step R).
+
         Raises:
-            ValueError: ``resume_from_checkpoint`` with ``rollout_async_depth``: not supported yet (the pipeline's
-                versions start at step 0).
+            ValueError: a resume the pipeline cannot restart exactly (``AsyncGeneration.resume_micro_step``).
         """
-        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-        if self.rollout_async is not None and resume:
-            raise ValueError(f"rollout_async_depth={self.args.rollout_async_depth} cannot resume from a checkpoint "
-                             "yet (the pipeline's versions start at optimizer step 0); resume with "
-                             "rollout_async_depth=0, or start a new run.")
-        try:
+        if self.rollout_async is None:
             return super().train(*args, **kwargs)
+        try:
+            with trl_compat.loader_skips_itself(LookAheadLoader):
+                return super().train(*args, **kwargs)
         finally:
-            if self.rollout_async is not None:
-                self.rollout_async.close()
+            self.rollout_async.close()
 
     # ------------------------------------------------------------------ generation
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -276,34 +275,36 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         """TRL's log-prob forward inside the features' ``forward`` hooks (by role, ``ForwardCall``); on CPU it scores
         only the trained positions through the LM head (``rollout_corr_compact_scoring``,
         ``trl_compat.score_trained_tokens_only``). TRL's own pi_old forward returns a (B, T) NaN placeholder when the
-        mode or a feature replaces it."""
+        mode or a feature replaces it. The mode's ``forward`` hook encloses the features' (and may answer the call);
+        a measured forward's support score goes to the generation batch or loss step in progress (``.support``)."""
         call, self._forward_call = self._forward_call or self._trl_forward_call(model), None
         if call.role == "trl_old" and self._skip_trl_old:
             self._gen.trl_old_skipped = True
             return torch.full((input_ids.size(0), logits_to_keep), float("nan"), device=input_ids.device), None, None
-        step = self._loss
-        if call.role == "loss" and step is not None and step.reuse is not None:  # the mode ran this forward already
-            reuse, step.reuse = step.reuse, None
-            return _reused_forward(reuse, input_ids, attention_mask, logits_to_keep)
-        call.logits_to_keep = logits_to_keep
+        call.logits_to_keep, call.input_ids, call.attention_mask = logits_to_keep, input_ids, attention_mask
         call.compute_entropy = bool(kwargs.get("compute_entropy", False))
-        with self.rollout_corr_features.around("forward", self, call):
-            with trl_compat.score_trained_tokens_only(self._compact_scoring):
-                call.result = super()._get_per_token_logps_and_entropies(
-                    model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-                )
-        if self._loss is not None and self._loss.policy_log_probs is None:
-            self._loss.policy_log_probs = call.result[0].detach()  # the first policy forward of the loss step
+        step = self._loss
+        with self.rollout_corr_mode.forward(self, call, step):
+            if call.result is None:  # not answered by the mode
+                with self.rollout_corr_features.around("forward", self, call):
+                    with trl_compat.score_trained_tokens_only(self._compact_scoring):
+                        call.result = super()._get_per_token_logps_and_entropies(
+                            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+                        )
+        if step is not None and step.policy_log_probs is None:
+            step.policy_log_probs = call.result[0].detach()  # the first policy forward of the loss step
+        owner = step if step is not None else self._gen
+        if call.measure and call.support is not None and owner is not None:
+            owner.support = call.support
         return call.result
 
     def _trl_forward_call(self, model) -> ForwardCall:
-        """The role of a forward TRL itself starts: in a loss step ``loss``; in a generation batch, the first no-grad
-        policy forward is ``trl_old`` when TRL 1.16's rule runs one (pinned in ``tests/test_trl_compat.py``) and
-        every other is ``ref`` (a PEFT reference forward runs on the policy with its adapter off); else ``other``."""
+        """The role of a forward TRL itself starts: in a loss step ``loss`` (the mode's ``forward`` may make it
+        ``old``); in a generation batch, the first no-grad policy forward is ``trl_old`` when TRL 1.16's rule runs
+        one (pinned in ``tests/test_trl_compat.py``) and every other is ``ref`` (a PEFT reference forward runs on the
+        policy with its adapter off); else ``other``."""
         step = self._loss
         if step is not None:
-            if step.old_from_loss and step.policy_log_probs is None:  # also pi_old's forward (old_forward)
-                return ForwardCall("old", model, batch=step.original, measure=True)
             return ForwardCall("loss", model, batch=step.inputs)
         gen = self._gen
         if gen is None:
@@ -431,16 +432,3 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         spg = self.args.steps_per_generation
         return [self._buffered_inputs[(self._step + i) % spg] for i in range(accumulation)]
 
-
-def _reused_forward(reuse: tuple, input_ids, attention_mask, logits_to_keep) -> tuple:
-    """The result of a policy forward a mode ran itself (``LossStep.reuse``), for TRL's own call over the same rows.
-
-    Raises:
-        RuntimeError: TRL's call is over other rows (a TRL change the pins missed): the reuse would be wrong.
-    """
-    ids, mask, keep, result = reuse
-    if not (torch.is_grad_enabled() and logits_to_keep == keep and torch.equal(input_ids, ids)
-            and torch.equal(attention_mask, mask)):
-        raise RuntimeError("TRL's loss forward is not over the rows whose forward gave pi_old "
-                           "(rollout_corr_old_forward='auto'); set rollout_corr_old_forward='always' and report this.")
-    return result

@@ -149,7 +149,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             (``use_vllm=True, vllm_mode="server"``; one request per row with its own seed) or, with
             ``use_vllm=False``, a transformers model in a child process. One process; refused (with the reason)
             with colocate vLLM, tools, a ``rollout_func``, PEFT, truncating samplers on the transformers engine,
-            routing replay, evaluation in server mode or a resume.
+            routing replay, server-mode evaluation, a resume inside a generation batch (resumed at R: max(R, s - d)).
         rollout_async_timeout_s (`float`, defaults to `600.0`):
             Seconds the asynchronous engine may take for one request before the run fails with its last log lines.
         rollout_async_server_log (`str`, *optional*):

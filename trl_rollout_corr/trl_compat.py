@@ -930,8 +930,8 @@ def _sync_context(client: Any) -> str:
 
 def _init_cpu_communicator(client: Any) -> None:
     import atexit
-    from concurrent.futures import ThreadPoolExecutor
 
+    from .engines.daemon_requests import DaemonRequests
     from .engines.vllm_weight_sync import BACKEND, DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT_S, GlooChannel
 
     config = client.get_server_info()["weight_transfer_config"]
@@ -954,24 +954,22 @@ def _init_cpu_communicator(client: Any) -> None:
         "world_size": client.get_world_size() + 1, "chunk_bytes": DEFAULT_CHUNK_BYTES,
         "timeout_s": DEFAULT_TIMEOUT_S, "trainer_versions": trainer_versions(),
     }
-    executor = ThreadPoolExecutor(max_workers=1)  # the server blocks in the rendezvous while answering
+    # the server blocks in the rendezvous while answering; a daemon thread (DaemonRequests: after a failed rendezvous
+    # the request returns only at the server's timeout, and exit must not wait for it)
+    future = DaemonRequests(1, "trl-rollout-corr-sync").submit(
+        client._post, f"{client.base_url}/init_weight_transfer_engine", json={"init_info": init_info})
     try:
-        future = executor.submit(client._post, f"{client.base_url}/init_weight_transfer_engine",
-                                 json={"init_info": init_info})
         channel = GlooChannel(address, client.group_port, 0, init_info["world_size"], DEFAULT_TIMEOUT_S)
         future.result()
     except Exception as exc:
         raise RuntimeError(f"weight-sync set-up failed: {exc} ({_sync_context(client)})") from exc
-    finally:
-        executor.shutdown(wait=False)  # after a failed rendezvous the request returns only at the server's timeout
     channel.chunk_bytes = DEFAULT_CHUNK_BYTES
     client.communicator = channel
     atexit.register(client.close_communicator)
 
 
 def _cpu_update_named_params(client: Any, metadata, named_params) -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
+    from .engines.daemon_requests import DaemonRequests
     from .engines.vllm_weight_sync import send_tensors
 
     metadata = [(name, dtype, list(shape)) for name, dtype, shape in metadata]
@@ -979,15 +977,14 @@ def _cpu_update_named_params(client: Any, metadata, named_params) -> None:
     update_info = {"names": names, "dtype_names": dtype_names, "shapes": shapes}
     if not client._updating_weights:
         client._start_weight_update()
-    executor = ThreadPoolExecutor(max_workers=1)  # the workers receive while the trainer broadcasts
+    # the workers receive while the trainer broadcasts; after a failed broadcast the request may never return
+    future = DaemonRequests(1, "trl-rollout-corr-sync").submit(
+        client._post, f"{client.base_url}/update_weights", json={"update_info": update_info})
     try:
-        future = executor.submit(client._post, f"{client.base_url}/update_weights", json={"update_info": update_info})
         send_tensors(client.communicator, metadata, named_params, client.communicator.chunk_bytes)
         future.result()
     except Exception as exc:
         raise RuntimeError(f"weight sync failed: {exc} ({_sync_context(client)})") from exc
-    finally:
-        executor.shutdown(wait=False)  # after a failed broadcast the request may never return
     if not client._updating_weights:
         client._finish_weight_update()
 
@@ -1093,8 +1090,26 @@ def first_optimizer_step(batch: int, every: int, gradient_accumulation_steps: in
 
 
 def micro_step(trainer: Any) -> int:
-    """TRL's micro-step counter ``GRPOTrainer._step`` (incremented in ``training_step``)."""
+    """TRL's micro-step counter ``GRPOTrainer._step`` (incremented in ``training_step``; 0 in a fresh trainer, so on
+    resume it counts from the resumed step)."""
     return trainer._step
+
+
+@contextlib.contextmanager
+def loader_skips_itself(loader_type: type) -> Iterator[None]:
+    """Within the block, transformers 5.x's ``Trainer._run_epoch`` skips a resumed epoch's trained batches
+    (``skip_first_batches(train_dataloader, n)``, accelerate's function imported into ``transformers.trainer``)
+    through ``loader.skip_first(n, skip_first_batches)`` when the loader is a ``loader_type``: accelerate's function
+    rebuilds a plain DataLoader from the loader's attributes, which would drop a wrapper (``LookAheadLoader``)."""
+    import transformers.trainer as hf_trainer
+
+    original = hf_trainer.skip_first_batches
+    hf_trainer.skip_first_batches = lambda loader, n=0: (
+        loader.skip_first(n, original) if isinstance(loader, loader_type) else original(loader, n))
+    try:
+        yield
+    finally:
+        hf_trainer.skip_first_batches = original
 
 
 def generation_prompt_ids(trainer: Any, items: list) -> list:
@@ -1106,26 +1121,9 @@ def generation_prompt_ids(trainer: Any, items: list) -> list:
     return [list(ids) for ids in prompt_ids]
 
 
-def truncating_sampler_settings(config: Any) -> list[str]:
-    """The settings of a resolved ``GenerationConfig`` under which sampling is not ``softmax(logits /
-    temperature)`` of the full vocabulary (greedy, top-k, top-p, min-p, typical, repetition penalty), as
-    ``name=value``."""
-    out = []
-    if not config.do_sample or (config.num_beams or 1) > 1:
-        out.append(f"do_sample={config.do_sample}, num_beams={config.num_beams}")
-    for name, neutral in (("top_k", (None, 0)), ("top_p", (None, 1.0)), ("min_p", (None, 0.0)),
-                          ("typical_p", (None, 1.0)), ("repetition_penalty", (None, 1.0))):
-        value = getattr(config, name, None)
-        if value not in neutral:
-            out.append(f"{name}={value!r}")
-    return out
-
-
 def vllm_server_sampling(vllm_generation: Any) -> dict:
-    """The ``VLLMClient.generate`` keyword arguments (all but ``prompts``, ``features`` and ``n``) of TRL 1.16's
-    server-mode generation (``VLLMGeneration.generate``: ``repetition_penalty``, ``temperature``, ``top_p``,
-    ``top_k``, ``min_p`` (None -> 0.0), ``max_tokens=max_completion_length``, ``logprobs``,
-    ``structured_outputs_regex``, ``generation_kwargs``), read from TRL's ``trainer.vllm_generation``."""
+    """The ``VLLMClient.generate`` keyword arguments but ``prompts``, ``features``, ``n`` of TRL 1.16's server-mode
+    generation (``VLLMGeneration.generate``'s ``sampling_params``, pinned key for key), from ``vllm_generation``."""
     g = vllm_generation
     return {"repetition_penalty": g.repetition_penalty, "temperature": g.temperature, "top_p": g.top_p,
             "top_k": g.top_k, "min_p": 0.0 if g.min_p is None else g.min_p, "max_tokens": g.max_completion_length,

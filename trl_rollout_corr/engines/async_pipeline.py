@@ -315,14 +315,16 @@ class AsyncRolloutPipeline:
         engine: started, with ``snapshot(model)``, ``load(version, state)``, ``generate(batch, prompts, seeds) ->
             (ids, log-probs, version)``, ``log_tail()`` and ``close()`` (``TransformersProcessEngine``,
             ``engines.async_vllm_server.VLLMServerEngine``).
-        batch_version: generation batch index j -> the version it must be generated with.
+        batch_version: generation batch index j -> the version it must be generated with (non-decreasing).
         timeout_s: seconds ``take`` waits for a batch beyond the engine's own timeouts.
+        first_batch: the index of the first batch ``submit`` takes (> 0 on a resumed run).
 
     The trainer calls ``publish`` (after every optimizer step), ``submit`` (ahead of time, in batch order) and
     ``take`` (when it trains the batch, in the same order), then ``close``.
     """
 
-    def __init__(self, engine, *, batch_version: Callable[[int], int], timeout_s: float = 600.0) -> None:
+    def __init__(self, engine, *, batch_version: Callable[[int], int], timeout_s: float = 600.0,
+                 first_batch: int = 0) -> None:
         self.engine = engine
         self.batch_version = batch_version
         self.timeout_s = timeout_s
@@ -330,7 +332,7 @@ class AsyncRolloutPipeline:
         self._published: dict[int, dict] = {}
         self._requests: collections.deque = collections.deque()
         self._results: dict[int, BatchResult] = {}
-        self._submitted = -1
+        self._submitted = int(first_batch) - 1
         self._error: Optional[BaseException] = None
         self._stopping = False
         self.loaded_version: Optional[int] = None

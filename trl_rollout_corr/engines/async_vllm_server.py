@@ -19,13 +19,13 @@ server process belongs to whoever started it).
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from .async_pipeline import EngineError
+from .daemon_requests import DaemonRequests
 
 __all__ = ["VLLMServerEngine"]
 
@@ -50,7 +50,7 @@ class VLLMServerEngine:
         self.timeout_s, self.log_path = float(timeout_s), log_path
         self.version: Optional[int] = None
         self.record: list[tuple[int, int]] = []  # (batch, the version held when its requests were sent)
-        self._pool = _DaemonRequests(concurrency)
+        self._pool = DaemonRequests(concurrency)
         self.pid = None  # not ours: the server belongs to whoever started it
         self.process = None
 
@@ -112,33 +112,3 @@ class VLLMServerEngine:
         """Drop the request threads (requests in flight are abandoned, not waited for: they run on daemon threads,
         so a request stuck on a hung server cannot hold the interpreter at exit). Idempotent."""
         self._pool.shutdown()
-
-
-class _DaemonRequests:
-    """At most ``concurrency`` requests at once, each on its own daemon thread. Not a ``ThreadPoolExecutor``: Python
-    joins an executor's worker threads at interpreter exit even after ``shutdown(wait=False)``, and TRL's client
-    sends its requests without a timeout, so one request stuck on a hung server would keep the process alive
-    forever. ``submit`` returns a ``concurrent.futures.Future``; after ``shutdown`` nothing new starts."""
-
-    def __init__(self, concurrency: int) -> None:
-        self._slots = threading.BoundedSemaphore(max(1, int(concurrency)))
-        self._closed = False
-
-    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run():
-            with self._slots:
-                if self._closed or not future.set_running_or_notify_cancel():
-                    return
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
-                    future.set_exception(err)
-
-        threading.Thread(target=run, name="rollout-async-http", daemon=True).start()
-        return future
-
-    def shutdown(self) -> None:
-        self._closed = True
-

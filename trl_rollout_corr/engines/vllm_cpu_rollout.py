@@ -7,15 +7,12 @@ the trainer's generation settings and returns the sampled tokens' processed log-
 for token with ``completion_ids``) and the version of the weights it generated with as ``policy_version``.
 
 This is the module of the engine that knows TRL. What it relies on, all in TRL 1.16 and pinned by
-``tests/test_vllm_cpu.py``:
-
-* the ``rollout_func(prompts, trainer)`` contract of ``GRPOTrainer._generate`` (returns ``prompt_ids``,
-  ``completion_ids``, ``logprobs``);
-* ``GRPOTrainer._tokenize_prompts(prompts) -> (prompt_ids, images, multimodal_fields)``, called so that prompts are
-  tokenised exactly as TRL's own generation paths do (``tokenize``);
-* public trainer attributes: ``state.global_step``, ``accelerator``, ``model``, ``args.generation_kwargs``,
-  ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_completion_length``;
-* ``GRPOTrainer._metrics`` for the two timing metrics (``log_trl_metric``).
+``tests/test_vllm_cpu.py``: the ``rollout_func(prompts, trainer)`` contract of ``GRPOTrainer._generate`` (returns
+``prompt_ids``, ``completion_ids``, ``logprobs``); ``GRPOTrainer._tokenize_prompts(prompts) -> (prompt_ids, images,
+multimodal_fields)``, so that prompts are tokenised exactly as TRL's own paths do (``tokenize``); public trainer
+attributes (``state.global_step``, ``accelerator``, ``model``, ``args.generation_kwargs``, ``temperature``,
+``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_completion_length``); ``GRPOTrainer._metrics`` for
+the timing metrics (``log_trl_metric``); ``trl_compat.micro_step`` / ``generate_every`` (``per_request_seeds``).
 
 ``VLLMCPURollout.sampler_contract(trainer)`` tells ``RolloutCorrGRPOTrainer`` what the engine samples with (the
 same keyword arguments it passes to ``SamplingParams``), for the start-up report and support matching.
@@ -69,23 +66,17 @@ class VLLMCPURollout:
     ``tests/test_e2e_vllm_cpu.py``). Single process per engine: with several ranks each builds its own
     (DDP / ZeRO-1/2 work: the unwrapped module holds full weights); ZeRO-3 / FSDP are refused at sync time.
 
-    Asynchronous mode (``async_depth = d >= 1``): the trainer's weights are *published* after every optimizer step
-    (copied, cast to the engine dtype, into a bounded queue of at most d + 1 versions) by a ``TrainerCallback``
-    (``on_step_end``) that the first call adds to the trainer (``trainer.add_callback``), and at each call; the
-    engine generates the batch of optimizer step s with the weights of step ``s - d`` exactly (before step d: the
-    initial weights), for any ``steps_per_generation`` / ``num_iterations``: the engine's lag at generation is d.
-    (TRL then trains a batch over several optimizer steps when ``steps_per_generation > 1`` or ``num_iterations >
-    1``; a row used j steps after its generation has lag ``d + j``, as without async.) As soon as the version the
-    next call will use is published (the next call is expected ``steps_per_generation x num_iterations /
-    gradient_accumulation_steps`` optimizer steps later, or at the interval the calls have shown), a background
-    thread (``concurrent.futures.ThreadPoolExecutor``, one worker) loads it, so the weight load overlaps the
-    trainer's steps; the next call waits for it (a wrong guess only costs a load in the call). Without
-    ``add_callback`` (a trainer stand-in) versions are published at calls only: the newest published version
-    ``<= s - d`` is used, which with ``steps_per_generation > 1`` can be older than ``s - d``. Generation
-    itself cannot run ahead of the trainer through TRL's ``rollout_func`` contract: TRL hands over the prompts only
-    when it needs their completions (run-ahead generation is TRL's ``experimental.async_grpo`` trainer, a vLLM
-    server on GPU). So this mode reproduces the *staleness* of asynchronous GRPO exactly, with a small overlap;
-    its speed is measured in ``benchmarks/RESULTS.md``.
+    Asynchronous mode (``async_depth = d >= 1``, docs/policy-lag.md): the trainer's weights are *published* after
+    every optimizer step (cast to the engine dtype, a queue of at most d + 1 versions) by a ``TrainerCallback`` the
+    first call adds (``on_step_end``), and at each call; the batch of optimizer step s is generated with the weights
+    of step ``s - d`` exactly (before step d: the initial ones), for any ``steps_per_generation`` /
+    ``num_iterations`` (a row used j steps after its generation has lag ``d + j``). A background thread (one
+    ``ThreadPoolExecutor`` worker) loads the next call's version as soon as it is published, so the load overlaps
+    the trainer's steps. Without ``add_callback`` (a stand-in) versions are published at calls only (the newest
+    ``<= s - d``). Generation cannot run ahead through TRL's ``rollout_func`` contract (prompts come when their
+    completions are needed): this mode emulates asynchronous GRPO's staleness; the real pipeline is
+    ``rollout_async_depth`` (``async_generation``). ``per_request_seeds=True`` seeds row r of TRL's generation
+    batch j with ``request_seed(args.seed, j, r)`` as that pipeline does, so the two can be compared (issue 45).
 
     Args:
         model: local model directory the engine starts from (normally the trainer's initial checkpoint).
@@ -93,6 +84,7 @@ class VLLMCPURollout:
         sync_interval: optimizer steps between weight syncs (>= 1; 1: every step).
         async_depth: optimizer steps the engine's weights trail the learner (>= 0; 0: off). Exclusive with
             ``sync_interval > 1``. Costs d + 1 copies of the weights in the engine dtype.
+        per_request_seeds: one sampling seed per row (``seeded_rows``) instead of the engine's one stream.
         max_model_len, seed, kv_cache_gib, max_num_seqs, **llm_kwargs: see ``build_cpu_llm``.
         llm: an engine already built with ``build_cpu_llm`` (shared between rollouts, or a stand-in in tests);
             None: build one.
@@ -124,12 +116,13 @@ class VLLMCPURollout:
         kv_cache_gib: int = 1,
         max_num_seqs: Optional[int] = None,
         llm: Any = None,
+        per_request_seeds: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         self.model_path = str(model)
         self.dtype = resolve_rollout_dtype(dtype)
         self.schedule = WeightSchedule(sync_interval=sync_interval, async_depth=async_depth)
-        self.seed = seed
+        self.seed, self.per_request_seeds = seed, bool(per_request_seeds)
         self.max_model_len = max_model_len
         t0 = time.perf_counter()
         self._owns_llm = llm is None
@@ -156,15 +149,11 @@ class VLLMCPURollout:
         """What produced mu, for run configs and model cards."""
         import vllm
 
-        return {
-            "rollout_engine": "vllm_cpu",
-            "rollout_engine_version": f"vllm {vllm.__version__}",
-            "rollout_dtype": str(self.dtype).removeprefix("torch."),
-            "rollout_logprobs_mode": self.logprobs_mode,
-            "rollout_weight_sync": "model_runner.reload_weights (in process), " + self._sync_description(),
-            "rollout_max_model_len": self.max_model_len,
-            "rollout_seed": self.seed,
-        }
+        return {"rollout_engine": "vllm_cpu", "rollout_engine_version": f"vllm {vllm.__version__}",
+                "rollout_dtype": str(self.dtype).removeprefix("torch."), "rollout_logprobs_mode": self.logprobs_mode,
+                "rollout_weight_sync": "model_runner.reload_weights (in process), " + self._sync_description(),
+                "rollout_max_model_len": self.max_model_len,
+                "rollout_seed": "per row: request_seed(seed, batch, row)" if self.per_request_seeds else self.seed}
 
     def _sync_description(self) -> str:
         if self.schedule.async_depth:
@@ -199,9 +188,9 @@ class VLLMCPURollout:
                 "rollout_max_model_len."
             )
         t0 = time.perf_counter()
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompt_ids], self.sampling_params(trainer), use_tqdm=False
-        )
+        params = seeded_rows(self.sampling_kwargs(trainer), trainer, len(prompt_ids)) if self.per_request_seeds \
+            else self.sampling_params(trainer)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         self.generate_seconds += elapsed
         completions = [out.outputs[0] for out in outputs]
@@ -241,10 +230,8 @@ class VLLMCPURollout:
         if not self._published or self._published[-1][0] != step:
             with peft_merged_weights(self.trainer_weights(trainer)) as weights:  # PEFT: merged, base names
                 pairs = weights.state_dict().items() if isinstance(weights, torch.nn.Module) else weights
-                self._published.append((step, {
-                    k: v.detach().to(self.dtype, copy=True) if v.is_floating_point() else v.detach().clone()
-                    for k, v in pairs
-                }))
+                self._published.append((step, {k: v.detach().to(self.dtype, copy=True) if v.is_floating_point()
+                                                else v.detach().clone() for k, v in pairs}))
         oldest_needed = self.schedule.async_version(step, [v for v, _ in self._published])
         self._published = [(v, w) for v, w in self._published if v >= oldest_needed]
         if len(self._published) > self.schedule.async_depth + 1:
@@ -434,6 +421,18 @@ class VLLMCPURollout:
             kwargs, sources=trl_compat.sampler_sources(trainer.args, getattr(trainer.args, "generation_kwargs", None)),
             default_source="VLLMCPURollout", trainer_temperature=trainer.temperature,
         )
+
+
+def seeded_rows(kwargs: dict, trainer: Any, rows: int) -> list:
+    """One ``SamplingParams(**kwargs, seed=...)`` per row: row r of TRL's generation batch j (its micro-step //
+    ``steps_per_generation x num_iterations``) gets ``request_seed(trainer.args.seed, j, r)``, the seed the
+    asynchronous pipeline gives the same row (``async_generation``)."""
+    from vllm import SamplingParams
+
+    from .async_pipeline import request_seed
+
+    batch = trl_compat.micro_step(trainer) // trl_compat.generate_every(trainer.args, trainer.num_iterations)
+    return [SamplingParams(**{**kwargs, "seed": request_seed(trainer.args.seed, batch, r)}) for r in range(rows)]
 
 
 def log_trl_metric(trainer: Any, key: str, value: float) -> None:

@@ -19,20 +19,17 @@ The result rides in the batch as ``rollout_version_log_probs``; the mode's ratio
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
 from .. import support, trl_compat
-from ..hooks import Feature, ForwardCall, GenerationBatch, LossStep
+from ..hooks import FORWARD_INPUT_KEYS, Feature, ForwardCall, GenerationBatch, LossStep
 from .version_store import store_for
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
-
-
-# the batch keys the version forward reads: TRL's rows, and their routes (routing replay, replayed in it)
-_ROW_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "routed_experts")
 
 
 class LagSplit(Feature):
@@ -80,8 +77,10 @@ class LagSplit(Feature):
 
     @contextlib.contextmanager
     def generation(self, trainer, gen: GenerationBatch) -> Iterator[None]:
-        """The weights of this generation's step (``_keep_current``)."""
+        """The weights of this generation's step (``_keep_current``); the version scorer published on the batch
+        (``gen.version_log_probs``: the mode runs it early when RS judges the engine factor)."""
         self._keep_current(trainer)
+        gen.version_log_probs = functools.partial(self.version_log_probs, trainer)
         yield
 
     def before_loss(self, trainer, step: LossStep) -> None:
@@ -148,9 +147,11 @@ class LagSplit(Feature):
             rows = at.any(dim=1)
             if not bool(rows.any()):
                 if self.store.collective:  # join the collective forward: score row 0, discard it
-                    self._log_probs_at_version(trainer, version, {k: batch[k][:1] for k in _ROW_KEYS if k in batch})
+                    self._log_probs_at_version(trainer, version, {k: batch[k][:1] for k in FORWARD_INPUT_KEYS
+                                                                  if k in batch})
                 continue
-            scored = self._log_probs_at_version(trainer, version, {k: batch[k][rows] for k in _ROW_KEYS if k in batch})
+            inputs = {k: batch[k][rows] for k in FORWARD_INPUT_KEYS if k in batch}  # the rows, their routes
+            scored = self._log_probs_at_version(trainer, version, inputs)
             version_log_probs[rows] = torch.where(at[rows], scored, version_log_probs[rows])
         batch["rollout_version_log_probs"] = version_log_probs
         return version_log_probs

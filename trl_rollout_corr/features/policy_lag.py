@@ -6,8 +6,9 @@ Every generated row carries the version (optimizer step) of the weights that gen
 engine reports it held (``async_generation``), else the current optimizer step (TRL's vLLM colocate/server
 paths sync before every generation; ``transformers.generate`` samples from the policy itself). Each trained
 micro-batch logs its per-row lag. ``max_policy_lag`` drops rows over the bound: rows already over it at generation
-leave their group's baseline like a fully RS-rejected row (``GenerationBatch.keep_rows``; decoupled mode merges them
-with the RS rejection in one exclusion, bypass mode excludes them here), rows that cross it only later
+leave their group's baseline like a fully RS-rejected row (``GenerationBatch.keep_rows``, which the mode reads:
+decoupled mode merges them with the RS rejection in one exclusion, bypass mode excludes them when it scores the
+batch, no correction keeps them in), rows that cross it only later
 (``num_iterations`` / ``steps_per_generation`` reuse) leave the loss when used.
 """
 
@@ -18,7 +19,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import trl_compat
-from ..baseline import rows_out_of_baseline
 from ..hooks import Feature, GenerationBatch, LossStep
 from ..lag import drop_stale_rows, lag_keep, policy_lag, row_versions, token_versions
 
@@ -52,7 +52,7 @@ class PolicyLag(Feature):
     def on_batch(self, trainer, gen: GenerationBatch, batch: dict) -> None:
         """``gen.versions`` on the batch's device (the current step when no generation ran through ``_generate``: not
         a TRL 1.16 path), ``gen.token_versions`` (B, T) when a row spans a weight update (``lag.token_versions``),
-        ``gen.keep_rows``; bypass mode: rows over the bound leave their group's baseline."""
+        ``gen.keep_rows`` (the mode takes them out of their group's baseline)."""
         completion_ids = batch["completion_ids"]
         versions = gen.versions
         if versions is None:
@@ -64,13 +64,6 @@ class PolicyLag(Feature):
         if self.bound is None:
             return
         gen.keep_rows = lag_keep(policy_lag(gen.versions, trainer.state.global_step), self.bound)
-        if trainer.rollout_correction.bypass_mode:
-            has = trl_compat.loss_mask(batch).sum(dim=1) > 0
-            gather = trainer.accelerator.gather
-            has_tokens, rejected = gather(has), gather(has & ~gen.keep_rows)
-            batch["advantages"] = rows_out_of_baseline(
-                trainer, batch["advantages"], rejected, has_tokens, gen.rewards, count_lone_survivors=False
-            )
 
     def before_loss(self, trainer, step: LossStep) -> None:
         """The micro-batch's per-row lag into ``rollout_corr/policy_lag_*``; with ``max_policy_lag``, ``step.inputs``

@@ -1,11 +1,12 @@
 """Rollout records (``rollout_dump_dir``; ``records/``, spec 10): the writer's lifecycle in the trainer.
 
-Four hooks and a callback, training only: ``__init__`` opens the writer, writes ``run.json`` once and adds a
+Five hooks and a callback, training only: ``__init__`` opens the writer, writes ``run.json`` once and adds a
 ``TrainerCallback`` whose ``on_save`` hands each checkpoint to the writer (``save_open_window``: the rows of a window
 still open at the checkpoint, so a run resumed from it continues the window exactly); ``on_batch`` tags each
 generated row (row index, batch index, local rewards, generation times), which TRL's shuffle and split carry to the
-loss; ``after_loss`` hands each trained micro-batch (as TRL passed it: ``LossStep.original``) and its pi_theta
-(``LossStep.policy_log_probs``) to the writer; ``after_log`` closes the window of the logged step, after TRL's
+loss; ``after_score`` adds the support scores of the batch's pi_old forward (``GenerationBatch.support``, matching
+on) the same way; ``after_loss`` hands each trained micro-batch (as TRL passed it: ``LossStep.original``) and its
+pi_theta (``LossStep.policy_log_probs``) to the writer; ``after_log`` closes the window of the logged step, after TRL's
 ``log`` added its own values (the Trainer's copy in ``log_history``, which callbacks cannot change).
 
 Last in ``features.FEATURES``: nothing is written before every other part accepted the setup.
@@ -78,7 +79,7 @@ class RolloutRecords(Feature):
                 generation_config=generation_config_dict(unwrapped),
             ),
             correction=correction, correction_extra=dict(
-                mode="bypass" if correction.bypass_mode else "decoupled",
+                mode=trainer.rollout_corr_mode.name,  # "diagnostics" (no correction), "decoupled", "bypass"
                 rollout_corr_preset=args.rollout_corr_preset, length_buckets=list(DEFAULT_LENGTH_BUCKETS),
                 rs_keep_rejected_in_baseline=args.rs_keep_rejected_in_baseline,
             ),
@@ -102,9 +103,20 @@ class RolloutRecords(Feature):
             batch["rollout_record_rewards"] = gen.rewards[start:start + rows].float()
         batch["rollout_record_times"] = torch.tensor([[gen.started, time.time()]], dtype=torch.float64).expand(rows, 2)
 
+    def after_score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
+        """Matching on: the (B, T) log S, |K| and misses of the batch's measured pi_old forward
+        (``GenerationBatch.support``) into ``rollout_record_support_{log_mass,size,miss}``, carried with the rows to
+        the loss like the keys of ``on_batch``."""
+        if gen.support is not None:
+            _support_keys(batch, gen.support)
+
     def after_loss(self, trainer, step: LossStep) -> None:
         """The trained micro-batch, as TRL passed it, and its pi_theta to the writer (training only; without a
-        correction a batch can lack mu: warned, no diagnostics, not recorded)."""
+        correction a batch can lack mu: warned, no diagnostics, not recorded). A measured forward of the loss step
+        (``LossStep.support``: pi_old read from it, the bypass loss) gives the support columns; pi_old's stay with
+        the micro-batch TRL holds (later iterations over it find them)."""
+        if step.support is not None:
+            _support_keys(step.original, step.support)
         if trainer.metrics_mode == "train" and "rollout_log_probs" in step.original:
             self.writer.add(micro_batch(trainer.state.global_step, step.original, step.policy_log_probs,
                                         trained=step.inputs, num_experts=self.num_experts))
@@ -113,6 +125,12 @@ class RolloutRecords(Feature):
         """Close the logged step's window with TRL's logged values (training only)."""
         if trainer.metrics_mode == "train":
             self.writer.end_window(trainer.state.global_step, record)
+
+
+def _support_keys(batch: dict, score) -> None:
+    """``batch["rollout_record_support_{log_mass,size,miss}"]``: (B, T) of a ``support.SupportScore``."""
+    for name in ("log_mass", "size", "miss"):
+        batch[f"rollout_record_support_{name}"] = getattr(score, name)
 
 
 def _save_open_window_callback(writer: "RolloutRecordWriter"):
@@ -133,9 +151,10 @@ def micro_batch(step: int, inputs: dict, log_probs: Optional[torch.Tensor], *, t
 
     Args:
         step: learner step at use. inputs: the micro-batch as TRL passed it (``LossStep.original``).
-        log_probs: (B, T) pi_theta of its loss forward. trained: what the mode trained on (``LossStep.inputs``),
-            where the support scores of the loss forward are (bypass: ``support_matching`` stores them there;
-            decoupled: the pi_old forward's ride in ``inputs``). num_experts: E, with routing replay.
+        log_probs: (B, T) pi_theta of its loss forward. trained: what the mode trained on (``LossStep.inputs``;
+            the support columns are read from it first, then from ``inputs``: ``RolloutRecords`` writes them there
+            from the pi_old forward's or the loss step's measured forward's score). num_experts: E, with routing
+            replay.
     """
     from ..records import MicroBatch
 

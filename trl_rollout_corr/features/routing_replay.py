@@ -18,14 +18,13 @@ import functools
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 from .. import trl_compat
-from ..hooks import Feature, ForwardCall, GenerationBatch, PlainGenerate
+from ..hooks import ROLE_TRAITS, Feature, ForwardCall, GenerationBatch, PlainGenerate
 from ..routing import RouteReplayer, check_row_routes, pad_routes, record_routes
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
 
 ROUTING_REPLAY_MODES = ("off", "r3")
-REPLAYED_ROLES = frozenset({"old", "loss", "bypass_loss", "batch_norm_window", "version"})
 
 
 class RoutingReplay(Feature):
@@ -112,7 +111,7 @@ class RoutingReplay(Feature):
         """Replay the batch's ``routed_experts`` in the policy forwards (role ``version``: with the replayer of
         ``call.model``, a copy of the policy); with ``call.measure`` add the mismatch counts to
         ``rollout_corr/routing_*`` (``RolloutCorrAccumulator.add_fraction_counts``)."""
-        if call.role not in REPLAYED_ROLES:
+        if not ROLE_TRAITS[call.role].replayed:  # hooks.ForwardRole
             yield
             return
         routes = call.batch.get("routed_experts")

@@ -23,15 +23,13 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 
 from .. import support, trl_compat
-from ..hooks import Feature, ForwardCall, GenerationBatch, PlainGenerate
+from ..hooks import ROLE_TRAITS, Feature, ForwardCall, GenerationBatch, PlainGenerate
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
 
 logger = logging.getLogger("trl_rollout_corr.trainer")  # the trainer's logger: its messages keep their source
 
-# "version": policy_lag_split's pi_train@v, compared with mu and pi_old, so scored over the same support
-SCORED_ROLES = frozenset({"trl_old", "old", "loss", "bypass_loss", "batch_norm_window", "version"})
 
 
 class SupportMatching(Feature):
@@ -133,9 +131,10 @@ class SupportMatching(Feature):
 
     # ------------------------------------------------------------------ forwards
     def _wanted(self, trainer, call: ForwardCall) -> bool:
-        """Matching on: every policy forward of ``SCORED_ROLES``; off: the forwards that measure, while the one-time
-        measurement of the kept mass is due (training only)."""
-        if call.role not in SCORED_ROLES:
+        """Matching on: every policy forward of a scored role (``hooks.ForwardRole.scored``; ``version``, the lag
+        split's pi_train@v, is compared with mu and pi_old, so scored over the same support); off: the forwards that
+        measure, while the one-time measurement of the kept mass is due (training only)."""
+        if not ROLE_TRAITS[call.role].scored:
             return False
         return self.scorer is not None or (call.measure and self.measure_due and trainer.metrics_mode == "train")
 
@@ -180,7 +179,7 @@ class SupportMatching(Feature):
         matched = support.SupportScore.cat(scores)
         if replace:
             entropies = matched.entropy if entropy_t is not None else entropies
-            call.result, call.miss = (matched.log_probs, entropies, aux_loss), matched.miss
+            call.result, call.miss, call.support = (matched.log_probs, entropies, aux_loss), matched.miss, matched
         if call.role == "trl_old":  # its batch does not exist yet: recorded in on_batch
             self._trl_old_score = matched
         elif call.measure:
@@ -189,16 +188,12 @@ class SupportMatching(Feature):
     def _record(self, trainer, batch: dict, matched: support.SupportScore, *, miss_key: bool) -> None:
         """A measured forward's ``rollout_corr/support_*`` statistics over the batch's loss mask; ``miss_key``:
         matching on, its missed tokens go to ``batch["rollout_support_miss"]`` (made invalid by the mode's
-        correction); matching on with records, the forward's (B, T) log S, |K| and misses go to
-        ``batch["rollout_record_support_{log_mass,size,miss}"]`` (``features.rollout_records``)."""
+        correction). The score itself travels on the per-call objects (``ForwardCall.support``)."""
         trainer.rollout_corr_metrics.add_support(trainer.metrics_mode,
                                                  support.SupportStats.from_score(matched, trl_compat.loss_mask(batch)))
         self.measure_due = False
         if miss_key and self.scorer is not None:
             batch["rollout_support_miss"] = matched.miss
-        if self.scorer is not None and trainer.args.rollout_dump_dir is not None:  # for the records (analyze)
-            for name in ("log_mass", "size", "miss"):
-                batch[f"rollout_record_support_{name}"] = getattr(matched, name)
 
     # ------------------------------------------------------------------ logging
     def on_log(self, trainer, logs: dict) -> None:

@@ -18,6 +18,7 @@ import torch
 from trl.trainer.grpo_trainer import disable_gradient_checkpointing
 
 from .. import support, trl_compat
+from ..baseline import rows_out_of_baseline
 from ..correction import make_correction_fn
 from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep
 from ..lag import drop_stale_rows
@@ -41,7 +42,15 @@ class BypassMode(CorrectionMode):
         self._window: Optional[tuple] = None
 
     def score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
-        """mu into the batch; the correction waits for pi_theta, in the loss."""
+        """Rows over ``max_policy_lag`` at generation (``gen.keep_rows``) out of their group's baseline, then mu into
+        the batch; the correction waits for pi_theta, in the loss."""
+        if gen.keep_rows is not None:
+            has = trl_compat.loss_mask(batch).sum(dim=1) > 0
+            gather = trainer.accelerator.gather
+            has_tokens, rejected = gather(has), gather(has & ~gen.keep_rows)
+            batch["advantages"] = rows_out_of_baseline(
+                trainer, batch["advantages"], rejected, has_tokens, gen.rewards, count_lone_survivors=False
+            )
         attach_mu(trainer, gen, batch, require_mu(batch))
 
     def loss(self, trainer, model, step: LossStep, trl_loss) -> torch.Tensor:

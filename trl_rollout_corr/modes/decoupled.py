@@ -16,14 +16,14 @@ in TRL's shuffled order (``rollout_generation_row`` maps them back for the group
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+import contextlib
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
 from .. import old_forward, support, trl_compat
 from ..baseline import rows_out_of_baseline
 from ..correction import make_correction_fn
-from ..features.lag_split import LagSplit
 from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep
 from .common import attach_mu, require_mu, trained_token_count, trl_loss_with_ratios
 from .m2po_window import m2po_step_mask
@@ -47,7 +47,8 @@ class DecoupledMode(CorrectionMode):
         self.old_forward_plan = old_forward.plan_for_trainer(trainer, "decoupled")
         self.replaces_trl_old_forward = self.old_forward_plan.replaces_trl_old_forward
         old_forward.log_plan(self.old_forward_plan)
-        self._pending: Optional[tuple] = None  # (rewards, keep_rows) of the batch whose pi_old its loss gives
+        # (rewards, keep_rows, version scorer) of the batch whose pi_old its loss gives
+        self._pending: Optional[tuple] = None
         correction = trainer.rollout_correction
         self.rs_on_engine = correction.rs_enabled and getattr(correction, "rollout_rs_on", "direct") == "engine"
         self.m2_threshold = correction.rollout_m2_threshold
@@ -58,9 +59,9 @@ class DecoupledMode(CorrectionMode):
                 and trainer.metrics_mode == "train"):
             rows = batch["completion_ids"].size(0)
             batch[old_forward.GENERATION_ROW] = torch.arange(rows, device=batch["completion_ids"].device)
-            self._pending = (gen.rewards, gen.keep_rows)
+            self._pending = (gen.rewards, gen.keep_rows, gen.version_log_probs)
             return
-        self.apply_correction(trainer, batch, gen.rewards, gen.keep_rows)
+        self.apply_correction(trainer, batch, gen.rewards, gen.keep_rows, version_log_probs=gen.version_log_probs)
 
     def prepare_loss(self, trainer, model, step: LossStep) -> None:
         """pi_old read from the loss forward (module docstring), for the batch's first use."""
@@ -70,7 +71,7 @@ class DecoupledMode(CorrectionMode):
         if self._pending is None:
             raise RuntimeError("A generation batch left scoring without pi_old, but no scoring is pending for it "
                                "(rollout_corr_old_forward='auto'); set rollout_corr_old_forward='always'.")
-        (rewards, keep_rows), self._pending = self._pending, None
+        (rewards, keep_rows, version_log_probs), self._pending = self._pending, None
         rows = batch[old_forward.GENERATION_ROW]
         fwd = trl_compat.prompt_completion_inputs(batch)
         result = trainer.policy_forward(ForwardCall("old", model, batch=batch, measure=True), fwd,
@@ -78,11 +79,22 @@ class DecoupledMode(CorrectionMode):
                                         **fwd.multimodal)
         trainer.rollout_corr_forward_counts["old_from_loss"] += 1
         batch["old_per_token_logps"] = result[0].detach().float()
-        self.apply_correction(trainer, batch, rewards, None if keep_rows is None else keep_rows[rows], rows=rows)
+        self.apply_correction(trainer, batch, rewards, None if keep_rows is None else keep_rows[rows], rows=rows,
+                              version_log_probs=version_log_probs)
         step.reuse = (fwd.input_ids, fwd.attention_mask, fwd.logits_to_keep, result)
 
+    @contextlib.contextmanager
+    def forward(self, trainer, call: ForwardCall, step: Optional[LossStep]) -> Iterator[None]:
+        """TRL's own loss forward over the rows whose forward ``prepare_loss`` ran already is answered with that
+        forward's result (``LossStep.reuse``, once)."""
+        if call.role == "loss" and step is not None and step.reuse is not None:
+            reuse, step.reuse = step.reuse, None
+            call.result = old_forward.reused_forward(reuse, call.input_ids, call.attention_mask, call.logits_to_keep)
+        yield
+
     def apply_correction(self, trainer, batch: dict, rewards: Optional[torch.Tensor],
-                         keep_rows: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None) -> None:
+                         keep_rows: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None,
+                         version_log_probs: Optional[Callable[[dict], Optional[torch.Tensor]]] = None) -> None:
         """IS weights and RS mask from pi_old vs mu, once per generation batch; RS-aware advantages (in place).
 
         Args:
@@ -90,6 +102,7 @@ class DecoupledMode(CorrectionMode):
             keep_rows: (B,) bool rows within ``max_policy_lag`` at generation, or None.
             rows: (B,) int64 the generation row of each batch row when the batch is in TRL's shuffled order (pi_old
                 read from the loss forward); None: generation order.
+            version_log_probs: the lag split's scorer (``GenerationBatch.version_log_probs``), or None.
         """
         mask = trl_compat.loss_mask(batch)
         old_log_probs = batch.get("old_per_token_logps")
@@ -98,7 +111,7 @@ class DecoupledMode(CorrectionMode):
         kept = mask if keep_rows is None else mask * keep_rows[:, None].to(mask.dtype)
         miss = batch.get("rollout_support_miss")
         old_log_probs = support.invalidate_misses(old_log_probs, miss)
-        extra = {"rs_log_probs": support.invalidate_misses(self._engine_log_probs(trainer, batch), miss)} \
+        extra = {"rs_log_probs": support.invalidate_misses(_engine_log_probs(version_log_probs, batch), miss)} \
             if self.rs_on_engine else {}
         correction = self.correction_fn(old_log_probs, batch["rollout_log_probs"], kept,
                                         all_reduce=trainer.rollout_corr_reducers.all_reduce, **extra)
@@ -118,20 +131,6 @@ class DecoupledMode(CorrectionMode):
             has, rejected, advantages = (old_forward.to_generation_order(t, rows) for t in (has, rejected, advantages))
         advantages = rows_out_of_baseline(trainer, advantages, gather(rejected), gather(has), rewards)
         batch["advantages"] = advantages if rows is None else advantages[rows]
-
-    @staticmethod
-    def _engine_log_probs(trainer, batch: dict) -> torch.Tensor:
-        """log pi_train@v per row (``policy_lag_split``'s forward, run now: RS judges the engine factor).
-
-        Raises:
-            RuntimeError: without the lag split (``RolloutCorrGRPOConfig`` refuses ``rollout_rs_on='engine'`` then).
-        """
-        lag_split = trainer.rollout_corr_features.get(LagSplit)
-        version_log_probs = None if lag_split is None else lag_split.version_log_probs(trainer, batch)
-        if version_log_probs is None:
-            raise RuntimeError("rollout_rs_on='engine' needs the lag split's log pi_train@v (policy_lag_split=True) "
-                               "and the rows' policy versions; none reached the batch.")
-        return version_log_probs
 
     def _m2po(self, trainer, old_log_probs, rollout_log_probs, mask, rows) -> torch.Tensor:
         """``mask`` with M2PO's step-global mask applied (``modes.m2po_window``), its metrics recorded: the second
@@ -153,3 +152,18 @@ class DecoupledMode(CorrectionMode):
         step.trained_tokens = trained_token_count(trl_compat.loss_mask(loss_inputs),
                                                   step.inputs.get("rollout_is_weights"))
         return trl_loss_with_ratios(trainer, model, step, loss_inputs, trl_loss)
+
+
+def _engine_log_probs(scorer: Optional[Callable[[dict], Optional[torch.Tensor]]], batch: dict) -> torch.Tensor:
+    """(B, T) log pi_train@v per token (the lag split's scorer, ``GenerationBatch.version_log_probs``, run now: RS
+    judges the engine factor).
+
+    Raises:
+        RuntimeError: without the lag split (``RolloutCorrGRPOConfig`` refuses ``rollout_rs_on='engine'`` then) or
+            without the rows' policy versions.
+    """
+    version_log_probs = None if scorer is None else scorer(batch)
+    if version_log_probs is None:
+        raise RuntimeError("rollout_rs_on='engine' needs the lag split's log pi_train@v (policy_lag_split=True) "
+                           "and the rows' policy versions; none reached the batch.")
+    return version_log_probs

@@ -12,13 +12,14 @@ and no extra forward runs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
 from .. import old_forward, support, trl_compat
 from ..correction import make_correction_fn
-from ..hooks import CorrectionMode, GenerationBatch, LossStep
+from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep
 from .common import attach_mu, trl_loss_with_ratios
 
 if TYPE_CHECKING:
@@ -71,6 +72,14 @@ class DiagnosticsMode(CorrectionMode):
         step.old_from_loss = (self.old_forward_plan.from_loss and trainer.metrics_mode == "train"
                               and "rollout_log_probs" in batch and "old_per_token_logps" not in batch
                               and "rollout_old_log_probs" not in batch)
+
+    @contextlib.contextmanager
+    def forward(self, trainer, call: ForwardCall, step: Optional[LossStep]) -> Iterator[None]:
+        """TRL's first loss forward of a step whose pi_old it gives (``LossStep.old_from_loss``) gets the role
+        ``old``: routes replayed and measured, support scored and measured, over the micro-batch as TRL passed it."""
+        if call.role == "loss" and step is not None and step.old_from_loss and step.policy_log_probs is None:
+            call.role, call.batch, call.measure = "old", step.original, True
+        yield
 
     def loss(self, trainer, model, step: LossStep, trl_loss) -> torch.Tensor:
         """TRL's loss on TRL's inputs, with the ratio diagnostics (and, pi_old read from its forward, the
