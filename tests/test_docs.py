@@ -15,13 +15,13 @@ from trl_rollout_corr.docgen import batch_key_table, hook_table, main, role_tabl
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def test_generated_tables_are_in_their_pages():
-    assert markdown_table() in (ROOT / "docs" / "configuration.md").read_text()
-    assert trl_features.markdown_table() in (ROOT / "docs" / "trl-options.md").read_text()
-    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    assert markdown_table() in (ROOT / "docs" / "reference" / "configuration.md").read_text()
+    assert trl_features.markdown_table() in (ROOT / "docs" / "reference" / "trl-options.md").read_text()
+    architecture = (ROOT / "docs" / "explanation" / "architecture.md").read_text()
     assert hook_table() in architecture
     assert batch_key_table() in architecture and role_table() in architecture
 
@@ -50,7 +50,7 @@ def test_readme_is_a_front_page():
     assert "benchmarks/RESULTS.md" in text
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page):
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
         if "://" in target:

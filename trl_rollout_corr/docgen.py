@@ -1,12 +1,14 @@
 """Documentation generated from the single sources in the code.
 
-``python -m trl_rollout_corr.docgen --config-table`` prints the configuration table of ``docs/configuration.md``,
+``python -m trl_rollout_corr.docgen --config-table`` prints the configuration table of
+``docs/reference/configuration.md``,
 rendered from ``config.CORRECTION_FIELD_TABLE`` (the same table that defines the fields of
 ``RolloutCorrectionConfig`` and ``RolloutCorrectionArguments`` and their ``--help`` texts).
-``--hook-table`` prints the hook table of ``docs/architecture.md``: for each hook of the protocol (``hooks.py``),
+``--hook-table`` prints the hook table of ``docs/explanation/architecture.md``: for each hook of the protocol
+(``hooks.py``),
 the features (``features.FEATURES``) that implement it, read from the classes (a feature lists a hook if and only if
 it overrides it), so the table cannot drift. ``--batch-key-table`` and ``--role-table`` print the batch keys and
-the forward roles of ``docs/architecture.md`` from their one declaration (``hooks.BATCH_KEYS``,
+the forward roles of ``docs/explanation/architecture.md`` from their one declaration (``hooks.BATCH_KEYS``,
 ``hooks.FORWARD_ROLES``). ``tests/test_docs.py`` checks that the pages hold them all.
 """
 
@@ -75,10 +77,10 @@ _TABLES = {"config_table": lambda: markdown_table(), "hook_table": hook_table, "
 def main(argv: Optional[list[str]] = None) -> int:
     """Print the requested document to stdout; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m trl_rollout_corr.docgen", description=__doc__.splitlines()[0])
-    parser.add_argument("--config-table", action="store_true", help="docs/configuration.md's table (Markdown)")
-    parser.add_argument("--hook-table", action="store_true", help="docs/architecture.md's hook table (Markdown)")
-    parser.add_argument("--batch-key-table", action="store_true", help="docs/architecture.md's batch keys (Markdown)")
-    parser.add_argument("--role-table", action="store_true", help="docs/architecture.md's forward roles (Markdown)")
+    parser.add_argument("--config-table", action="store_true", help="the configuration table (Markdown)")
+    parser.add_argument("--hook-table", action="store_true", help="the architecture page's hook table (Markdown)")
+    parser.add_argument("--batch-key-table", action="store_true", help="the architecture page's batch keys (Markdown)")
+    parser.add_argument("--role-table", action="store_true", help="the architecture page's forward roles (Markdown)")
     args = parser.parse_args(argv)
     chosen = [name for name in _TABLES if getattr(args, name)]
     if not chosen:
