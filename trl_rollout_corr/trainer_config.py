@@ -67,7 +67,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
     GRPO, unchanged: every ``GRPOConfig`` option is accepted and behaves as in ``GRPOConfig``, and
     ``rollout_corr/*`` diagnostics are logged on the side where behaviour log-probs exist. With a correction
     configured, every TRL option the correction interacts with is checked here, at construction: it either works
-    exactly (``docs/trl-options.md``) or is refused with an error naming it.
+    exactly (``docs/reference/trl-options.md``) or is refused with an error naming it.
 
     Parameters:
         rs_keep_rejected_in_baseline (`bool`, defaults to `False`):
@@ -642,7 +642,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
             logger.warning(
                 f"rollout_is={correction.rollout_is!r} with bypass_mode=True and bypass_loss_type='ppo_clip': the "
                 "PPO ratio pi_theta / mu already compares against the behaviour policy, so the IS weights are "
-                "logged (rollout_corr/rollout_is_*) but multiplied into no loss (docs/configuration.md, "
+                "logged (rollout_corr/rollout_is_*) but multiplied into no loss (docs/reference/configuration.md, "
                 f"bypass_loss_type).{extra} To weight the loss use bypass_loss_type='reinforce' or decoupled "
                 "mode (bypass_mode=False); else unset rollout_is."
             )
