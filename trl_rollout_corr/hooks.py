@@ -368,8 +368,8 @@ FORWARD_ROLES: tuple[ForwardRole, ...] = (
                 "measure; replace if matching"),
     ForwardRole("batch_norm_window", "`BypassMode` (first micro-batch of a step)", "no", True, True,
                 "first in the loss step", "replay, no measure", "replace if matching (else none)"),
-    ForwardRole("version", "`LagSplit` (scratch copy; sharded: live model)", "no", True, True, "no",
-                "replay (the copy's own replayer), no measure", "replace if matching"),
+    ForwardRole("version", "`LagSplit` (version weights)", "no", True, True, "no",
+                "replay (its model's replayer), no measure", "replace if matching"),
     ForwardRole("other", "TRL, outside a generation batch and a loss step", "-", False, False, "no", "no", "no"),
 )
 ROLE_TRAITS: Mapping[str, ForwardRole] = {role.name: role for role in FORWARD_ROLES}
