@@ -438,8 +438,8 @@ def check_vendor(results: Path, here: str | None = None) -> None:
     if want and here != want:
         raise RuntimeError(
             f"the grid in {results} was run on {want} CPUs and this machine's is {here or 'unknown'}: MKL's float32 "
-            f"bits differ by vendor, so its warm start cannot be rebuilt here (docs/known-limits.md). Run it on a(n) "
-            f"{want} machine, or run this vendor's own grid: --results benchmarks/results/policy_lag_"
+            f"bits differ by vendor, so its warm start cannot be rebuilt here (docs/reference/known-limits.md). Run "
+            f"it on a(n) {want} machine, or run this vendor's own grid: --results benchmarks/results/policy_lag_"
             f"{(here or 'other').lower()} (its own warm start; its report goes to its own RESULTS.md section).")
 
 
@@ -614,9 +614,9 @@ def run_cell(name: str, args: argparse.Namespace) -> None:
             raise RuntimeError(f"the rebuilt warm start scores {sum(new)}/{len(new)} held-out items, the committed "
                                f"one {sum(old)}/{len(old)}: the checkpoint is not the committed one (other "
                                "versions, threads or CPU kernels: --cpu-kernels avx2?; a CPU of another vendor: the "
-                               "committed grid rebuilds on AMD EPYC, not on Intel Xeon, docs/known-limits.md). Run "
-                               "the remaining cells on such a machine, or delete benchmarks/results/policy_lag to "
-                               "restart the grid.")
+                               "committed grid rebuilds on AMD EPYC, not on Intel Xeon, "
+                               "docs/reference/known-limits.md). Run the remaining cells on such a machine, or "
+                               "delete benchmarks/results/policy_lag to restart the grid.")
         print(f"=== {name}: rebuilt, same held-out scores as committed", flush=True)
         return
     (out / "cell_meta.json").write_text(json.dumps(meta, indent=1))

@@ -82,6 +82,6 @@ test-vllm: demo-model
 	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) tests/test_vllm_cpu.py tests/test_e2e_vllm_cpu.py tests/test_recipe.py tests/test_support_vllm.py tests/test_trl_vllm_colocate.py tests/test_trl_vllm_server.py \
 	  tests/test_async_vllm_server.py
 	# its own process: an in-process vLLM engine started after TRL's colocate engines in one process finds vLLM's
-	# parallel state half torn down (docs/known-limits.md)
+	# parallel state half torn down (docs/reference/known-limits.md)
 	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) \
 	  tests/test_lag_versions.py::test_lag_split_with_the_real_async_vllm_cpu_engine tests/test_async_vs_emulated_vllm.py

@@ -161,7 +161,7 @@ def run_case(case: str, backend: str, model_dir: str, work: str, world: int) -> 
     except (ValueError, NotImplementedError) as err:
         return {"refused": f"{type(err).__name__}: {err}"}
     # every forward of the policy's top module on this rank (TRL's and ours), by grad mode: the rule of
-    # docs/architecture.md is that they are the same on every rank
+    # docs/explanation/architecture.md is that they are the same on every rank
     calls = {"grad": 0, "no_grad": 0}
 
     def count(module, args):

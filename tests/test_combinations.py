@@ -14,7 +14,8 @@ every combination must keep:
   tolerance) and names the others (``not_recomputed``), which must be the feature's known set (routing_* with R3:
   they need the trainer's own top-k); a dump it refuses (RS on the engine factor) must be refused naming the setting.
 
-The combinations the config refuses are in docs/combinations.md, checked against the refusals here (regenerate
+The combinations the config refuses are in docs/reference/combinations.md, checked against the refusals here
+(regenerate
 with ``COMBINATIONS_REGENERATE=1``). Runtime: see the README (about 2 minutes on one core for the whole file).
 """
 
@@ -60,7 +61,7 @@ NOT_RECOMPUTED = {  # policy_lag_split's lag_ratio_* are recomputed from version
 }
 # a dump analyze refuses, and the setting its message must name (support matching and max_policy_lag: recorded)
 ANALYZE_REFUSES = {"m2po": "rollout_m2_threshold=0.04 (M2PO)"}
-DOC = Path(__file__).resolve().parents[1] / "docs" / "combinations.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "reference" / "combinations.md"
 TABLE_START, TABLE_END = "<!-- refused-combinations:start -->", "<!-- refused-combinations:end -->"
 PAIRS = [(mode, a, b) for mode in MODES for a, b in itertools.combinations(FEATURES, 2)]
 
@@ -115,7 +116,7 @@ def test_refused_combinations_table_is_the_docs_table(tmp_path):
         text = DOC.read_text()
     found = re.search(re.escape(TABLE_START) + r"\n(.*?)\n" + re.escape(TABLE_END), text, re.S)
     assert found, f"{DOC} has no refused-combinations table; run with COMBINATIONS_REGENERATE=1"
-    assert found.group(1) == table, "docs/combinations.md is stale; regenerate with COMBINATIONS_REGENERATE=1"
+    assert found.group(1) == table, f"{DOC} is stale; regenerate with COMBINATIONS_REGENERATE=1"
     assert table.count("\n") >= 3  # some pairs are refused (bypass + policy_lag_split at least)
 
 
@@ -131,7 +132,7 @@ def _train(model_dir, tmp_path, mode, features, shape):
 def test_combination(mode, a, b, llama_dir, moe_no_aux_dir, tmp_path):
     features = (a, b)
     if _refusal(mode, features, tmp_path) is not None:
-        pytest.skip("refused by the config (docs/combinations.md)")
+        pytest.skip("refused by the config (docs/reference/combinations.md)")
     model_dir = moe_no_aux_dir if "routing_r3" in features else llama_dir
     runs = {}
     for shape in SHAPES:

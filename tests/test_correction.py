@@ -125,7 +125,8 @@ def test_empty_mask_is_not_an_error():
     )
     out = compute_rollout_correction(OLD, ROLL, torch.zeros(3, 4), cfg)
     assert out.response_mask.sum() == 0 and out.weights.sum() == 0
-    # statistics over no token are absent, never 0 (docs/metrics.md, "Steps with no rows"): the counts only
+    # statistics over no token are absent, never 0 (docs/how-to/read-the-metrics.md, "Steps with no rows"): the counts
+    # only
     slices = ((0, 64), (64, 256), (256, 1024), (1024, "inf"))
     assert out.metrics == {P + "num_valid_tokens": 0.0, P + "num_valid_seqs": 0.0,
                            **{f"{P}len_{a}_{b}/num_seqs": 0.0 for a, b in slices}}

@@ -1,5 +1,7 @@
-"""The documentation stays true to the code: the generated tables are in their pages, the README is a front page,
-and every relative link of the README and ``docs/`` points at a file that exists."""
+"""The documentation stays true to the code: the generated tables are in their pages, the README is a front page
+(its first screen: what it is, install, the first run, the mode chooser), every line of the README and ``docs/`` is
+at most 120 characters (the exceptions listed, which may only shrink), and every relative link points at a file that
+exists."""
 
 from __future__ import annotations
 
@@ -10,20 +12,40 @@ import pytest
 
 import trl_features
 from trl_rollout_corr.config import markdown_table
-from trl_rollout_corr.docgen import batch_key_table, hook_table, main, role_table
+from trl_rollout_corr.docgen import batch_key_table, cli_reference, hook_table, main, role_table
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+LINE_CAP = 120
+# page -> its lines over LINE_CAP on 2026-12-07: Markdown table rows (a row cannot wrap), a few long commands, and the
+# pages other work was editing that day (explanation/architecture.md, reference/known-limits.md, how-to/policy-lag.md:
+# left unwrapped so their merges stay easy). May only shrink: a page over its allowance fails, and a page under it
+# fails too until its number here is lowered (or its line deleted).
+LONG_LINE_EXCEPTIONS = {
+    "docs/explanation/architecture.md": 31,
+    "docs/how-to/policy-lag.md": 9,
+    "docs/how-to/read-the-metrics.md": 22,
+    "docs/how-to/rollout-records.md": 6,
+    "docs/how-to/routing-replay.md": 2,
+    "docs/how-to/run-sharded.md": 12,
+    "docs/how-to/support-matching.md": 4,
+    "docs/reference/combinations.md": 22,
+    "docs/reference/configuration.md": 11,
+    "docs/reference/known-limits.md": 6,
+    "docs/reference/trl-options.md": 35,
+    "docs/tutorial/first-run.md": 2,
+}
 
 
 def test_generated_tables_are_in_their_pages():
-    assert markdown_table() in (ROOT / "docs" / "configuration.md").read_text()
-    assert trl_features.markdown_table() in (ROOT / "docs" / "trl-options.md").read_text()
-    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    assert markdown_table() in (ROOT / "docs" / "reference" / "configuration.md").read_text()
+    assert trl_features.markdown_table() in (ROOT / "docs" / "reference" / "trl-options.md").read_text()
+    architecture = (ROOT / "docs" / "explanation" / "architecture.md").read_text()
     assert hook_table() in architecture
     assert batch_key_table() in architecture and role_table() in architecture
+    assert cli_reference() in (ROOT / "docs" / "reference" / "cli.md").read_text()
 
 
 def test_hook_table_lists_exactly_the_overriding_features():
@@ -38,19 +60,31 @@ def test_docgen_prints_each_table(capsys):
     assert main(["--config-table"]) == 0 and capsys.readouterr().out.strip() == markdown_table()
     assert main(["--batch-key-table"]) == 0 and capsys.readouterr().out.strip() == batch_key_table()
     assert main(["--role-table"]) == 0 and capsys.readouterr().out.strip() == role_table()
+    assert main(["--cli"]) == 0 and capsys.readouterr().out.strip() == cli_reference()
     with pytest.raises(SystemExit):
         main([])
 
 
 def test_readme_is_a_front_page():
     text = (ROOT / "README.md").read_text()
-    assert len(text.splitlines()) <= 200
-    for heading in ("## The two commands", "## A first run", "## Choosing a mode", "## Status / measured results"):
-        assert heading in text
-    assert "benchmarks/RESULTS.md" in text
+    first = "\n".join(text.splitlines()[:40])
+    for heading in ("## Install", "## A first run", "## Choosing a mode"):
+        assert heading in first, f"the README's first 40 lines lack {heading!r}"
+    assert "make install" in first and "make demo" in first
+    assert "CI" not in first, "CI timings belong lower in the README or in docs/"
+    assert "## Status / measured results" in text and "benchmarks/RESULTS.md" in text
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_lines_within_the_cap(page):
+    rel = str(page.relative_to(ROOT))
+    long = [i for i, line in enumerate(page.read_text().splitlines(), 1) if len(line) > LINE_CAP]
+    allowed = LONG_LINE_EXCEPTIONS.get(rel, 0)
+    assert len(long) <= allowed, f"{rel}: {len(long)} lines over {LINE_CAP} (allowed {allowed}): {long[:10]}"
+    assert len(long) == allowed, f"{rel}: {len(long)} long lines, fewer than its exception: lower it to {len(long)}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page):
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
         if "://" in target:

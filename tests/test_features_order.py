@@ -1,4 +1,5 @@
-"""The ordering rules between the trainer's features (``hooks.py``, rules 1-4; ``docs/architecture.md``), in code:
+"""The ordering rules between the trainer's features (``hooks.py``, rules 1-4; ``docs/explanation/architecture.md``),
+in code:
 the one ``FEATURES`` tuple, the container's nesting, and the interactions that depend on the order, seen in real
 training runs on tiny models."""
 

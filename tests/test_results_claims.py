@@ -1,6 +1,7 @@
-"""The README quotes only what ``benchmarks/RESULTS.md`` holds (issue 47).
+"""The README (and the mode guide, docs/how-to/choose-a-mode.md) quote only what ``benchmarks/RESULTS.md`` holds
+(issue 47).
 
-Which README numbers are checked: every number in a README block that cites ``RESULTS.md`` (a block is a table row,
+Which numbers are checked: every number in a README block that cites ``RESULTS.md`` (a block is a table row,
 a list item with its continuation lines, or a paragraph; code blocks are skipped). A number is a decimal literal with
 its sign (``-22.7``, ``0.663``, ``2.4e-07``, the ``0.60`` of ``0.60x``); digits inside names (``k3``, ``bypass_k32``,
 ``SmolLM2-135M``), version strings (``0.9.1``) and commit hashes are not numbers. Each must appear, as a number, in
@@ -106,5 +107,13 @@ def test_a_number_the_results_do_not_hold_is_reported():
 def test_readme_quotes_only_what_results_md_holds():
     readme = (ROOT / "README.md").read_text()
     results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
-    assert sum("RESULTS.md" in b for b in blocks(readme)) >= 4  # the status bullets and the mode chooser cite it
+    assert sum("RESULTS.md" in b for b in blocks(readme)) >= 4  # the status bullets cite it
     assert unsupported(readme, results) == []
+
+
+def test_the_mode_guide_quotes_only_what_results_md_holds():
+    """The how-to that recommends a mode quotes the evidence under the same rule as the README."""
+    guide = (ROOT / "docs" / "how-to" / "choose-a-mode.md").read_text()
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    assert sum("RESULTS.md" in b for b in blocks(guide)) >= 2
+    assert unsupported(guide, results) == []

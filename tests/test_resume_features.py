@@ -6,7 +6,7 @@ from it into the same dump. The resumed steps must be the uninterrupted run's: l
 ``rollout_corr/*`` value, to the tolerance of the recipe's resume test (``test_recipe_tiny``: rel 1e-5, abs 1e-7), and
 the continued dump must hold every step once. The engine's state (its weights and sync schedule) lives in the
 ``rollout_func``, not in the checkpoint: the checkpoints here are at weight syncs, where a restarted engine takes
-the same weights as the uninterrupted one (``docs/policy-lag.md``, "Resuming from a checkpoint").
+the same weights as the uninterrupted one (``docs/how-to/policy-lag.md``, "Resuming from a checkpoint").
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ def _stop_after(step):
 
 def test_an_engine_kept_through_the_restart_keeps_the_lag_and_the_lag_split_names_the_fix(llama_dir, tmp_path):
     """An engine that outlived the trainer (the same ``StaleRollout``, synced every 3 steps, last at step 0) and a
-    checkpoint at 2, between syncs (docs/policy-lag.md, "Resuming from a checkpoint"): with ``policy_lag_split`` the
+    checkpoint at 2, between syncs (docs/how-to/policy-lag.md, "Resuming from a checkpoint"): with ``policy_lag_split``
+    the
     resumed trainer holds only the weights of step 2, so the version-0 rows of step 3 are refused, naming the fix;
     without it, steps 3 (lag 2) and 4 (synced at 3: lag 0) are the uninterrupted run's, ``max_policy_lag=2``
     included."""

@@ -5,7 +5,8 @@ launches, about 2-3 minutes in all on 2 cores).
 The 2-rank runs check, per backend and feature: a rank's parameter really is partial (ZeRO-3 ``ds_tensor`` /
 FSDP2 DTensor local shard smaller than the full tensor), the loss, grad_norm and every ``rollout_corr/*`` value of
 every step equal the 1-rank run's within ``TOL``, or the trainer refuses the feature at construction with its reason;
-and docs/architecture.md's rule: every forward runs on every rank the same number of times, also when the rows
+and docs/explanation/architecture.md's rule: every forward runs on every rank the same number of times, also when the
+rows
 differ between ranks (stale rows on rank 0 only: a hang otherwise, caught by the launch's timeout).
 """
 

@@ -55,7 +55,7 @@ def test_layouts_partition_and_represent_within_alpha():
         worst = torch.maximum((rep - lo).abs() / lo.abs(), (hi - rep).abs() / hi.abs()).max().item()
         assert worst <= RATIO_ALPHA * (1 + 1e-9)
     r = ratio_layout()
-    assert r.size == 23_721 and size_layout().size == 8_256  # the sizes docs/metrics.md states
+    assert r.size == 23_721 and size_layout().size == 8_256  # the sizes docs/how-to/read-the-metrics.md states
     zero = r.size // 2
     assert r.representative[zero] == 0 and r.lower[zero] == -RATIO_FLOOR and r.upper[zero] == RATIO_FLOOR
     # sizes 0..4096 have a bucket each, represented exactly

@@ -204,7 +204,8 @@ def test_settings_of_trls_own_vllm_is_are_refused_with_a_correction(tmp_path, ma
 
 
 def test_is_weights_with_bypass_ppo_clip_warn_that_they_are_metrics_only(tmp_path, make_args, caplog):
-    """Bypass PPO clip multiplies no IS weight into its loss (docs/configuration.md): rollout_is there is accepted (its
+    """Bypass PPO clip multiplies no IS weight into its loss (docs/reference/configuration.md): rollout_is there is
+    accepted (its
     metrics are logged) with a start-up warning naming the fix; batch normalisation adds its cost to the warning."""
     with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.modes.bypass"):
         make_args(tmp_path, bypass_mode=True, bypass_loss_type="ppo_clip", rollout_is="token")

@@ -20,7 +20,7 @@ from the same library code (the AMD data passed at 405ddf2, the Intel data were 
 
 The data are produced by the code as it is (``GOLDEN_REGENERATE=1 pytest tests/test_trainer_golden.py`` rewrites
 them). Regenerate only in a commit that changes results on purpose, naming why (design:
-``docs/architecture.md``); a move of code must leave every case bit-identical.
+``docs/explanation/architecture.md``); a move of code must leave every case bit-identical.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_every_mode_trains_and_logs(mode, request, tmp_path, make_trainer, step_
     assert len(corr_logs) == 4 // overrides.get("num_iterations", 1)
     for log in corr_logs:
         if log["rollout_corr/num_valid_tokens"] == 0:  # mask_truncated_completions can leave a step no token:
-            assert "rollout_corr/kl" not in log  # its statistics are absent (docs/metrics.md), never 0.0
+            assert "rollout_corr/kl" not in log  # absent (docs/how-to/read-the-metrics.md), never 0.0
             continue
         for key in OFFPOLICY_KEYS + ("num_valid_tokens", "invalid_token_fraction"):
             assert math.isfinite(log[f"rollout_corr/{key}"]), key

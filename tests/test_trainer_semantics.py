@@ -161,7 +161,8 @@ def test_epsilon_with_bypass_reinforce_is_refused_it_has_no_clip(tmp_path, make_
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_icepop_zeroed_tokens_stay_in_the_loss_denominator_rs_rejected_ones_leave_it(loss_type, llama_dir, tmp_path,
                                                                                      make_trainer, loss_inputs):
-    """Decided (docs/trainer.md, "Semantics"): IcePop zeroes a weight, RS removes a token. An IcePop token outside
+    """Decided (docs/reference/trainer.md, "Semantics"): IcePop zeroes a weight, RS removes a token. An IcePop token
+    outside
     [L, U] adds 0 to the loss but still counts in its normaliser (as in the IcePop paper, verl, slime's icepop and
     prime-rl's masked losses); an RS-rejected token leaves the loss mask and the normaliser."""
     engine = [[3.0, 1.5, 0.8], [1.2, 0.25, 1.0]]  # pi_old / mu; pi_theta = pi_old (update ratio 1)
@@ -212,7 +213,7 @@ def _scored_batch(trainer):
 @pytest.mark.parametrize("keep_in_baseline", [False, True])
 def test_rejected_rows_their_group_mates_and_a_rejected_last_token(keep_in_baseline, llama_dir, tmp_path,
                                                                   make_trainer):
-    """Decided (docs/trainer.md, "Semantics"):
+    """Decided (docs/reference/trainer.md, "Semantics"):
 
     * a row whose every group-mate is RS-rejected is alone in its group's baseline, so its advantage is 0 (TRL's
       rule for a group with one scorable completion; counted in ``rs_lone_survivor_fraction``); verl keeps rejected

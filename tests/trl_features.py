@@ -5,7 +5,7 @@ One row per feature (the ``GRPOConfig`` field list and docstring groups of trl 1
 of the config-time refusal (which names the option). ``tests/test_trl_features.py`` checks every row: without a
 correction the subclass trains exactly as plain TRL (same logged losses, gradient norms and TRL metrics), and with
 each preset the refusal happens when the config is built or a short training run works. ``markdown_table()``
-renders the table of ``docs/trl-options.md`` from the same rows.
+renders the table of ``docs/reference/trl-options.md`` from the same rows.
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ class Feature:
     """One TRL feature.
 
     Attributes:
-        name: the ``GRPOConfig`` field(s) or ``GRPOTrainer`` argument, as ``docs/trl-options.md``'s table shows it.
+        name: the ``GRPOConfig`` field(s) or ``GRPOTrainer`` argument, as ``docs/reference/trl-options.md``'s table
+        shows it.
         group: TRL's docstring group.
         config: ``GRPOConfig`` overrides that switch it on (on top of ``conftest.TRAIN_DEFAULTS``).
         trainer: a ``test_trl_features.TRAINER_SETUPS`` key for features that are trainer arguments ("" for none).
         outcome: preset column -> ``WORKS``, ``UNTESTED`` (accepted, not run here), ``NOT_APPLICABLE`` or a
             substring of the refusal message; columns not given work.
         train: cheap enough to train on the tiny models here (False: checked at config time only; see ``note``).
-        note: what ``docs/trl-options.md`` says beyond works/refused.
+        note: what ``docs/reference/trl-options.md`` says beyond works/refused.
     """
 
     name: str
@@ -208,7 +209,7 @@ FEATURES = (
 
 
 def markdown_table() -> str:
-    """The table of ``docs/trl-options.md``: one row per feature, one column per mode."""
+    """The table of ``docs/reference/trl-options.md``: one row per feature, one column per mode."""
     head = ["TRL 1.16 feature", "no correction", "decoupled preset", "bypass PPO-clip preset",
             "bypass REINFORCE preset", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

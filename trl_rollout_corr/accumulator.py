@@ -7,7 +7,7 @@ log call:
   micro-batch): reducible sums, maxima and minima, O(number of metrics) memory;
 * the valid per-token log ratios of the trained tokens (``engine``, ``update``, ``lag``, ``direct``), one
   ``sketch.ValueSketch`` per name: exact order statistics while the window holds at most ``sketch.EXACT_MAX``
-  tokens over all ranks, a mergeable log-bucket sketch (stated error, ``docs/metrics.md``) above;
+  tokens over all ranks, a mergeable log-bucket sketch (stated error, ``docs/how-to/read-the-metrics.md``) above;
 * the policy lag of every micro-batch (optimizer steps between generation and use);
 * the merged ``support.SupportStats`` of every support forward (sampling-support matching): sums and a
   ``ValueSketch`` of the per-token kept-set sizes.
@@ -253,7 +253,8 @@ class RolloutCorrAccumulator:
             stated error), ``policy_lag_{mean,max}`` (if any micro-batch was recorded), ``support_*``
             (if any support token), the ``add_fraction_counts`` fractions (those with a non-zero denominator) and
             each ``add_fraction`` name (those with a non-zero total). A statistic over no row or token is absent,
-            never 0 (``docs/metrics.md``, "Steps with no rows"); every rank still runs the same collectives.
+            never 0 (``docs/how-to/read-the-metrics.md``, "Steps with no rows"); every rank still runs the same
+            collectives.
         """
         buffer = self._buffer(mode)
         self._buffers[mode] = _ModeBuffer()

@@ -65,7 +65,7 @@ def check_async_trainer(trainer: "RolloutCorrGRPOTrainer") -> None:
     if trainer.accelerator.num_processes > 1:
         why = (f"it runs on one process, not {trainer.accelerator.num_processes} (with several ranks each rank's "
                "look-ahead batches would need its engine and rank-distinct seeds, and TRL 1.16's server mode holds "
-               "its VLLMClient on the main process only: not built, docs/known-limits.md)")
+               "its VLLMClient on the main process only: not built, docs/reference/known-limits.md)")
     elif trainer.rollout_func is not None:
         why = "a rollout_func generates by itself"
     elif trainer.tools or trainer.environment_factories is not None:

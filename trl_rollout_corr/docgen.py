@@ -1,18 +1,23 @@
 """Documentation generated from the single sources in the code.
 
-``python -m trl_rollout_corr.docgen --config-table`` prints the configuration table of ``docs/configuration.md``,
+``python -m trl_rollout_corr.docgen --config-table`` prints the configuration table of
+``docs/reference/configuration.md``,
 rendered from ``config.CORRECTION_FIELD_TABLE`` (the same table that defines the fields of
 ``RolloutCorrectionConfig`` and ``RolloutCorrectionArguments`` and their ``--help`` texts).
-``--hook-table`` prints the hook table of ``docs/architecture.md``: for each hook of the protocol (``hooks.py``),
+``--hook-table`` prints the hook table of ``docs/explanation/architecture.md``: for each hook of the protocol
+(``hooks.py``),
 the features (``features.FEATURES``) that implement it, read from the classes (a feature lists a hook if and only if
 it overrides it), so the table cannot drift. ``--batch-key-table`` and ``--role-table`` print the batch keys and
-the forward roles of ``docs/architecture.md`` from their one declaration (``hooks.BATCH_KEYS``,
-``hooks.FORWARD_ROLES``). ``tests/test_docs.py`` checks that the pages hold them all.
+the forward roles of ``docs/explanation/architecture.md`` from their one declaration (``hooks.BATCH_KEYS``,
+``hooks.FORWARD_ROLES``). ``--cli`` prints ``docs/reference/cli.md``'s body: the ``--help`` of ``trl-rollout-corr``
+and of each sub-command, from ``cli.build_parser`` (at 100 columns, whatever the terminal). ``tests/test_docs.py``
+checks that the pages hold them all.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Optional
 
 from .config import markdown_table
@@ -69,21 +74,39 @@ def role_table() -> str:
     return "\n".join(lines)
 
 
+def cli_reference() -> str:
+    """The ``--help`` text of ``trl-rollout-corr`` and of its ``analyze`` and ``probe`` sub-commands, as Markdown
+    (one fenced block each), rendered at a fixed width so the page does not depend on the terminal."""
+    from .cli import build_parser
+
+    def fixed_width(parser: argparse.ArgumentParser) -> str:
+        parser.formatter_class = functools.partial(argparse.HelpFormatter, width=100)
+        return parser.format_help().rstrip()
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    parts = [f"## `trl-rollout-corr`\n\n```\n{fixed_width(parser)}\n```"]
+    for name in ("analyze", "probe"):
+        parts.append(f"## `trl-rollout-corr {name}`\n\n```\n{fixed_width(subs.choices[name])}\n```")
+    return "\n\n".join(parts)
+
+
 _TABLES = {"config_table": lambda: markdown_table(), "hook_table": hook_table, "batch_key_table": batch_key_table,
-           "role_table": role_table}
+           "role_table": role_table, "cli": cli_reference}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Print the requested document to stdout; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m trl_rollout_corr.docgen", description=__doc__.splitlines()[0])
-    parser.add_argument("--config-table", action="store_true", help="docs/configuration.md's table (Markdown)")
-    parser.add_argument("--hook-table", action="store_true", help="docs/architecture.md's hook table (Markdown)")
-    parser.add_argument("--batch-key-table", action="store_true", help="docs/architecture.md's batch keys (Markdown)")
-    parser.add_argument("--role-table", action="store_true", help="docs/architecture.md's forward roles (Markdown)")
+    parser.add_argument("--config-table", action="store_true", help="the configuration table (Markdown)")
+    parser.add_argument("--hook-table", action="store_true", help="the architecture page's hook table (Markdown)")
+    parser.add_argument("--batch-key-table", action="store_true", help="the architecture page's batch keys (Markdown)")
+    parser.add_argument("--role-table", action="store_true", help="the architecture page's forward roles (Markdown)")
+    parser.add_argument("--cli", action="store_true", help="docs/reference/cli.md's body: every --help (Markdown)")
     args = parser.parse_args(argv)
     chosen = [name for name in _TABLES if getattr(args, name)]
     if not chosen:
-        parser.error("nothing to print: pass --config-table, --hook-table, --batch-key-table or --role-table")
+        parser.error("nothing to print: pass --config-table, --hook-table, --batch-key-table, --role-table or --cli")
     print("\n\n".join(_TABLES[name]() for name in chosen))
     return 0
 

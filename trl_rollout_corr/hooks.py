@@ -4,7 +4,7 @@
 and the one correction mode (``modes/``) in TRL's call order. Features and the mode hand values to each other only
 through the per-call objects below and through the batch keys declared once at the end of this module
 (``BATCH_KEYS``: writers, readers, shape; ``FORWARD_ROLES``: each forward role's traits), from which
-``docs/architecture.md``'s tables are generated (``docgen``).
+``docs/explanation/architecture.md``'s tables are generated (``docgen``).
 
 The ordering rules (written once, here and in ``features.FEATURES``; tested in ``tests/test_features_order.py``):
 
@@ -108,7 +108,8 @@ class ForwardCall:
     """One log-prob forward (``_get_per_token_logps_and_entropies``), as the features see it.
 
     Attributes:
-        role: who started it and why (``docs/architecture.md``, "Forward roles"): TRL's ``trl_old`` / ``ref`` /
+        role: who started it and why (``docs/explanation/architecture.md``, "Forward roles"): TRL's ``trl_old`` /
+        ``ref`` /
             ``loss``, or ours: ``old`` (pi_old), ``bypass_loss``, ``batch_norm_window``, ``version``; ``other``.
         model: the model forwarded.
         batch: the rows scored, in TRL's layout (``prompt_ids``, ``completion_ids``, masks, our keys); None for TRL's

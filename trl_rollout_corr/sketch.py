@@ -17,7 +17,8 @@ is the representative of the bucket that holds it (``searchsorted`` on the cumul
 [min, max], and the first / last order statistic is the exact min / max. The layouts are DDSketch's log buckets
 (Masson, Rim and Lee, "DDSketch: a fast and fully-mergeable quantile sketch with relative-error guarantees",
 VLDB 2019): a bucket ``[a, a gamma)`` with ``gamma = (1 + alpha) / (1 - alpha)`` is represented by
-``2 a b / (a + b)``, within a relative ``alpha`` of every value in it. Error bounds (``docs/metrics.md``):
+``2 a b / (a + b)``, within a relative ``alpha`` of every value in it. Error bounds
+(``docs/how-to/read-the-metrics.md``):
 
 * ratios (``ratio_layout``, over the log ratio l clamped at +-``SAFETY_BOUND``): each order statistic of l is within
   ``max(RATIO_ALPHA |l|, RATIO_FLOOR)`` nats (``RATIO_ALPHA`` = 1e-3, ``RATIO_FLOOR`` = 1e-9: |l| below it is
@@ -311,7 +312,7 @@ def exact_ratio_quantiles(log_ratios: torch.Tensor) -> dict[str, float]:
 
     Returns:
         ``{"mean", "p01", "p50", "p99", "max"}`` ratio values (unitless), one host transfer; ``{}`` when ``N == 0``
-        (a statistic over no token is not logged, never 0: ``docs/metrics.md``, "Steps with no rows").
+        (a statistic over no token is not logged, never 0: ``docs/how-to/read-the-metrics.md``, "Steps with no rows").
     """
     if log_ratios.numel() == 0:
         return {}

@@ -21,7 +21,8 @@ TRL's private state (``_metrics``, ``_logs``, ``_buffered_inputs``, ``_step``). 
 * the features (``features/``, in the one order of ``features.FEATURES``: behaviour log-probs, policy lag, routing
   replay, support matching, the lag split, rollout records), called through the hook protocol of ``hooks.py``.
 
-``docs/architecture.md`` gives the protocol, the ordering rules, the forward roles and the batch keys. Who knows TRL
+``docs/explanation/architecture.md`` gives the protocol, the ordering rules, the forward roles and the batch keys. Who
+knows TRL
 1.16's internals: this file and ``trl_compat.py``, both pinned by ``tests/test_trl_compat.py``.
 """
 
@@ -323,7 +324,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ scoring
     def _generate_and_score_completions(self, inputs):
         """TRL's generation and scoring inside the features' ``generation`` hooks, then ``on_batch``, the mode's
-        ``score`` and ``after_score`` (``docs/architecture.md`` lists the keys each adds; with no correction
+        ``score`` and ``after_score`` (``docs/explanation/architecture.md`` lists the keys each adds; with no
+        correction
         configured nothing of TRL's is changed)."""
         gen = self._gen = GenerationBatch(started=time.time())
         features = self.rollout_corr_features

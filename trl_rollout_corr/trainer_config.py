@@ -69,7 +69,7 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
     GRPO, unchanged: every ``GRPOConfig`` option is accepted and behaves as in ``GRPOConfig``, and
     ``rollout_corr/*`` diagnostics are logged on the side where behaviour log-probs exist. With a correction
     configured, every TRL option the correction interacts with is checked here, at construction: it either works
-    exactly (``docs/trl-options.md``) or is refused with an error naming it.
+    exactly (``docs/reference/trl-options.md``) or is refused with an error naming it.
 
     Parameters:
         rs_keep_rejected_in_baseline (`bool`, defaults to `False`):

@@ -1,7 +1,8 @@
 """Rollout-correction configuration: the field table, the core dataclass and its presets, the flat arguments.
 
 * ``CORRECTION_FIELD_TABLE``: the single source of the correction fields (name, types, default, allowed values,
-  help). ``RolloutCorrectionConfig``, ``RolloutCorrectionArguments`` and the table of ``docs/configuration.md``
+  help). ``RolloutCorrectionConfig``, ``RolloutCorrectionArguments`` and the table of
+  ``docs/reference/configuration.md``
   (``python -m trl_rollout_corr.docgen --config-table``) are all generated from it.
 * ``RolloutCorrectionConfig``: the validated, frozen core config the math takes; presets (verl's names) are
   classmethods registered with ``@_preset`` where they are defined (``PRESETS`` lists them).

@@ -19,8 +19,9 @@ class CorrectionField:
         flag_type: ``str`` or ``bool``: the type of the flat, Optional field of ``RolloutCorrectionArguments``
             (``TrlParser``/``HfArgumentParser`` flags and YAML keys).
         default: the default in ``RolloutCorrectionConfig``.
-        values: the allowed values, in Markdown (the "values" column of ``docs/configuration.md``).
-        help: what it means, in Markdown (the ``--help`` text, the "meaning" column of ``docs/configuration.md``).
+        values: the allowed values, in Markdown (the "values" column of ``docs/reference/configuration.md``).
+        help: what it means, in Markdown (the ``--help`` text, the "meaning" column of
+        ``docs/reference/configuration.md``).
     """
 
     name: str
@@ -142,7 +143,8 @@ def _with_correction_fields(*, optional: bool, frozen: bool = False):
 
 # ---------------------------------------------------------------------------------------------- documentation
 def markdown_table(table: tuple[CorrectionField, ...] = CORRECTION_FIELD_TABLE) -> str:
-    """The configuration table of ``docs/configuration.md`` (field, default, values, meaning), from the field table."""
+    """The configuration table of ``docs/reference/configuration.md`` (field, default, values, meaning), from the
+    field table."""
     lines = ["| field | default | values | meaning |", "|---|---|---|---|"]
     for f in table:
         default = "`None`" if f.default is None else f"`{f.default!r}`".replace("'", '"')

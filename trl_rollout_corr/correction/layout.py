@@ -91,7 +91,8 @@ class MetricLayout:
         """Every metric from merged statistics (host side, float64): IS, RS, off-policy (verl's order), the
         length slices, then the counts. Names without the ``rollout_corr/`` prefix.
 
-        A statistic over no valid token is absent, never 0 (``docs/metrics.md``, "Steps with no rows"): with
+        A statistic over no valid token is absent, never 0 (``docs/how-to/read-the-metrics.md``, "Steps with no rows"):
+        with
         ``num_valid_tokens == 0`` only the counts are returned, and a length slice without a valid token has only
         its ``num_seqs`` (0); so a mean of a metric over the logged steps is the mean over the steps with rows."""
         n_tok, n_seq = v.sum(counts.N_TOK), v.sum(counts.N_SEQ)

@@ -8,7 +8,7 @@ later step may need (k2/k3 per token, row sums of k1/k2/k3, the extrema of ``x``
 Buffers. ``scratch`` and ``spare()`` are (B, T) float32 temporaries: any function may overwrite them, and no
 value is kept in them across function calls. ``take_spare()`` and ``take_ratio()`` hand a buffer over for good
 (the caller may then write it in place); reading a taken ratio raises. Masks are float32 0/1, never bool (why,
-and the precision scheme of the row sums: ``docs/correction-internals.md``).
+and the precision scheme of the row sums: ``docs/explanation/correction-internals.md``).
 """
 
 from __future__ import annotations

@@ -66,7 +66,8 @@ class VLLMCPURollout:
     ``tests/test_e2e_vllm_cpu.py``). Single process per engine: with several ranks each builds its own
     (DDP / ZeRO-1/2 work: the unwrapped module holds full weights); ZeRO-3 / FSDP are refused at sync time.
 
-    Asynchronous mode (``async_depth = d >= 1``, docs/policy-lag.md): the trainer's weights are *published* after
+    Asynchronous mode (``async_depth = d >= 1``, docs/how-to/policy-lag.md): the trainer's weights are *published*
+    after
     every optimizer step (cast to the engine dtype, a queue of at most d + 1 versions) by a ``TrainerCallback`` the
     first call adds (``on_step_end``), and at each call; the batch of optimizer step s is generated with the weights
     of step ``s - d`` exactly (before step d: the initial ones), for any ``steps_per_generation`` /

@@ -1,6 +1,7 @@
 """The trainer-side features, one module each, in the one order the trainer calls them (``hooks.py``, rules 1-3).
 
-Adding a feature: one module with a ``hooks.Feature`` subclass, one line in ``FEATURES`` (``docs/architecture.md``).
+Adding a feature: one module with a ``hooks.Feature`` subclass, one line in ``FEATURES``
+(``docs/explanation/architecture.md``).
 """
 
 from __future__ import annotations

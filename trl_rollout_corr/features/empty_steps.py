@@ -2,7 +2,8 @@
 
 A step whose every token the correction rejected (RS), zero-weighted (IcePop) or dropped (``max_policy_lag``) has a
 zero gradient, but TRL still calls the optimizer, and AdamW's momentum and weight decay move the weights anyway
-(``docs/known-limits.md``). With this feature the correction modes count, per micro-batch, the tokens that carry
+(``docs/reference/known-limits.md``). With this feature the correction modes count, per micro-batch, the tokens that
+carry
 gradient (``LossStep.trained_tokens``); the counts of the optimizer step's micro-batches are summed and all-reduced
 across ranks at the optimizer step (one global decision, taken on every rank alike), and when the sum is 0 the
 optimizer's ``step()`` is not called: parameters and optimizer state (AdamW's moments and step count) stay as they

@@ -1,5 +1,5 @@
 """Routing replay (``routing_replay="r3"``, Rollout Routing Replay for mixture-of-experts models; ``routing.py``,
-``docs/routing-replay.md``): the rollout's expert choices, recorded while ``transformers.generate`` samples or
+``docs/how-to/routing-replay.md``): the rollout's expert choices, recorded while ``transformers.generate`` samples or
 returned by a ``rollout_func`` as ``routed_experts``, ride in the batch as ``routed_experts`` and are replayed in the
 policy forwards (roles ``old``, ``loss``, ``bypass_loss``, ``batch_norm_window``; never ``ref``) and in
 ``policy_lag_split``'s weights-at-version forward (role ``version``, on its scratch copy of the policy, by the replayer

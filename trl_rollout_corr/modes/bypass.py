@@ -246,7 +246,7 @@ def _check_loss(args, correction) -> None:
         logger.warning(
             f"rollout_is={correction.rollout_is!r} with bypass_mode=True and bypass_loss_type='ppo_clip': the "
             "PPO ratio pi_theta / mu already compares against the behaviour policy, so the IS weights are "
-            "logged (rollout_corr/rollout_is_*) but multiplied into no loss (docs/configuration.md, "
+            "logged (rollout_corr/rollout_is_*) but multiplied into no loss (docs/reference/configuration.md, "
             f"bypass_loss_type).{extra} To weight the loss use bypass_loss_type='reinforce' or decoupled "
             "mode (bypass_mode=False); else unset rollout_is."
         )

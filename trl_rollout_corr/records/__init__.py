@@ -38,7 +38,7 @@ moved to ``superseded/resume-at-<k>/`` (never deleted; ``resume.rank-<r>.json`` 
 window open at k are taken back (from that open-window file, or the interrupted run's later file of the window), and
 window, micro-batch and generation batch numbers continue after the kept ones, so the dump is the uninterrupted
 run's and no step is in it twice; where those rows are in no file the resume is refused, naming the fix. A run from
-step 0 into a folder with a dump, or a different run's settings, is refused. ``docs/rollout-records.md``,
+step 0 into a folder with a dump, or a different run's settings, is refused. ``docs/how-to/rollout-records.md``,
 "Resuming from a checkpoint".
 
 Reading validates everything (schema version, Parquet integrity, column types, per-token lengths) before

@@ -138,7 +138,7 @@ def arrow_type(text: str) -> "pa.DataType":
 
 
 def schema_markdown() -> str:
-    """The column table as Markdown (for ``docs/rollout-records.md``)."""
+    """The column table as Markdown (for ``docs/how-to/rollout-records.md``)."""
     lines = ["| column | type | required | per token | spec | meaning |", "|---|---|---|---|---|---|"]
     for c in COLUMNS:
         req = "yes" if c.required else ("reserved" if c.reserved else "optional")

@@ -29,7 +29,7 @@ Contents (no TRL, no ``torch.distributed``):
 Sources: the truncation bias is TRL's trl#6789 (processed vLLM log-probs against full-vocabulary trainer log-probs);
 prime-rl, NeMo-RL and slime replay or recompute the support, each for its own engine; processor semantics and
 order follow transformers 5.x ``GenerationMixin._get_logits_processor`` / ``LogitsProcessor``s and vLLM 0.32's
-``v1.sample.sampler.Sampler`` (see ``docs/correction-internals.md``, "Sampling support").
+``v1.sample.sampler.Sampler`` (see ``docs/explanation/correction-internals.md``, "Sampling support").
 """
 
 from .contract import (

@@ -28,7 +28,7 @@ class SupportStats:
         sums: (5,) float64: tokens, sum of log S (nats), sum of |K|, one-token supports, misses.
         sizes: a ``sketch.ValueSketch`` (``size_layout``) of the per-token |K|: the values themselves while the
             window holds at most ``exact_max`` tokens over all ranks, else bucket counts (exact for sizes <= 4096,
-            within 0.1 % above; ``docs/metrics.md``).
+            within 0.1 % above; ``docs/how-to/read-the-metrics.md``).
 
     ``support_log_mass_mean`` is the mean log kept mass (nats, <= 0; ``exp`` of it is the typical engine ratio
     without matching), ``support_size_mean/p50/p99`` the kept-set sizes (mean exact; quantiles with linear
