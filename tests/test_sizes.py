@@ -26,7 +26,6 @@ TRAINER_METHOD_LINES = 50
 MODULE_EXCEPTIONS = {
     "trl_compat.py": 1139,  # every TRL/vLLM/accelerate coupling in one place, by design; split by concern next
     "probe.py": 685,
-    "trainer_config.py": 658,  # the refusals move to the parts they concern (issue 48)
     "routing.py": 635,
     "records/writer.py": 621,
     "engines/vllm_cpu_rollout.py": 511,

@@ -156,7 +156,7 @@ def _check_run(mode, features, rollout, logs, shape):
 def test_stale_triple(mode, features, llama_dir, moe_dir, tmp_path):
     from conftest import _make_args
 
-    # bypass has no pi_old forward to keep (pi_old := mu): "always" is refused there (trainer_config)
+    # bypass has no pi_old forward to keep (pi_old := mu): "always" is refused there (BypassMode.check_config)
     shapes = [s for s in SHAPES if not (mode == "bypass" and s[2] == "always")]
     for shape in shapes:  # every triple here is accepted by the config
         _make_args(tmp_path, **dict(MODES[mode], per_device_train_batch_size=shape[0],

@@ -207,18 +207,18 @@ def test_is_weights_with_bypass_ppo_clip_warn_that_they_are_metrics_only(tmp_pat
     """Bypass PPO clip multiplies no IS weight into its loss (docs/reference/configuration.md): rollout_is there is
     accepted (its
     metrics are logged) with a start-up warning naming the fix; batch normalisation adds its cost to the warning."""
-    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer_config"):
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.modes.bypass"):
         make_args(tmp_path, bypass_mode=True, bypass_loss_type="ppo_clip", rollout_is="token")
     said = [r.getMessage() for r in caplog.records if "multiplied into no loss" in r.getMessage()]
     assert len(said) == 1 and "bypass_loss_type='reinforce'" in said[0] and "extra no-grad forward" not in said[0]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer_config"):
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.modes.bypass"):
         make_args(tmp_path, bypass_mode=True, bypass_loss_type="ppo_clip", rollout_is="sequence",
                   rollout_is_batch_normalize=True)
     said = [r.getMessage() for r in caplog.records if "multiplied into no loss" in r.getMessage()]
     assert len(said) == 1 and "extra no-grad forward" in said[0]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer_config"):
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.modes.bypass"):
         make_args(tmp_path, bypass_mode=True, bypass_loss_type="reinforce", rollout_is="sequence")
         make_args(tmp_path, bypass_mode=True, bypass_loss_type="ppo_clip", rollout_rs="seq_mean_k3",
                   rollout_rs_threshold=0.01)

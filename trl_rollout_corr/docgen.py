@@ -24,6 +24,7 @@ from .config import markdown_table
 
 # the hooks in TRL's call order, with the TRL method each runs in
 _HOOKS = (
+    ("check_config", "before", "`RolloutCorrGRPOConfig.__post_init__` (construction; each feature, then the mode)"),
     ("generation", "around", "`_generate_and_score_completions` (whole call)"),
     ("plain_generate", "around", "`_generate_single_turn` (plain `transformers.generate`)"),
     ("after_plain_generate", "after", "`_generate_single_turn`"),

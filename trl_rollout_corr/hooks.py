@@ -13,8 +13,8 @@ The ordering rules (written once, here and in ``features.FEATURES``; tested in `
 2. Before hooks (``on_batch``, ``before_loss``, ``on_log``) run in list order; after hooks (``after_plain_generate``,
    ``after_generate``, ``after_score``, ``after_loss``, ``after_log``) run in reverse (first in, last out: a feature's
    "after" sees the work of every feature it encloses).
-3. Construction and ``check_trainer_args`` run in list order (the one feature with side effects outside the process,
-   the rollout records, is last).
+3. Construction, ``check_config`` and ``check_trainer_args`` run in list order (the one feature with side effects
+   outside the process, the rollout records, is last); the mode's ``check_config`` runs after every feature's.
 4. The mode scores a generation batch between ``on_batch`` and ``after_score``, and it alone produces the loss. Its
    own ``forward`` hook encloses the features' around every log-prob forward.
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the trainer's type only; no feature imports trainer.py
 
 __all__ = ["AROUND_HOOKS", "AFTER_HOOKS", "BATCH_KEYS", "BATCH_KEY_SCHEMA", "BEFORE_HOOKS", "BatchKey",
            "CorrectionMode", "FORWARD_INPUT_KEYS", "FORWARD_ROLES", "Feature", "Features", "ForwardCall",
-           "ForwardRole", "GenerationBatch", "LossStep", "PlainGenerate", "ROLE_TRAITS", "Role"]
+           "ForwardRole", "GenerationBatch", "LossStep", "PlainGenerate", "ROLE_TRAITS", "Role", "refuse_config"]
 
 
 # ---------------------------------------------------------------------------------------------- per-call objects
@@ -170,6 +170,15 @@ class LossStep:
 
 
 # ---------------------------------------------------------------------------------------------- the protocols
+def refuse_config(msg: str) -> None:
+    """Refuse a ``RolloutCorrGRPOConfig`` (every part's ``check_config`` and ``trainer_config``'s own checks).
+
+    Raises:
+        ValueError: always, ``"RolloutCorrGRPOConfig: " + msg``.
+    """
+    raise ValueError(f"RolloutCorrGRPOConfig: {msg}")
+
+
 AROUND_HOOKS = ("generation", "plain_generate", "forward")
 BEFORE_HOOKS = ("on_batch", "before_loss", "on_log")
 AFTER_HOOKS = ("after_plain_generate", "after_generate", "after_score", "after_loss", "after_log")
@@ -195,6 +204,13 @@ class Feature:
     def wanted(cls, args) -> bool:
         """Whether this feature is present for ``args`` (a ``RolloutCorrGRPOConfig``)."""
         return True
+
+    @classmethod
+    def check_config(cls, args, correction) -> None:
+        """Refuse, at construction (``RolloutCorrGRPOConfig.__post_init__``, after ``GRPOConfig.__post_init__``), what
+        in ``args`` concerns this feature (``correction``: the validated ``RolloutCorrectionConfig``). Runs for every
+        feature in ``FEATURES`` order whether or not it is ``wanted`` (a field's value is checked even when it leaves
+        the feature off). Raises ValueError (``refuse_config``) naming the fix."""
 
     @classmethod
     def check_trainer_args(cls, args, trainer_args: Mapping[str, Any]) -> None:
@@ -259,6 +275,12 @@ class CorrectionMode:
     name: ClassVar[str] = "mode"
     replaces_trl_old_forward: bool = False
     correction_fn: Callable
+
+    @classmethod
+    def check_config(cls, args, correction) -> None:
+        """Refuse, at construction, what in ``args`` this mode cannot serve; runs for the config's own mode only
+        (``modes.mode_class(correction)``), after every feature's ``check_config``. Raises ValueError
+        (``refuse_config``) naming the fix."""
 
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
         pass

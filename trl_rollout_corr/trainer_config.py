@@ -1,17 +1,18 @@
 """``RolloutCorrGRPOConfig``: ``GRPOConfig`` plus the rollout-correction fields, and the checks run at construction.
 
-The checks run in one fixed order (``RolloutCorrGRPOConfig.__post_init__``), so that a config with two faults reports
-the same first error whatever module owns each check: support mode, matching without a correction, TRL's own vLLM IS,
-``GRPOConfig.__post_init__``, generate dtype, TRL's colocate engine, routing, dump-every, policy lag,
-rs_keep_rejected_in_baseline, the compatibility of a configured correction with TRL's options, the CPU-autocast
-warning.
+Each part checks its own fields (``Feature.check_config``, ``CorrectionMode.check_config``); the checks run in one
+fixed order (``RolloutCorrGRPOConfig.__post_init__``), so that a config with two faults reports the same first error
+whatever part owns each check (``tests/test_config_parts.py``): ``rollout_corr_old_forward``'s value, the correction
+fields (``resolve``), TRL's own vLLM IS, ``GRPOConfig.__post_init__``; every feature's check in ``features.FEATURES``
+order, present or not; the config's one mode (``modes.mode_class``: TRL's options against a configured correction,
+then the mode's own); last the checks that span parts or concern the engines (TRL's vLLM colocate fields, asynchronous
+generation, ``rs_keep_rejected_in_baseline``) and the CPU-autocast warning.
 ``trl_rollout_corr.trainer`` re-exports the class (its public import path).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -19,10 +20,11 @@ from typing import Optional
 
 from trl import GRPOConfig
 
-from . import support, trl_compat
+from . import features, modes
 from .config import RolloutCorrectionArguments, RolloutCorrectionConfig
 from .engines.transformers_generate import GENERATE_DTYPES
 from .features.routing_replay import ROUTING_REPLAY_MODES
+from .hooks import refuse_config as _refuse
 from .old_forward import OLD_FORWARD_SETTINGS
 
 logger = logging.getLogger(__name__)
@@ -320,24 +322,10 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
     )
 
     def __post_init__(self):
-        support.check_matching_mode(self.rollout_support_matching)
         if self.rollout_corr_old_forward not in OLD_FORWARD_SETTINGS:
             _refuse(f"rollout_corr_old_forward must be one of {OLD_FORWARD_SETTINGS}, got "
                     f"{self.rollout_corr_old_forward!r}.")
         correction = self.resolve()
-        if self.rollout_corr_old_forward == "always" and correction.enabled and correction.bypass_mode:
-            _refuse(
-                "rollout_corr_old_forward='always' keeps pi_old's own forward, but bypass mode has none (pi_old := "
-                "mu, the rollout's log-probs), so the setting would be ignored: unset it (the default 'auto'), or use "
-                "decoupled mode (bypass_mode=False) to compute pi_old."
-            )
-        if self.rollout_support_matching != "off" and not correction.enabled:
-            _refuse(
-                f"rollout_support_matching={self.rollout_support_matching!r} changes the log-probs the trainer "
-                "trains on, but no correction is configured (TRL's GRPO runs unchanged then); configure one "
-                "(rollout_is / rollout_rs / bypass_mode or a rollout_corr_preset) or set "
-                "rollout_support_matching='off'."
-            )
         self._store_effective_fields(correction)
         if self.vllm_importance_sampling_correction is None:
             self.vllm_importance_sampling_correction = not correction.enabled
@@ -354,54 +342,12 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 "vllm_importance_sampling_correction (it is then switched off) or disable the rollout correction."
             )
         GRPOConfig.__post_init__(self)
-        self._check_generate_dtype()
+        features.check_config(self, correction)  # each feature's own fields, in FEATURES order
+        modes.check_config(self, correction)  # then the config's one mode
         self._check_vllm_engine()
-        self._check_routing_replay()
-        if not isinstance(self.rollout_dump_every, int) or self.rollout_dump_every < 1:
-            _refuse(f"rollout_dump_every must be an integer >= 1, got {self.rollout_dump_every!r}.")
-        if self.rollout_dump_every != 1 and self.rollout_dump_dir is None:
-            _refuse(f"rollout_dump_every={self.rollout_dump_every} keeps one logged window in N of the rollout "
-                    "records, but rollout_dump_dir is unset (no records are written), so it would be ignored: set "
-                    "rollout_dump_dir, or unset rollout_dump_every.")
-        self._check_policy_lag(correction)
         self._check_async()
-        if self.skip_empty_steps and not correction.enabled:
-            _refuse(
-                "skip_empty_steps skips the optimizer on steps whose every token the correction rejected; without a "
-                "correction nothing is rejected and the trainer is TRL's GRPO. Configure a rollout correction or "
-                "unset skip_empty_steps."
-            )
-        if self.skip_empty_steps and self.fp16:
-            _refuse(
-                "skip_empty_steps with fp16: a skipped step would skip accelerate's GradScaler update after the "
-                "gradient clipping has already unscaled the gradients, and the next step fails in torch's unscale_. "
-                "Train in bf16 or float32, or unset skip_empty_steps."
-            )
         self._check_keep_rejected(correction)
-        if correction.enabled:
-            self._check_compatibility(correction)
         self._warn_cpu_autocast()
-
-    def _check_generate_dtype(self) -> None:
-        if self.rollout_generate_dtype is None:
-            return
-        if self.rollout_generate_dtype not in GENERATE_DTYPES:
-            _refuse(
-                f"rollout_generate_dtype must be one of {tuple(GENERATE_DTYPES)} or unset, "
-                f"got {self.rollout_generate_dtype!r}."
-            )
-        if self.use_vllm:
-            _refuse(
-                "rollout_generate_dtype applies to the transformers.generate path only; with use_vllm=True the "
-                "rollout dtype is vLLM's own (its model dtype); unset rollout_generate_dtype."
-            )
-        if self.use_transformers_continuous_batching:
-            _refuse(
-                "rollout_generate_dtype applies to the plain transformers.generate path only; with "
-                "use_transformers_continuous_batching=True TRL's generate_batch samples in the training dtype "
-                "(bf16 / fp16 / the weights' own) and returns no log-probs; unset rollout_generate_dtype, or set "
-                "use_transformers_continuous_batching=False."
-            )
 
     def _check_vllm_engine(self) -> None:
         """``rollout_vllm_dtype`` / ``rollout_vllm_enforce_eager``: TRL's colocate engine only; the dtype explicit."""
@@ -413,24 +359,6 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                     "configured where it starts), or unset them.")
         if self.rollout_vllm_dtype is not None and self.rollout_vllm_dtype not in ("bfloat16", "float32"):
             _refuse(f"rollout_vllm_dtype must be 'bfloat16' or 'float32' (or unset), got {self.rollout_vllm_dtype!r}.")
-
-    def _check_routing_replay(self) -> None:
-        if self.routing_replay not in ROUTING_REPLAY_MODES:
-            _refuse(f"routing_replay must be one of {ROUTING_REPLAY_MODES}, got {self.routing_replay!r}.")
-        kwargs = self.generation_kwargs or {}
-        if self.routing_replay == "r3" and (kwargs.get("do_sample") is False or (kwargs.get("num_beams") or 1) > 1):
-            _refuse(
-                f"routing_replay='r3' with generation_kwargs={kwargs!r}: routes are recorded from transformers' "
-                "sampled generation only (greedy / beam search is generated without the recorder); remove "
-                "do_sample=False / num_beams > 1, or set routing_replay='off'."
-            )
-        if self.routing_replay == "r3" and self.use_vllm and self.vllm_importance_sampling_correction:
-            _refuse(
-                "routing_replay='r3' with TRL's own vLLM importance sampling (vllm_importance_sampling_correction="
-                "True): TRL's pi_old forward for it cannot replay the routes. Use this package's correction "
-                "(e.g. rollout_is='token'; TRL's is then switched off) or set "
-                "vllm_importance_sampling_correction=False."
-            )
 
     def _check_async(self) -> None:
         """``rollout_async_depth``: an int >= 0; d >= 1 only on the transformers engine (``use_vllm=False``)."""
@@ -457,30 +385,6 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 f"max_policy_lag={self.max_policy_lag} < rollout_async_depth={depth}: every batch from step {depth} "
                 f"on is generated {depth} optimizer steps behind, so every row would be dropped and nothing trained. "
                 f"Set max_policy_lag >= {depth}, or a smaller rollout_async_depth."
-            )
-
-    def _check_policy_lag(self, correction: RolloutCorrectionConfig) -> None:
-        """``max_policy_lag``: an int >= 0 with a configured correction; ``policy_lag_split``: not in bypass mode."""
-        bound = self.max_policy_lag
-        if bound is not None:
-            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
-                _refuse(f"max_policy_lag must be an int >= 0 (optimizer steps) or unset, got {bound!r}.")
-            if not correction.enabled:
-                _refuse(
-                    "max_policy_lag drops stale samples from the loss, which changes TRL's GRPO; configure a rollout "
-                    "correction (rollout_is / rollout_rs / bypass_mode, or a rollout_corr_preset) or unset "
-                    "max_policy_lag."
-                )
-        if self.policy_lag_split and correction.bypass_mode:
-            _refuse(
-                "policy_lag_split needs pi_old (the lag ratio is pi_old / pi_train@v), which bypass mode does not "
-                "compute; use decoupled mode or unset policy_lag_split."
-            )
-        if getattr(correction, "rollout_rs_on", "direct") == "engine" and not self.policy_lag_split:
-            _refuse(
-                "rollout_rs_on='engine' computes every RS statistic on the engine factor pi_train@v / mu, which "
-                "needs the weights of each row's policy version and one forward at them: set policy_lag_split=True, "
-                "or rollout_rs_on='direct' (RS on pi_old / mu, staleness included)."
             )
 
     def _check_keep_rejected(self, correction: RolloutCorrectionConfig) -> None:
@@ -514,145 +418,3 @@ class RolloutCorrGRPOConfig(RolloutCorrectionArguments, GRPOConfig):
                 stacklevel=4,  # the caller of RolloutCorrGRPOConfig(...) (through __init__ and __post_init__)
             )
 
-    def _check_compatibility(self, correction: RolloutCorrectionConfig) -> None:
-        """With a correction configured: refuse every TRL option it cannot serve exactly (each message names the
-        option and the fix). Nothing here runs without a correction: that is TRL's GRPO, unchanged."""
-        if self.use_transformers_continuous_batching:
-            _refuse(
-                "use_transformers_continuous_batching=True returns no behaviour log-probs, so rollout correction "
-                "cannot run; use the plain transformers.generate path (use_transformers_continuous_batching=False) "
-                "or vLLM."
-            )
-        self._check_sampling_generation()
-        changed = [name for name in _TRL_VLLM_IS_SETTINGS if getattr(self, name) != _GRPO_DEFAULTS[name]]
-        if changed:
-            _refuse(
-                f"{', '.join(changed)} configure TRL's own vLLM importance sampling, which is off while rollout "
-                "correction is on (the mismatch is corrected once, by rollout_is / rollout_rs); leave them at "
-                "TRL's defaults, or disable the rollout correction to use TRL's."
-            )
-        if self.rollout_support_matching != "off" and not correction.bypass_mode:
-            reused = self.num_iterations > 1 or self.steps_per_generation != self.gradient_accumulation_steps
-            if reused:
-                _refuse(
-                    f"rollout_support_matching={self.rollout_support_matching!r} in decoupled mode scores pi_theta "
-                    "over its own recomputed support, which must be pi_old's: with num_iterations > 1 or "
-                    "steps_per_generation != gradient_accumulation_steps the policy changes between the pi_old and "
-                    "the loss forwards, and tokens outside pi_theta's support would be trained on uncounted. Use "
-                    "num_iterations=1 and steps_per_generation=gradient_accumulation_steps, bypass_mode=True (its "
-                    "missed tokens are made invalid), or rollout_support_matching='off'."
-                )
-        if self.loss_type == "vespo":
-            _refuse(
-                "loss_type='vespo' applies its own importance weighting; it cannot be combined with rollout "
-                "correction."
-            )
-        mode = "bypass" if correction.bypass_mode else "decoupled"
-        supported = trl_compat.SUPPORTED_LOSS_TYPES[mode]
-        if self.loss_type not in supported:
-            what = "bypass_mode=True" if correction.bypass_mode else "decoupled mode"
-            _refuse(f"{what} supports loss_type in {supported}, got {self.loss_type!r}.")
-        if correction.rollout_is_batch_normalize:
-            self._check_batch_norm_is_exact(correction)
-        if correction.m2_enabled and self.steps_per_generation != self.gradient_accumulation_steps:
-            # the mask is computed once per generation batch, which must be the optimizer step's global batch
-            _refuse(
-                f"rollout_m2_threshold (M2PO) masks over the optimizer step's global batch, computed once per "
-                f"generation batch: steps_per_generation ({self.steps_per_generation}) must equal "
-                f"gradient_accumulation_steps ({self.gradient_accumulation_steps}), so that each optimizer step "
-                "trains on exactly one whole generation batch. Set steps_per_generation=gradient_accumulation_steps "
-                "(TRL's default), or unset rollout_m2_threshold."
-            )
-        if correction.bypass_mode:
-            self._check_bypass(correction)
-
-    def _check_sampling_generation(self) -> None:
-        """Behaviour log-probs exist only for sampled tokens: refuse greedy or beam search in ``generation_kwargs``."""
-        kwargs = self.generation_kwargs or {}
-        if kwargs.get("do_sample") is False or (kwargs.get("num_beams") or 1) > 1:
-            _refuse(
-                f"generation_kwargs={kwargs!r} asks for greedy or beam search, which has no sampling distribution: "
-                "rollout correction needs the log-probs of the distribution that sampled each token. Remove "
-                "do_sample=False / num_beams > 1 from generation_kwargs, or disable the rollout correction."
-            )
-
-    def _check_batch_norm_is_exact(self, correction: RolloutCorrectionConfig) -> None:
-        """Batch normalisation must divide by the mean over the optimizer step's global batch (spec section 3)."""
-        ga, spg, iters = self.gradient_accumulation_steps, self.steps_per_generation, self.num_iterations
-        generate_every = spg * iters
-        if correction.bypass_mode:
-            # bypass: with gradient accumulation the trainer scores the step's rows once, at its first micro-batch
-            # (one no-grad forward), which needs every row of the step to exist by then
-            if ga > 1 and generate_every % ga != 0:
-                _refuse(
-                    "rollout_is_batch_normalize=True with bypass_mode=True normalises over the optimizer step's rows, "
-                    "which must all be generated before the step starts: steps_per_generation * num_iterations "
-                    f"({spg} * {iters}) must be a multiple of gradient_accumulation_steps ({ga}). Change "
-                    "steps_per_generation, or turn batch normalisation off."
-                )
-        elif ga % spg != 0 or generate_every % ga != 0:
-            # decoupled: the weights are normalised once per generation batch, which must be the step's global batch
-            _refuse(
-                "rollout_is_batch_normalize=True in decoupled mode normalises over the generation batch, which is "
-                "the optimizer step's global batch only when each step trains on whole generation batches of one "
-                f"generation: gradient_accumulation_steps ({ga}) must be a multiple of steps_per_generation ({spg}), "
-                f"and steps_per_generation * num_iterations ({generate_every}) a multiple of "
-                "gradient_accumulation_steps. Set steps_per_generation=gradient_accumulation_steps (TRL's default), "
-                "use bypass_mode=True, or turn batch normalisation off."
-            )
-
-    def _check_bypass(self, correction: RolloutCorrectionConfig) -> None:
-        """Bypass mode: our loss replaces TRL's, so only what it reproduces exactly is allowed (and IS weights that
-        PPO clip does not apply are warned of)."""
-        unsupported = {
-            "importance_sampling_level": (self.importance_sampling_level != "token", "'token'"),
-            "top_entropy_quantile": (self.top_entropy_quantile < 1.0, "1.0"),
-            "off_policy_mask_threshold": (self.off_policy_mask_threshold is not None, "None"),
-            "entropy_coef": (self.entropy_coef != 0.0, "0.0"),
-            "use_adaptive_entropy": (bool(self.use_adaptive_entropy), "False"),
-        }
-        for name, (bad, needed) in unsupported.items():
-            if bad:
-                _refuse(f"bypass_mode=True replaces TRL's loss and does not support {name}={getattr(self, name)!r}; "
-                        f"set {name}={needed}.")
-        if self.delta is not None and correction.bypass_loss_type == "reinforce":
-            _refuse(
-                f"delta={self.delta} bounds the PPO ratio, but bypass_loss_type='reinforce' has no ratio in its loss; "
-                "unset delta or use bypass_loss_type='ppo_clip'."
-            )
-        clip_set = [f"{name}={getattr(self, name)!r}" for name in ("epsilon", "epsilon_high")
-                    if getattr(self, name) != _GRPO_DEFAULTS[name]]
-        if clip_set and correction.bypass_loss_type == "reinforce":
-            _refuse(
-                f"{', '.join(clip_set)} set the PPO clip range, but bypass_loss_type='reinforce' has no ratio in its "
-                "loss, so it would be ignored; leave epsilon / epsilon_high at TRL's defaults (0.2 / None) or use "
-                "bypass_loss_type='ppo_clip'."
-            )
-        epsilon_high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
-        if correction.bypass_loss_type == "ppo_clip" and self.delta is not None and not self.delta > 1 + epsilon_high:
-            _refuse(
-                f"bypass_mode=True uses delta as the dual-clip bound of PPO-clip on pi_theta / mu (for A < 0 the "
-                f"per-token loss is capped at -A * delta), which is TRL's two-sided clip only for delta > 1 + "
-                f"epsilon_high; got delta={self.delta}, epsilon_high={epsilon_high}."
-            )
-        if correction.bypass_loss_type == "ppo_clip" and correction.rollout_is is not None:
-            extra = (" rollout_is_batch_normalize=True normalises those metrics only, at the cost of one extra "
-                     "no-grad forward per optimizer step with gradient_accumulation_steps > 1."
-                     if correction.rollout_is_batch_normalize else "")
-            logger.warning(
-                f"rollout_is={correction.rollout_is!r} with bypass_mode=True and bypass_loss_type='ppo_clip': the "
-                "PPO ratio pi_theta / mu already compares against the behaviour policy, so the IS weights are "
-                "logged (rollout_corr/rollout_is_*) but multiplied into no loss (docs/reference/configuration.md, "
-                f"bypass_loss_type).{extra} To weight the loss use bypass_loss_type='reinforce' or decoupled "
-                "mode (bypass_mode=False); else unset rollout_is."
-            )
-
-
-# Settings of TRL's own vLLM IS (inert while it is off, i.e. whenever a rollout correction is on) and TRL's defaults
-_TRL_VLLM_IS_SETTINGS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
-                         "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")
-_GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-
-
-def _refuse(msg: str) -> None:
-    raise ValueError(f"RolloutCorrGRPOConfig: {msg}")

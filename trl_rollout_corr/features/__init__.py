@@ -31,7 +31,13 @@ FEATURES: tuple[type[Feature], ...] = (
 )
 
 __all__ = ["FEATURES", "BehaviourLogProbs", "LagSplit", "PolicyLag", "RolloutRecords", "RoutingReplay",
-           "SkipEmptySteps", "SupportMatching", "build_features", "check_trainer_args"]
+           "SkipEmptySteps", "SupportMatching", "build_features", "check_config", "check_trainer_args"]
+
+
+def check_config(args, correction) -> None:
+    """Every feature's ``check_config``, in ``FEATURES`` order, present or not (``RolloutCorrGRPOConfig``)."""
+    for cls in FEATURES:
+        cls.check_config(args, correction)
 
 
 def check_trainer_args(args, trainer_args) -> None:

@@ -21,8 +21,8 @@ from transformers.generation.utils import GenerationMixin
 
 from .. import trl_compat
 from ..engines.alignment import check_aligned
-from ..engines.transformers_generate import capture_generate_log_probs, generate_in_dtype
-from ..hooks import Feature, GenerationBatch, PlainGenerate
+from ..engines.transformers_generate import GENERATE_DTYPES, capture_generate_log_probs, generate_in_dtype
+from ..hooks import Feature, GenerationBatch, PlainGenerate, refuse_config
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
@@ -42,6 +42,29 @@ class BehaviourLogProbs(Feature):
     """
 
     name = "behaviour_log_probs"
+
+    @classmethod
+    def check_config(cls, args, correction) -> None:
+        """``rollout_generate_dtype``: one of ``GENERATE_DTYPES``, on the plain ``transformers.generate`` path only."""
+        if args.rollout_generate_dtype is None:
+            return
+        if args.rollout_generate_dtype not in GENERATE_DTYPES:
+            refuse_config(
+                f"rollout_generate_dtype must be one of {tuple(GENERATE_DTYPES)} or unset, "
+                f"got {args.rollout_generate_dtype!r}."
+            )
+        if args.use_vllm:
+            refuse_config(
+                "rollout_generate_dtype applies to the transformers.generate path only; with use_vllm=True the "
+                "rollout dtype is vLLM's own (its model dtype); unset rollout_generate_dtype."
+            )
+        if args.use_transformers_continuous_batching:
+            refuse_config(
+                "rollout_generate_dtype applies to the plain transformers.generate path only; with "
+                "use_transformers_continuous_batching=True TRL's generate_batch samples in the training dtype "
+                "(bf16 / fp16 / the weights' own) and returns no log-probs; unset rollout_generate_dtype, or set "
+                "use_transformers_continuous_batching=False."
+            )
 
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
         args = trainer.args

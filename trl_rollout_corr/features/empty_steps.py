@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import trl_compat
-from ..hooks import Feature, LossStep
+from ..hooks import Feature, LossStep, refuse_config
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
@@ -42,6 +42,22 @@ class SkipEmptySteps(Feature):
     @classmethod
     def wanted(cls, args) -> bool:
         return bool(getattr(args, "skip_empty_steps", False))
+
+    @classmethod
+    def check_config(cls, args, correction) -> None:
+        """``skip_empty_steps``: only with a configured correction, and not with fp16 (accelerate's GradScaler)."""
+        if args.skip_empty_steps and not correction.enabled:
+            refuse_config(
+                "skip_empty_steps skips the optimizer on steps whose every token the correction rejected; without a "
+                "correction nothing is rejected and the trainer is TRL's GRPO. Configure a rollout correction or "
+                "unset skip_empty_steps."
+            )
+        if args.skip_empty_steps and args.fp16:
+            refuse_config(
+                "skip_empty_steps with fp16: a skipped step would skip accelerate's GradScaler update after the "
+                "gradient clipping has already unscaled the gradients, and the next step fails in torch's unscale_. "
+                "Train in bf16 or float32, or unset skip_empty_steps."
+            )
 
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
         if trainer.is_deepspeed_enabled:

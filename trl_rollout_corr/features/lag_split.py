@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 
 from .. import support, trl_compat
-from ..hooks import FORWARD_INPUT_KEYS, Feature, ForwardCall, GenerationBatch, LossStep
+from ..hooks import FORWARD_INPUT_KEYS, Feature, ForwardCall, GenerationBatch, LossStep, refuse_config
 from .version_store import store_for
 
 if TYPE_CHECKING:
@@ -53,6 +53,21 @@ class LagSplit(Feature):
     @classmethod
     def wanted(cls, args) -> bool:
         return bool(args.policy_lag_split)
+
+    @classmethod
+    def check_config(cls, args, correction) -> None:
+        """``policy_lag_split``: not in bypass mode (no pi_old); ``rollout_rs_on="engine"`` needs it."""
+        if args.policy_lag_split and correction.bypass_mode:
+            refuse_config(
+                "policy_lag_split needs pi_old (the lag ratio is pi_old / pi_train@v), which bypass mode does not "
+                "compute; use decoupled mode or unset policy_lag_split."
+            )
+        if getattr(correction, "rollout_rs_on", "direct") == "engine" and not args.policy_lag_split:
+            refuse_config(
+                "rollout_rs_on='engine' computes every RS statistic on the engine factor pi_train@v / mu, which "
+                "needs the weights of each row's policy version and one forward at them: set policy_lag_split=True, "
+                "or rollout_rs_on='direct' (RS on pi_old / mu, staleness included)."
+            )
 
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
         self.store = store_for(trainer)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import trl_compat
-from ..hooks import Feature, GenerationBatch, LossStep
+from ..hooks import Feature, GenerationBatch, LossStep, refuse_config
 from ..lag import drop_stale_rows, lag_keep, policy_lag, row_versions, token_versions
 
 if TYPE_CHECKING:
@@ -35,6 +35,21 @@ class PolicyLag(Feature):
     """
 
     name = "policy_lag"
+
+    @classmethod
+    def check_config(cls, args, correction) -> None:
+        """``max_policy_lag``: an int >= 0 (or unset), only with a configured correction."""
+        bound = args.max_policy_lag
+        if bound is None:
+            return
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+            refuse_config(f"max_policy_lag must be an int >= 0 (optimizer steps) or unset, got {bound!r}.")
+        if not correction.enabled:
+            refuse_config(
+                "max_policy_lag drops stale samples from the loss, which changes TRL's GRPO; configure a rollout "
+                "correction (rollout_is / rollout_rs / bypass_mode, or a rollout_corr_preset) or unset "
+                "max_policy_lag."
+            )
 
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
         self.bound = trainer.args.max_policy_lag

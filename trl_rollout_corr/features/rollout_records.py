@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 import torch
 
 from ..correction import DEFAULT_LENGTH_BUCKETS
-from ..hooks import Feature, GenerationBatch, LossStep
+from ..hooks import Feature, GenerationBatch, LossStep, refuse_config
 
 if TYPE_CHECKING:
     from ..records import MicroBatch, RolloutRecordWriter
@@ -50,6 +50,16 @@ class RolloutRecords(Feature):
     @classmethod
     def wanted(cls, args) -> bool:
         return args.rollout_dump_dir is not None
+
+    @classmethod
+    def check_config(cls, args, correction) -> None:
+        """``rollout_dump_every``: an int >= 1, other than 1 only with ``rollout_dump_dir``."""
+        if not isinstance(args.rollout_dump_every, int) or args.rollout_dump_every < 1:
+            refuse_config(f"rollout_dump_every must be an integer >= 1, got {args.rollout_dump_every!r}.")
+        if args.rollout_dump_every != 1 and args.rollout_dump_dir is None:
+            refuse_config(f"rollout_dump_every={args.rollout_dump_every} keeps one logged window in N of the rollout "
+                          "records, but rollout_dump_dir is unset (no records are written), so it would be ignored: "
+                          "set rollout_dump_dir, or unset rollout_dump_every.")
 
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
         from .. import records

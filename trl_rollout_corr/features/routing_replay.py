@@ -18,7 +18,7 @@ import functools
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 from .. import trl_compat
-from ..hooks import ROLE_TRAITS, Feature, ForwardCall, GenerationBatch, PlainGenerate
+from ..hooks import ROLE_TRAITS, Feature, ForwardCall, GenerationBatch, PlainGenerate, refuse_config
 from ..routing import RouteReplayer, check_row_routes, pad_routes, record_routes
 
 if TYPE_CHECKING:
@@ -62,6 +62,27 @@ class RoutingReplay(Feature):
             raise ValueError(
                 "routing_replay='r3' does not support tools or environments yet (the routes of multi-turn rollouts "
                 "are not stitched across tool calls); set routing_replay='off'."
+            )
+
+    @classmethod
+    def check_config(cls, args, correction) -> None:
+        """``routing_replay``: one of ``ROUTING_REPLAY_MODES``; ``"r3"`` needs sampled generation and no TRL vLLM IS
+        (reads the resolved ``vllm_importance_sampling_correction``)."""
+        if args.routing_replay not in ROUTING_REPLAY_MODES:
+            refuse_config(f"routing_replay must be one of {ROUTING_REPLAY_MODES}, got {args.routing_replay!r}.")
+        kwargs = args.generation_kwargs or {}
+        if args.routing_replay == "r3" and (kwargs.get("do_sample") is False or (kwargs.get("num_beams") or 1) > 1):
+            refuse_config(
+                f"routing_replay='r3' with generation_kwargs={kwargs!r}: routes are recorded from transformers' "
+                "sampled generation only (greedy / beam search is generated without the recorder); remove "
+                "do_sample=False / num_beams > 1, or set routing_replay='off'."
+            )
+        if args.routing_replay == "r3" and args.use_vllm and args.vllm_importance_sampling_correction:
+            refuse_config(
+                "routing_replay='r3' with TRL's own vLLM importance sampling (vllm_importance_sampling_correction="
+                "True): TRL's pi_old forward for it cannot replay the routes. Use this package's correction "
+                "(e.g. rollout_is='token'; TRL's is then switched off) or set "
+                "vllm_importance_sampling_correction=False."
             )
 
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 
 from .. import support, trl_compat
-from ..hooks import ROLE_TRAITS, Feature, ForwardCall, GenerationBatch, PlainGenerate
+from ..hooks import ROLE_TRAITS, Feature, ForwardCall, GenerationBatch, PlainGenerate, refuse_config
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
@@ -51,6 +51,32 @@ class SupportMatching(Feature):
     """
 
     name = "support_matching"
+
+    @classmethod
+    def check_config(cls, args, correction) -> None:
+        """``rollout_support_matching``: one of ``support.MATCHING_MODES``; on, only with a configured correction, and
+        in decoupled mode only where pi_old and the loss forward see the same policy."""
+        matching = args.rollout_support_matching
+        support.check_matching_mode(matching)
+        if matching == "off":
+            return
+        if not correction.enabled:
+            refuse_config(
+                f"rollout_support_matching={matching!r} changes the log-probs the trainer "
+                "trains on, but no correction is configured (TRL's GRPO runs unchanged then); configure one "
+                "(rollout_is / rollout_rs / bypass_mode or a rollout_corr_preset) or set "
+                "rollout_support_matching='off'."
+            )
+        reused = args.num_iterations > 1 or args.steps_per_generation != args.gradient_accumulation_steps
+        if not correction.bypass_mode and reused:
+            refuse_config(
+                f"rollout_support_matching={matching!r} in decoupled mode scores pi_theta "
+                "over its own recomputed support, which must be pi_old's: with num_iterations > 1 or "
+                "steps_per_generation != gradient_accumulation_steps the policy changes between the pi_old and "
+                "the loss forwards, and tokens outside pi_theta's support would be trained on uncounted. Use "
+                "num_iterations=1 and steps_per_generation=gradient_accumulation_steps, bypass_mode=True (its "
+                "missed tokens are made invalid), or rollout_support_matching='off'."
+            )
 
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
         matching = self.matching = trainer.args.rollout_support_matching

@@ -16,7 +16,7 @@ from .diagnostics import DiagnosticsMode
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
 
-__all__ = ["BypassMode", "DecoupledMode", "DiagnosticsMode", "build_mode", "mode_class"]
+__all__ = ["BypassMode", "DecoupledMode", "DiagnosticsMode", "build_mode", "check_config", "mode_class"]
 
 
 def mode_class(correction) -> type[CorrectionMode]:
@@ -25,6 +25,11 @@ def mode_class(correction) -> type[CorrectionMode]:
     if not correction.enabled:
         return DiagnosticsMode
     return BypassMode if correction.bypass_mode else DecoupledMode
+
+
+def check_config(args, correction) -> None:
+    """The config's own mode's ``check_config`` (``RolloutCorrGRPOConfig``, after every feature's)."""
+    mode_class(correction).check_config(args, correction)
 
 
 def build_mode(trainer: "RolloutCorrGRPOTrainer") -> CorrectionMode:

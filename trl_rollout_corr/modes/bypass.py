@@ -12,6 +12,7 @@ they are scored once, with no grad, at the step's first micro-batch (the ``batch
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -20,13 +21,15 @@ from trl.trainer.grpo_trainer import disable_gradient_checkpointing
 from .. import support, trl_compat
 from ..baseline import rows_out_of_baseline
 from ..correction import make_correction_fn
-from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep
+from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep, refuse_config
 from ..lag import drop_stale_rows
 from ..losses import DEFAULT_DUAL_CLIP, PPOClip, bypass_policy_loss
-from .common import attach_mu, require_mu, trained_token_count
+from .common import GRPO_DEFAULTS, attach_mu, check_correction_config, require_mu, trained_token_count
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer
+
+logger = logging.getLogger(__name__)
 
 
 class BypassMode(CorrectionMode):
@@ -34,6 +37,30 @@ class BypassMode(CorrectionMode):
 
     name = "bypass"
     replaces_trl_old_forward = True  # pi_old := mu: TRL's own pi_old forward is not run
+
+    @classmethod
+    def check_config(cls, args, correction) -> None:
+        """Bypass mode: no pi_old forward (``rollout_corr_old_forward="always"`` refused), TRL's options against the
+        correction (``common.check_correction_config``), batch normalisation only where a step's rows all exist at
+        its first micro-batch, and of TRL's loss options only what our loss reproduces exactly (``_check_loss``)."""
+        if args.rollout_corr_old_forward == "always":
+            refuse_config(
+                "rollout_corr_old_forward='always' keeps pi_old's own forward, but bypass mode has none (pi_old := "
+                "mu, the rollout's log-probs), so the setting would be ignored: unset it (the default 'auto'), or use "
+                "decoupled mode (bypass_mode=False) to compute pi_old."
+            )
+        check_correction_config(args, correction)
+        ga, spg, iters = args.gradient_accumulation_steps, args.steps_per_generation, args.num_iterations
+        # with gradient accumulation the trainer scores the step's rows once, at its first micro-batch (one no-grad
+        # forward), which needs every row of the step to exist by then
+        if correction.rollout_is_batch_normalize and ga > 1 and (spg * iters) % ga != 0:
+            refuse_config(
+                "rollout_is_batch_normalize=True with bypass_mode=True normalises over the optimizer step's rows, "
+                "which must all be generated before the step starts: steps_per_generation * num_iterations "
+                f"({spg} * {iters}) must be a multiple of gradient_accumulation_steps ({ga}). Change "
+                "steps_per_generation, or turn batch normalisation off."
+            )
+        _check_loss(args, correction)
 
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
         self.correction_fn = make_correction_fn(trainer.rollout_correction, compile=trainer.args.rollout_corr_compile)
@@ -176,3 +203,50 @@ class BypassMode(CorrectionMode):
                                                                trainer.accelerator.gather)
             trainer.trl_metric("clip_ratio/low_min", low_min)
             trainer.trl_metric("clip_ratio/high_max", high_max)
+
+
+def _check_loss(args, correction) -> None:
+    """Our loss replaces TRL's: refuse TRL's loss options it does not reproduce (and warn that IS weights are
+    metrics only under PPO-clip). Raises ValueError (``refuse_config``)."""
+    unsupported = {
+        "importance_sampling_level": (args.importance_sampling_level != "token", "'token'"),
+        "top_entropy_quantile": (args.top_entropy_quantile < 1.0, "1.0"),
+        "off_policy_mask_threshold": (args.off_policy_mask_threshold is not None, "None"),
+        "entropy_coef": (args.entropy_coef != 0.0, "0.0"),
+        "use_adaptive_entropy": (bool(args.use_adaptive_entropy), "False"),
+    }
+    for name, (bad, needed) in unsupported.items():
+        if bad:
+            refuse_config(f"bypass_mode=True replaces TRL's loss and does not support {name}={getattr(args, name)!r}; "
+                          f"set {name}={needed}.")
+    if args.delta is not None and correction.bypass_loss_type == "reinforce":
+        refuse_config(
+            f"delta={args.delta} bounds the PPO ratio, but bypass_loss_type='reinforce' has no ratio in its loss; "
+            "unset delta or use bypass_loss_type='ppo_clip'."
+        )
+    clip_set = [f"{name}={getattr(args, name)!r}" for name in ("epsilon", "epsilon_high")
+                if getattr(args, name) != GRPO_DEFAULTS[name]]
+    if clip_set and correction.bypass_loss_type == "reinforce":
+        refuse_config(
+            f"{', '.join(clip_set)} set the PPO clip range, but bypass_loss_type='reinforce' has no ratio in its "
+            "loss, so it would be ignored; leave epsilon / epsilon_high at TRL's defaults (0.2 / None) or use "
+            "bypass_loss_type='ppo_clip'."
+        )
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    if correction.bypass_loss_type == "ppo_clip" and args.delta is not None and not args.delta > 1 + epsilon_high:
+        refuse_config(
+            f"bypass_mode=True uses delta as the dual-clip bound of PPO-clip on pi_theta / mu (for A < 0 the "
+            f"per-token loss is capped at -A * delta), which is TRL's two-sided clip only for delta > 1 + "
+            f"epsilon_high; got delta={args.delta}, epsilon_high={epsilon_high}."
+        )
+    if correction.bypass_loss_type == "ppo_clip" and correction.rollout_is is not None:
+        extra = (" rollout_is_batch_normalize=True normalises those metrics only, at the cost of one extra "
+                 "no-grad forward per optimizer step with gradient_accumulation_steps > 1."
+                 if correction.rollout_is_batch_normalize else "")
+        logger.warning(
+            f"rollout_is={correction.rollout_is!r} with bypass_mode=True and bypass_loss_type='ppo_clip': the "
+            "PPO ratio pi_theta / mu already compares against the behaviour policy, so the IS weights are "
+            "logged (rollout_corr/rollout_is_*) but multiplied into no loss (docs/reference/configuration.md, "
+            f"bypass_loss_type).{extra} To weight the loss use bypass_loss_type='reinforce' or decoupled "
+            "mode (bypass_mode=False); else unset rollout_is."
+        )

@@ -1,14 +1,67 @@
-"""What the correction modes share: attaching mu to the batch, and TRL's loss with the ratio decomposition."""
+"""What the correction modes share: the config checks of a configured correction against TRL's options, attaching mu
+to the batch, and TRL's loss with the ratio decomposition."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
+from trl import GRPOConfig
 
 from .. import trl_compat
 from ..correction import ratio_decomposition
-from ..hooks import GenerationBatch, LossStep
+from ..hooks import GenerationBatch, LossStep, refuse_config
+
+# Settings of TRL's own vLLM IS (inert while it is off, i.e. whenever a rollout correction is on) and TRL's defaults
+TRL_VLLM_IS_SETTINGS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+                        "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")
+GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+
+
+def check_correction_config(args, correction) -> None:
+    """With a correction configured (decoupled and bypass ``check_config``): refuse every TRL option it cannot serve
+    exactly, each message naming the option and the fix: continuous batching (no mu), greedy / beam generation, TRL's
+    vLLM IS settings, ``loss_type`` (``trl_compat.SUPPORTED_LOSS_TYPES``), M2PO with a step of several generation
+    batches. Raises ValueError (``refuse_config``)."""
+    if args.use_transformers_continuous_batching:
+        refuse_config(
+            "use_transformers_continuous_batching=True returns no behaviour log-probs, so rollout correction "
+            "cannot run; use the plain transformers.generate path (use_transformers_continuous_batching=False) "
+            "or vLLM."
+        )
+    kwargs = args.generation_kwargs or {}
+    if kwargs.get("do_sample") is False or (kwargs.get("num_beams") or 1) > 1:
+        refuse_config(
+            f"generation_kwargs={kwargs!r} asks for greedy or beam search, which has no sampling distribution: "
+            "rollout correction needs the log-probs of the distribution that sampled each token. Remove "
+            "do_sample=False / num_beams > 1 from generation_kwargs, or disable the rollout correction."
+        )
+    changed = [name for name in TRL_VLLM_IS_SETTINGS if getattr(args, name) != GRPO_DEFAULTS[name]]
+    if changed:
+        refuse_config(
+            f"{', '.join(changed)} configure TRL's own vLLM importance sampling, which is off while rollout "
+            "correction is on (the mismatch is corrected once, by rollout_is / rollout_rs); leave them at "
+            "TRL's defaults, or disable the rollout correction to use TRL's."
+        )
+    if args.loss_type == "vespo":
+        refuse_config(
+            "loss_type='vespo' applies its own importance weighting; it cannot be combined with rollout "
+            "correction."
+        )
+    supported = trl_compat.SUPPORTED_LOSS_TYPES["bypass" if correction.bypass_mode else "decoupled"]
+    if args.loss_type not in supported:
+        what = "bypass_mode=True" if correction.bypass_mode else "decoupled mode"
+        refuse_config(f"{what} supports loss_type in {supported}, got {args.loss_type!r}.")
+    if correction.m2_enabled and args.steps_per_generation != args.gradient_accumulation_steps:
+        # the mask is computed once per generation batch, which must be the optimizer step's global batch
+        refuse_config(
+            f"rollout_m2_threshold (M2PO) masks over the optimizer step's global batch, computed once per "
+            f"generation batch: steps_per_generation ({args.steps_per_generation}) must equal "
+            f"gradient_accumulation_steps ({args.gradient_accumulation_steps}), so that each optimizer step "
+            "trains on exactly one whole generation batch. Set steps_per_generation=gradient_accumulation_steps "
+            "(TRL's default), or unset rollout_m2_threshold."
+        )
 
 
 def attach_mu(trainer, gen: GenerationBatch, batch: dict, mu: torch.Tensor) -> None:

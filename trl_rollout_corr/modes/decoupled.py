@@ -24,8 +24,8 @@ import torch
 from .. import old_forward, support, trl_compat
 from ..baseline import rows_out_of_baseline
 from ..correction import make_correction_fn
-from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep
-from .common import attach_mu, require_mu, trained_token_count, trl_loss_with_ratios
+from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep, refuse_config
+from .common import attach_mu, check_correction_config, require_mu, trained_token_count, trl_loss_with_ratios
 from .m2po_window import m2po_step_mask
 
 if TYPE_CHECKING:
@@ -41,6 +41,26 @@ class DecoupledMode(CorrectionMode):
     """
 
     name = "decoupled"
+
+    @classmethod
+    def check_config(cls, args, correction) -> None:
+        """TRL's options against the correction (``common.check_correction_config``); batch normalisation only where
+        the generation batch is the optimizer step's global batch (spec section 3)."""
+        check_correction_config(args, correction)
+        if not correction.rollout_is_batch_normalize:
+            return
+        ga, spg, iters = args.gradient_accumulation_steps, args.steps_per_generation, args.num_iterations
+        generate_every = spg * iters
+        if ga % spg != 0 or generate_every % ga != 0:
+            # the weights are normalised once per generation batch, which must be the step's global batch
+            refuse_config(
+                "rollout_is_batch_normalize=True in decoupled mode normalises over the generation batch, which is "
+                "the optimizer step's global batch only when each step trains on whole generation batches of one "
+                f"generation: gradient_accumulation_steps ({ga}) must be a multiple of steps_per_generation ({spg}), "
+                f"and steps_per_generation * num_iterations ({generate_every}) a multiple of "
+                "gradient_accumulation_steps. Set steps_per_generation=gradient_accumulation_steps (TRL's default), "
+                "use bypass_mode=True, or turn batch normalisation off."
+            )
 
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
         self.correction_fn = make_correction_fn(trainer.rollout_correction, compile=trainer.args.rollout_corr_compile)
