@@ -193,7 +193,7 @@ def lag_split_memory(trainer) -> dict:
     parameters' bytes, and this rank's live shard bytes (ZeRO-3 ``ds_tensor``, FSDP2 local shard, else whole)."""
     from trl_rollout_corr import trl_compat
     from trl_rollout_corr.features import LagSplit
-    from trl_rollout_corr.features.version_store import _local_shard
+    from trl_rollout_corr.version_store import _local_shard
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     with torch.no_grad():

@@ -13,7 +13,7 @@ import torch
 from tiny_model import make_tiny_model
 from trl_rollout_corr.accumulator import Reducers
 from trl_rollout_corr.features.lag_split import LagSplit
-from trl_rollout_corr.features.version_store import FullCopies, RankShards, store_for
+from trl_rollout_corr.version_store import FullCopies, RankShards, store_for
 
 pytestmark = pytest.mark.unit
 

@@ -136,7 +136,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
             where it can) or at the first generation (no behaviour log-probs, misaligned ones, missing or misshapen
             routes); each feature's class docstring (``features/``) lists its errors. ``fsdp=`` set where
             accelerate drops it (CPU ranks: ``trl_compat.dropped_fsdp``).
-        NotImplementedError: ``policy_lag_split`` on FSDP1 (``features.version_store``).
+        NotImplementedError: ``policy_lag_split`` on FSDP1 (``version_store``).
     """
 
     _tag_names = [*GRPOTrainer._tag_names, *model_card.TAGS]  # on the model (add_model_tags) and in every card

@@ -26,7 +26,7 @@ import torch
 
 from .. import support, trl_compat
 from ..hooks import FORWARD_INPUT_KEYS, Feature, ForwardCall, GenerationBatch, LossStep, refuse_config
-from .version_store import store_for
+from ..version_store import store_for
 
 if TYPE_CHECKING:
     from ..trainer import RolloutCorrGRPOTrainer

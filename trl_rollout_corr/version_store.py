@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 import torch
 from trl.trainer.grpo_trainer import disable_gradient_checkpointing
 
-from .. import trl_compat
+from . import trl_compat
 
 
 class FullCopies:
