@@ -1,6 +1,7 @@
 """M2PO's second-moment mask (correction.m2po): the greedy reference on a constructed batch (ties included), the same
 mask from 2 simulated ranks and from micro-batches as from 1 rank on the concatenated batch, metrics, bad input."""
 
+import functools
 import math
 
 import pytest
@@ -360,7 +361,11 @@ def test_m2po_judges_the_whole_ratio_also_with_rs_on_engine(llama_dir, tmp_path,
                  rollout_log_probs=mu, rollout_version_log_probs=at_version,
                  advantages=torch.tensor([1.0, -1.0, 1.0, -1.0]), prompt_ids=torch.ones(4, 1, dtype=torch.long),
                  prompt_mask=torch.ones(4, 1, dtype=torch.long), completion_ids=torch.ones(4, 3, dtype=torch.long))
-    trainer.rollout_corr_mode.apply_correction(trainer, batch, torch.tensor([[1.0], [0.0], [1.0], [0.0]]))
+    from trl_rollout_corr.features.lag_split import LagSplit
+
+    scorer = functools.partial(trainer.rollout_corr_features.get(LagSplit).version_log_probs, trainer)  # as published
+    trainer.rollout_corr_mode.apply_correction(trainer, batch, torch.tensor([[1.0], [0.0], [1.0], [0.0]]),
+                                               version_log_probs=scorer)  # on GenerationBatch.version_log_probs
     expected = [[1.0, 0.0, 1.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 1.0]]
     assert batch["rollout_rs_mask"].tolist() == expected
     l, e = (old.double() - mu.double()), (at_version.double() - mu.double())
