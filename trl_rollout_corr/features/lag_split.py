@@ -74,7 +74,7 @@ class LagSplit(Feature):
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
         self.store = store_for(trainer)
         self.weights: dict[int, object] = {}
-        self._oldest: Optional[int] = None  # the oldest row version over all ranks of the batch last scored
+        self._oldest: Optional[int] = None  # the oldest row version over all ranks of the training batch last scored
 
     @property
     def model(self) -> Optional[torch.nn.Module]:
@@ -108,9 +108,11 @@ class LagSplit(Feature):
 
     def after_score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
         """``batch["rollout_version_log_probs"]`` (``version_log_probs``, unless the mode asked for it already: RS on
-        the engine factor, ``rollout_rs_on="engine"``), then the weights no row of any rank needs any more are
-        dropped (on every rank alike)."""
-        if self.version_log_probs(trainer, batch) is None:
+        the engine factor, ``rollout_rs_on="engine"``), then, in training only, the weights no row of any rank needs
+        any more are dropped (on every rank alike). An evaluation batch prunes nothing: its rows may be newer than the
+        next training batch's (an asynchronous engine's training rows lag, its evaluation rows need not), whose
+        version must still be held."""
+        if self.version_log_probs(trainer, batch) is None or trainer.metrics_mode != "train":
             return
         for version in [v for v in self.weights if self._oldest is not None and v < self._oldest]:
             del self.weights[version]
@@ -118,9 +120,9 @@ class LagSplit(Feature):
     def _stale_versions(self, trainer, local: dict, oldest: int, device=None) -> list[tuple[int, int]]:
         """The stale versions some rank holds rows of, each with the most forward chunks any rank needs for its rows
         of it (``local``: version -> this rank's chunks, ceil(rows / ``per_device_train_batch_size``)): sorted
-        ``(version, max_chunks)``, the same list on every rank (one all-reduce), and ``self._oldest``, the oldest row
-        version over all ranks. ``device``: where the all-reduce runs (the batch's device: NCCL reduces CUDA tensors
-        only).
+        ``(version, max_chunks)``, the same list on every rank (one all-reduce), and, in training, ``self._oldest``,
+        the oldest row version over all ranks (evaluation keeps it: it prunes nothing, ``after_score``).
+        ``device``: where the all-reduce runs (the batch's device: NCCL reduces CUDA tensors only).
 
         Raises:
             ValueError: on every rank, when some rank's versions include one not held (class Raises).
@@ -130,7 +132,8 @@ class LagSplit(Feature):
         flags = torch.tensor([local.get(v, 0) for v in held] + [len(missing), -oldest], dtype=torch.long,
                              device=device)
         flags = trainer.rollout_corr_reducers.max(flags).cpu()
-        self._oldest = -int(flags[-1])
+        if trainer.metrics_mode == "train":  # the same all-reduce on every rank in either mode
+            self._oldest = -int(flags[-1])
         if int(flags[-2]) > 0:
             where = f"rows of version {missing[0]} arrived" if missing else "another rank got rows of a version"
             raise ValueError(
