@@ -128,10 +128,11 @@ class _FakeStore:
         yield self.model
 
 
-def _version_rows(versions: list[int], other_chunks: int, collective: bool = True):
+def _version_rows(versions: list[int], other_chunks: int, collective: bool = True, kept=None, seen=None):
     """``version_log_probs`` of one rank at step 2 (``per_device_train_batch_size`` 2) over rows of ``versions``,
-    the other rank faked: ``other_chunks`` forward chunks of version 1's rows, its oldest row version 1. Returns
-    (the policy's forward sizes, the store's entries, the batch's completion ids, old log-probs, the result)."""
+    the other rank faked: ``other_chunks`` forward chunks of version 1's rows, its oldest row version 1; ``kept``:
+    the rows' ``rollout_support`` (replay's kept-token sets), each forward's appended to ``seen``. Returns (the
+    policy's forward sizes, the store's entries, the batch's completion ids, old log-probs, the result)."""
     policy = _CountingPolicy()
     lag = LagSplit.__new__(LagSplit)
     lag.store, lag.weights, lag._oldest = _FakeStore(policy, collective), {0: "v0", 1: "v1", 2: "v2"}, None
@@ -147,13 +148,22 @@ def _version_rows(versions: list[int], other_chunks: int, collective: bool = Tru
     trainer.rollout_corr_forward_counts = collections.Counter()
     trainer._get_per_token_logps_and_entropies = types.MethodType(GRPOTrainer._get_per_token_logps_and_entropies,
                                                                   trainer)
-    trainer.policy_forward = types.MethodType(RolloutCorrGRPOTrainer.policy_forward, trainer)
+    policy_forward = types.MethodType(RolloutCorrGRPOTrainer.policy_forward, trainer)
+
+    def forward(call, fwd, **kwargs):
+        if seen is not None:
+            seen.append(call.batch.get("rollout_support"))
+        return policy_forward(call, fwd, **kwargs)
+
+    trainer.policy_forward = forward
     n = len(versions)
     completion = torch.arange(3 * n).view(n, 3) + 10
     old = torch.full((n, 3), -5.0)
     batch = {"prompt_ids": torch.ones(n, 2, dtype=torch.long), "prompt_mask": torch.ones(n, 2, dtype=torch.long),
              "completion_ids": completion, "completion_mask": torch.ones(n, 3, dtype=torch.long),
              "old_per_token_logps": old, "rollout_policy_version": torch.tensor(versions)}
+    if kept is not None:
+        batch["rollout_support"] = kept
     result = lag.version_log_probs(trainer, batch)
     return policy.calls, lag.store.entries, completion, old, result
 
@@ -181,3 +191,15 @@ def test_every_rank_runs_as_many_model_forwards_per_version():
 
     calls, entries, _, old, result = _version_rows([2, 2, 2, 2], other_chunks=2, collective=False)
     assert calls == [] and entries == [] and torch.equal(result, old)  # a whole copy per rank: no collective
+
+
+def test_the_version_forward_takes_its_rows_kept_token_sets():
+    """Support replay scores each row over its engine's kept-token sets (``rollout_support``, a list of B): the
+    version forward takes those of its own rows (rows 0 and 2 here), the placeholder row 0's. Before the fix it took
+    none (the scorer: "needs the engine's kept-token sets for every row")."""
+    seen = []
+    calls, _, _, _, _ = _version_rows([1, 2, 1, 2], other_chunks=2, kept=["k0", "k1", "k2", "k3"], seen=seen)
+    assert calls == [2, 1] and seen == [["k0", "k2"], ["k0"]]
+    seen.clear()
+    _version_rows([2, 2, 2, 1], other_chunks=1, kept=["k0", "k1", "k2", "k3"], seen=seen)
+    assert seen == [["k3"]]

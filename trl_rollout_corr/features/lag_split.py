@@ -7,9 +7,9 @@ lag, taken when a generation batch starts and at the first micro-batch of every 
 version an engine can publish, also steps at which it did not generate (an asynchronous engine publishing after every
 optimizer step, with ``num_iterations > 1`` or ``steps_per_generation`` > accumulation). After the mode has scored a
 batch (pi_old exists then), it scores each stale version's rows: one no-grad forward (role ``version``:
-support-scored when matching, as pi_old and mu are; each row's own routes replayed with routing replay) per stale
-version and generation batch, with that version's weights (a scratch copy, or the live sharded model with the
-version's shards swapped in).
+support-scored when matching, as pi_old and mu are, over each row's own kept-token sets with support replay; each
+row's own routes replayed with routing replay) per stale version and generation batch, with that version's weights (a
+scratch copy, or the live sharded model with the version's shards swapped in).
 The stale versions are the union over ranks (one all-reduce), so on a sharded model, where a forward is a collective,
 every rank runs the same version forwards, each the same number of model forwards (TRL forwards
 ``per_device_train_batch_size`` rows at a time: a rank with fewer chunks of a version's rows than another, none
@@ -169,7 +169,7 @@ class LagSplit(Feature):
         local = {}  # stale version -> this rank's forward chunks over the rows holding a token of it
         for version in set(tokens.unique().tolist()) - {step}:
             local[version] = -(-int((tokens == version).any(dim=1).sum()) // batch_size)
-        placeholder = {k: batch[k][:1] for k in FORWARD_INPUT_KEYS if k in batch}  # row 0, its routes
+        placeholder = _forward_inputs(batch)  # row 0
         for version, chunks in self._stale_versions(trainer, local, int(versions.min()), old.device):
             at = tokens == version
             rows = at.any(dim=1)
@@ -177,7 +177,7 @@ class LagSplit(Feature):
             joins = chunks - own if self.store.collective else 0  # a sharded model: as many forwards as any rank
             if own == 0 and joins == 0:
                 continue
-            inputs = {k: batch[k][rows] for k in FORWARD_INPUT_KEYS if k in batch} if own else None
+            inputs = _forward_inputs(batch, rows) if own else None
             scored = self._log_probs_at_version(trainer, version, inputs, joins, placeholder)
             if scored is not None:
                 version_log_probs[rows] = torch.where(at[rows], scored, version_log_probs[rows])
@@ -204,3 +204,21 @@ class LagSplit(Feature):
                 trainer.policy_forward(ForwardCall("version", model, batch=placeholder),
                                        trl_compat.prompt_completion_inputs(placeholder), batch_size=batch_size)
         return scored
+
+
+def _forward_inputs(batch: dict, rows: Optional[torch.Tensor] = None) -> dict:
+    """What a forward over some of ``batch``'s rows takes with them (``hooks.FORWARD_INPUT_KEYS``: the tokens, the
+    routes to replay, replay's kept-token sets), for the rows ``rows`` ((B,) bool) or row 0 (None: the placeholder);
+    a list (the kept-token sets, ``rollout_support``) is taken by the rows' indices."""
+    out = {}
+    for key in FORWARD_INPUT_KEYS:
+        value = batch.get(key)
+        if value is None:
+            continue
+        if rows is None:
+            out[key] = value[:1]
+        elif isinstance(value, torch.Tensor):
+            out[key] = value[rows]
+        else:
+            out[key] = [value[i] for i in rows.nonzero()[:, 0].tolist()]
+    return out
