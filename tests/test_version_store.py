@@ -203,3 +203,41 @@ def test_the_version_forward_takes_its_rows_kept_token_sets():
     seen.clear()
     _version_rows([2, 2, 2, 1], other_chunks=1, kept=["k0", "k1", "k2", "k3"], seen=seen)
     assert seen == [["k3"]]
+
+
+def test_a_failed_swap_leaves_the_live_weights_and_the_version_bit_for_bit(monkeypatch):
+    """A kept shard whose shape no longer fits (the 2nd parameter's) is refused before anything is swapped; an
+    error midway through the swap (here the ZeRO-3 refresh after every exchange) undoes the exchanges done. Either
+    way the live weights and the kept version are bit-identical to before. Before the fix the first parameter kept
+    the version's weights (the first swap ran outside the try, and checked each shape only when it got to it)."""
+    from trl_rollout_corr import version_store
+
+    model, _ = make_tiny_model("llama", seed=0)
+    trainer = _trainer(model)
+    store = RankShards("test")
+    kept = store.keep(trainer)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))  # "training": the live weights differ from the version
+    current = [p.detach().clone() for p in model.parameters()]
+    version = [t.clone() for t in kept]
+
+    def unchanged() -> bool:
+        return (all(torch.equal(p, c) for p, c in zip(model.parameters(), current))
+                and all(torch.equal(t, v) for t, v in zip(kept, version)))
+
+    wrong = list(kept)
+    wrong[1] = kept[1][:-1].clone()  # the 2nd parameter re-partitioned
+    with pytest.raises(RuntimeError, match="the backend re-partitioned the model"):
+        with store.loaded(trainer, wrong):
+            raise AssertionError("never entered")
+    assert unchanged() and torch.equal(wrong[0], version[0])
+
+    def failing_refresh(params):
+        raise RuntimeError("refresh failed")
+
+    monkeypatch.setattr(version_store, "_refresh_gathered_zero3", failing_refresh)
+    with pytest.raises(RuntimeError, match="refresh failed"):
+        with store.loaded(trainer, kept):
+            raise AssertionError("never entered")
+    assert unchanged()
