@@ -86,7 +86,10 @@ class ScriptArguments:
     rollout_kv_cache_gib: int = field(default=1, metadata={
         "help": "vLLM CPU KV cache (GiB): the vllm_cpu engine's, and TRL's colocate engine's unless "
         "VLLM_CPU_KVCACHE_SPACE is set."})
-    rollout_seed: int = 0
+    rollout_seed: int = field(default=0, metadata={
+        "help": "Sampling seed of the vLLM server the recipe starts (--vllm_server_start). Refused elsewhere: the "
+        "in-process engines (vllm_cpu, TRL's colocate) sample from torch's global RNG, which the Trainer seeds with "
+        "--seed after the engine starts, so there --seed alone sets the sampling stream."})
     torch_threads: int = field(default=1, metadata={
         "help": "CPU threads for torch and the in-process vLLM CPU engine. Fixed (1) by default: the count changes "
         "floating-point reduction order, so a run is reproducible on the same machine type at the same count. "
@@ -110,6 +113,10 @@ def main(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mod
          trainer_cls: type = RolloutCorrGRPOTrainer) -> dict:
     """``run`` (below), inside the vLLM server it starts with ``--vllm_server_start`` (stopped on return and on
     errors; ``results["engine"]["vllm_server_startup_s"]`` records its start-up)."""
+    if script_args.rollout_seed != 0 and not script_args.vllm_server_start:
+        raise ValueError(f"--rollout_seed {script_args.rollout_seed} would be ignored: it seeds only the vLLM server "
+                         "the recipe starts (--vllm_server_start). The in-process engines sample from torch's "
+                         "global RNG, which the Trainer seeds with --seed: change --seed instead.")
     if not script_args.vllm_server_start:
         return run(script_args, training_args, model_args, trainer_cls)
     if script_args.rollout_engine != "trl_vllm" or not training_args.use_vllm or training_args.vllm_mode != "server":
