@@ -55,6 +55,10 @@ CASES = {
     "decoupled": dict(rollout_corr_preset="decoupled_token_is", rollout_rs="token_k1", rollout_rs_threshold="0.3_3.0"),
     "bypass": dict(rollout_corr_preset="bypass_pg_is"),
     "policy_lag_split": dict(rollout_corr_preset="decoupled_token_is", policy_lag_split=True),
+    # with accumulation 2 (per_device_train_batch_size 2 on 2 ranks): rank 0's 4 stale rows are 2 version chunks,
+    # rank 1 has none (it joins with 2 placeholder forwards; 1 before the fix: a hang)
+    "policy_lag_split_accum": dict(rollout_corr_preset="decoupled_token_is", policy_lag_split=True,
+                                   gradient_accumulation_steps=2),
     "support_recompute": dict(rollout_corr_preset="decoupled_token_is", rollout_support_matching="recompute"),
     "max_policy_lag": dict(rollout_corr_preset="decoupled_token_is", max_policy_lag=0),  # rank 0's stale rows dropped
     "records": dict(rollout_corr_preset="decoupled_token_is"),  # + rollout_dump_dir (set in run_case)
@@ -145,7 +149,7 @@ def run_case(case: str, backend: str, model_dir: str, work: str, world: int) -> 
     if case == "records":
         fields["rollout_dump_dir"] = os.path.join(work, f"records_{case}")
     rollout = TableRollout(top_p=0.9 if case == "support_recompute" else 1.0,
-                           stale=case in ("policy_lag_split", "max_policy_lag"))
+                           stale=case in ("policy_lag_split", "policy_lag_split_accum", "max_policy_lag"))
     accumulation = fields.get("gradient_accumulation_steps", 1)
     kwargs = dict(
         output_dir=os.path.join(work, case), use_cpu=True, per_device_train_batch_size=8 // world // accumulation,

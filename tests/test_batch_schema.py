@@ -175,7 +175,7 @@ def test_the_watch_charges_an_undeclared_key_to_its_writer():
 @pytest.mark.unit
 def test_schema_tables_are_consistent():
     """Each key and role declared once; the roles are exactly ``hooks.Role``'s; the role traits match the words the
-    docs print; the forward inputs are the rows and their routes."""
+    docs print; the forward inputs are the rows, their routes and their kept-token sets (support replay)."""
     import typing
 
     assert len(BATCH_KEY_SCHEMA) == len(hooks.BATCH_KEYS)
@@ -184,4 +184,4 @@ def test_schema_tables_are_consistent():
         assert role.replayed == role.replay.startswith("replay"), role
         assert role.scored == ("replace if matching" in role.support), role
     assert hooks.FORWARD_INPUT_KEYS == ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
-                                        "routed_experts")
+                                        "routed_experts", "rollout_support")

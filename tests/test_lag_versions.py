@@ -19,6 +19,7 @@ import torch
 
 from stale_rollout import StaleRollout
 from tiny_model import prompt_dataset, reward_len
+from trl_rollout_corr.features import LagSplit
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +55,7 @@ class PublishingRollout(StaleRollout):
         return super().__call__(prompts, trainer)
 
 
-def _train(llama_dir, tmp_path, rollout, **overrides):
+def _train(llama_dir, tmp_path, rollout, eval_dataset=None, **overrides):
     from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
     args = RolloutCorrGRPOConfig(**{
@@ -63,7 +64,8 @@ def _train(llama_dir, tmp_path, rollout, **overrides):
         "learning_rate": 1e-3, "save_strategy": "no", "beta": 0.0, "seed": 0, "disable_tqdm": True, "bf16": False,
         "rollout_corr_preset": "decoupled_token_is", "policy_lag_split": True, **overrides})
     trainer = RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, args=args,
-                                     train_dataset=prompt_dataset(8), rollout_func=rollout)
+                                     train_dataset=prompt_dataset(8), eval_dataset=eval_dataset,
+                                     rollout_func=rollout)
     trainer.train()
     return trainer, [h for h in trainer.state.log_history if "loss" in h]
 
@@ -85,6 +87,36 @@ def test_lag_split_holds_every_version_an_async_engine_publishes(llama_dir, tmp_
         for q in ("p01", "max"):
             assert abs(log[f"rollout_corr/engine_ratio_{q}"] - 1.0) < 1e-5, (log["step"], q)
     assert abs(logs[2]["rollout_corr/lag_ratio_max"] - 1.0) > 1e-3  # version 1 is one update behind step 2
+
+
+class SyncEvalRollout(PublishingRollout):
+    """``PublishingRollout(async_depth=d)`` whose evaluation rows are generated at the trainer's current weights
+    (version: the current step), as a synchronous evaluation generation beside an asynchronous training pipeline
+    does; training rows stay ``d`` steps behind."""
+
+    def _take_weights(self, trainer, step: int) -> None:
+        super()._take_weights(trainer, step)
+        if not trainer.model.training:
+            self.engine.load_state_dict(trainer.accelerator.unwrap_model(trainer.model).state_dict())
+            self.engine_version = step
+
+
+def test_evaluation_keeps_the_versions_training_still_needs(llama_dir, tmp_path):
+    """Async depth 1 with an evaluation after every step whose rows carry the current step: the evaluation batch
+    scores (decoupled mode computes pi_old there) without pruning the kept versions, so the next training batch's
+    version s - 1 is still held. Before the fix the evaluation at step 1 dropped version 0 and training step 1
+    stopped with "holds no weights of that version"."""
+    rollout = SyncEvalRollout(async_depth=1)
+    trainer, logs = _train(llama_dir, tmp_path, rollout, eval_dataset=prompt_dataset(4), eval_strategy="steps",
+                           eval_steps=1, per_device_eval_batch_size=4, max_steps=3)
+    # (trainer step, engine version) per generation: training at s - 1, evaluation after steps 0-2 (4 batches of
+    # one prompt's 4 completions) at s
+    assert rollout.calls == [(0, 0)] + [(1, 1)] * 4 + [(1, 0)] + [(2, 2)] * 4 + [(2, 1)] + [(3, 3)] * 4
+    assert [log["rollout_corr/policy_lag_max"] for log in logs] == [0, 1, 1]
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert len(evals) == 3 and all(h["eval_rollout_corr/policy_lag_max"] == 0 for h in evals)
+    assert trainer.rollout_corr_forward_counts["version_log_probs"] == 2  # version 0 at step 1, 1 at step 2
+    assert sorted(trainer.rollout_corr_features.get(LagSplit).weights) == [1, 2]  # pruned by training only
 
 
 class SpanningRollout(StaleRollout):

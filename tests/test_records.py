@@ -491,3 +491,38 @@ def test_analyze_and_suggest_count_the_restored_rows_of_a_resumed_window(tmp_pat
         assert analysis.total.metrics() == pytest.approx(expected, abs=1e-7), path.name
         (s,) = suggest(dump, keep=1.0, options=["token_k2"]).direct
         assert s.population == 24 and summary_row(s.analysis.total)["valid_tokens"] == 24, path.name
+
+
+def test_a_loss_steps_support_columns_reach_its_records_also_through_the_lag_filters_copy():
+    """Bypass with support matching, ``num_iterations=2``: the micro-batch TRL holds keeps the first use's support
+    columns; at the second use ``max_policy_lag`` drops a now-stale row, so the mode trains on a shallow copy
+    (``LossStep.inputs``, ``lag.drop_stale_rows``). The second use's measured score (hand values) must be what its
+    records hold; before the fix it went to ``LossStep.original`` only while the records read the copy first, so
+    they held the first use's columns."""
+    import types
+
+    from trl_rollout_corr.features.rollout_records import RolloutRecords
+    from trl_rollout_corr.hooks import LossStep
+
+    first = {name: torch.full((2, 3), value) for name, value in (("log_mass", -0.5), ("size", 4.0), ("miss", 0.0))}
+    second = types.SimpleNamespace(log_mass=torch.tensor([[-0.1, -0.2, -0.3], [-0.4, -0.5, -0.6]]),
+                                   size=torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]),
+                                   miss=torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]))
+    original = {"prompt_ids": torch.ones(2, 2, dtype=torch.long), "prompt_mask": torch.ones(2, 2, dtype=torch.long),
+                "completion_ids": torch.ones(2, 3, dtype=torch.long), "completion_mask": torch.ones(2, 3),
+                "rollout_log_probs": torch.full((2, 3), -1.0), "advantages": torch.tensor([1.0, -1.0]),
+                "rollout_generation_step": torch.tensor(4), "rollout_record_batch": torch.tensor(0),
+                "rollout_record_row": torch.arange(2), "rollout_policy_version": torch.tensor([4, 3]),
+                **{f"rollout_record_support_{name}": value for name, value in first.items()}}
+    trained = {**original, "tool_mask": torch.tensor([[1.0] * 3, [0.0] * 3])}  # row 1 stale: out of the loss
+    added = []
+    features = RolloutRecords.__new__(RolloutRecords)
+    features.writer, features.num_experts = types.SimpleNamespace(add=added.append), None
+    trainer = types.SimpleNamespace(metrics_mode="train", state=types.SimpleNamespace(global_step=5))
+    step = LossStep(original=original, inputs=trained, policy_log_probs=torch.full((2, 3), -0.9), support=second)
+    features.after_loss(trainer, step)
+    (record,) = added
+    for name in ("log_mass", "size", "miss"):
+        assert torch.equal(record.per_token[f"support_{name}"], getattr(second, name)), name
+    for batch in (original, trained):  # both hold the latest use's columns
+        assert batch["rollout_record_support_size"] is second.size

@@ -108,8 +108,8 @@ def test_sharded_backend_and_full_parameter_bytes():
 
 
 # ---------------------------------------------------------------------------------------------- 2 CPU ranks
-CASES = ("none", "decoupled", "bypass", "policy_lag_split", "support_recompute", "max_policy_lag", "records",
-         "bypass_bn_window", "plain_generate")
+CASES = ("none", "decoupled", "bypass", "policy_lag_split", "policy_lag_split_accum", "support_recompute",
+         "max_policy_lag", "records", "bypass_bn_window", "plain_generate")
 # 2 ranks vs 1 rank: the same float32 math over a different reduction order (max |diff| / max(1, |value|));
 # measured up to ~2e-6 on these runs, the issue's 1e-6..7.5e-6
 TOL = 2e-5
@@ -230,4 +230,5 @@ def sharded_reference(llama_dir, tmp_path_factory):
     # max_policy_lag=0: rank 0's stale half of the rows is out of the loss
     assert [log["rollout_corr/policy_lag_dropped_fraction"] for log in lag] == [0.0, 0.5, 0.5]
     assert one["cases"]["policy_lag_split"]["forwards"]["version_log_probs"] == 2  # steps 1 and 2
+    assert one["cases"]["policy_lag_split_accum"]["forwards"]["version_log_probs"] == 2
     return one

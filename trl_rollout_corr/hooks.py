@@ -407,7 +407,8 @@ class BatchKey:
         writers: the parts that write it (class names; ``"TRL"``). ``tests/test_batch_schema.py`` fails when a part
             writes a key not declared here, or a key it is not declared a writer of.
         readers: who reads it (docs).
-        forward_input: a policy forward over some of the rows takes it with them (``LagSplit``'s version forward).
+        forward_input: a policy forward over some of the rows takes it with them (``LagSplit``'s version forward;
+            a tensor by its rows, a list by the rows' indices).
         note: when it is written, in words (docs).
     """
 
@@ -442,7 +443,7 @@ BATCH_KEYS: tuple[BatchKey, ...] = (
     BatchKey("rollout_generation_row", "(B,) int64", ("DecoupledMode",), "`DecoupledMode.prepare_loss`",
              note="pi_old read from the loss forward: each row's place in generation order"),
     BatchKey("rollout_support", "list of B `support.KeptTokens`", ("SupportMatching",), "SupportMatching `forward`",
-             note="replay, `on_batch`"),
+             forward_input=True, note="replay, `on_batch`"),
     BatchKey("rollout_support_miss", "(B, T) bool", ("SupportMatching",), "the modes (`support.invalidate_misses`), "
              "records", note="matching on: the measured pi_old forward's missed tokens"),
     BatchKey("rollout_rs_mask", "(B, T) float", ("DecoupledMode", "PolicyLag"),

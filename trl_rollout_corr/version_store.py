@@ -115,11 +115,22 @@ class RankShards:
     def loaded(self, trainer, kept: list[torch.Tensor]) -> Iterator[torch.nn.Module]:
         """The live model (``trainer.model``, gradient checkpointing off as for pi_old) with the version's shards
         swapped in; swapped back on exit, also on an error. Every rank must enter this together (the gathered
-        parameters are refreshed by a collective)."""
+        parameters are refreshed by a collective).
+
+        Raises:
+            RuntimeError: the kept shards do not fit the live ones (their number, or a shape: the backend
+                re-partitioned the model), before anything is swapped.
+        """
         reshard_fsdp2(trainer.accelerator.unwrap_model(trainer.model))  # the registered parameters: the shards
         params = self._params(trainer)
         if len(params) != len(kept):
             raise RuntimeError(f"policy_lag_split: {len(kept)} shards kept, the model has {len(params)} parameters.")
+        with torch.no_grad():
+            for p, shard in zip(params, kept):
+                live = _local_shard(p)
+                if live.shape != shard.shape:
+                    raise RuntimeError(f"policy_lag_split: a kept shard of shape {tuple(shard.shape)} for a live "
+                                       f"shard of shape {tuple(live.shape)}; the backend re-partitioned the model.")
         self._swap(trainer, params, kept)
         try:
             with disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
@@ -128,18 +139,29 @@ class RankShards:
             self._swap(trainer, params, kept)
 
     def _swap(self, trainer, params: list, kept: list[torch.Tensor]) -> None:
-        """Exchange the live shards with ``kept`` in place (their contents trade places), one parameter at a time."""
+        """Exchange the live shards with ``kept`` in place (their contents trade places), one parameter at a time
+        (shapes checked by ``loaded``). On an error midway the exchanges done are undone, so the live model keeps
+        its own weights and ``kept`` the version's (a failed ZeRO-3 refresh may leave the gathered copies of
+        persistent parameters refreshed from the version: no collective runs again on an error path)."""
         reshard_fsdp2(trainer.accelerator.unwrap_model(trainer.model))  # the next forward gathers the new shards
+        done = 0
         with torch.no_grad():
-            for p, shard in zip(params, kept):
-                live = _local_shard(p)
-                if live.shape != shard.shape:
-                    raise RuntimeError(f"policy_lag_split: a kept shard of shape {tuple(shard.shape)} for a live "
-                                       f"shard of shape {tuple(live.shape)}; the backend re-partitioned the model.")
-                scratch = live.clone()
-                live.copy_(shard)
-                shard.copy_(scratch)
-            _refresh_gathered_zero3(params)
+            try:
+                for p, shard in zip(params, kept):
+                    _exchange(_local_shard(p), shard)
+                    done += 1
+                _refresh_gathered_zero3(params)
+            except BaseException:
+                for p, shard in zip(params[:done], kept[:done]):
+                    _exchange(_local_shard(p), shard)
+                raise
+
+
+def _exchange(live: torch.Tensor, shard: torch.Tensor) -> None:
+    """Trade the contents of two tensors of one shape in place (its own inverse)."""
+    scratch = live.clone()
+    live.copy_(shard)
+    shard.copy_(scratch)
 
 
 def reshard_fsdp2(model: torch.nn.Module) -> None:

@@ -7,12 +7,14 @@ lag, taken when a generation batch starts and at the first micro-batch of every 
 version an engine can publish, also steps at which it did not generate (an asynchronous engine publishing after every
 optimizer step, with ``num_iterations > 1`` or ``steps_per_generation`` > accumulation). After the mode has scored a
 batch (pi_old exists then), it scores each stale version's rows: one no-grad forward (role ``version``:
-support-scored when matching, as pi_old and mu are; each row's own routes replayed with routing replay) per stale
-version and generation batch, with that version's weights (a scratch copy, or the live sharded model with the
-version's shards swapped in).
+support-scored when matching, as pi_old and mu are, over each row's own kept-token sets with support replay; each
+row's own routes replayed with routing replay) per stale version and generation batch, with that version's weights (a
+scratch copy, or the live sharded model with the version's shards swapped in).
 The stale versions are the union over ranks (one all-reduce), so on a sharded model, where a forward is a collective,
-every rank runs the same version forwards (a rank without rows of a version scores one placeholder row and discards
-it); the versions no rank needs any more are dropped on every rank alike.
+every rank runs the same version forwards, each the same number of model forwards (TRL forwards
+``per_device_train_batch_size`` rows at a time: a rank with fewer chunks of a version's rows than another, none
+included, adds 1-row placeholder forwards whose results it discards); the versions no rank needs any more are dropped
+on every rank alike.
 The result rides in the batch as ``rollout_version_log_probs``; the mode's ratio decomposition reads it.
 """
 
@@ -72,7 +74,7 @@ class LagSplit(Feature):
     def __init__(self, trainer: "RolloutCorrGRPOTrainer") -> None:
         self.store = store_for(trainer)
         self.weights: dict[int, object] = {}
-        self._oldest: Optional[int] = None  # the oldest row version over all ranks of the batch last scored
+        self._oldest: Optional[int] = None  # the oldest row version over all ranks of the training batch last scored
 
     @property
     def model(self) -> Optional[torch.nn.Module]:
@@ -106,26 +108,32 @@ class LagSplit(Feature):
 
     def after_score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
         """``batch["rollout_version_log_probs"]`` (``version_log_probs``, unless the mode asked for it already: RS on
-        the engine factor, ``rollout_rs_on="engine"``), then the weights no row of any rank needs any more are
-        dropped (on every rank alike)."""
-        if self.version_log_probs(trainer, batch) is None:
+        the engine factor, ``rollout_rs_on="engine"``), then, in training only, the weights no row of any rank needs
+        any more are dropped (on every rank alike). An evaluation batch prunes nothing: its rows may be newer than the
+        next training batch's (an asynchronous engine's training rows lag, its evaluation rows need not), whose
+        version must still be held."""
+        if self.version_log_probs(trainer, batch) is None or trainer.metrics_mode != "train":
             return
         for version in [v for v in self.weights if self._oldest is not None and v < self._oldest]:
             del self.weights[version]
 
-    def _stale_versions(self, trainer, local: set, oldest: int, device=None) -> list[int]:
-        """The stale versions some rank holds rows of (sorted, the same list on every rank; one all-reduce), and
-        ``self._oldest``, the oldest row version over all ranks. ``device``: where the all-reduce runs (the batch's
-        device: NCCL reduces CUDA tensors only).
+    def _stale_versions(self, trainer, local: dict, oldest: int, device=None) -> list[tuple[int, int]]:
+        """The stale versions some rank holds rows of, each with the most forward chunks any rank needs for its rows
+        of it (``local``: version -> this rank's chunks, ceil(rows / ``per_device_train_batch_size``)): sorted
+        ``(version, max_chunks)``, the same list on every rank (one all-reduce), and, in training, ``self._oldest``,
+        the oldest row version over all ranks (evaluation keeps it: it prunes nothing, ``after_score``).
+        ``device``: where the all-reduce runs (the batch's device: NCCL reduces CUDA tensors only).
 
         Raises:
             ValueError: on every rank, when some rank's versions include one not held (class Raises).
         """
         held = sorted(self.weights)
-        missing = sorted(local - set(held))
-        flags = torch.tensor([v in local for v in held] + [len(missing), -oldest], dtype=torch.long, device=device)
+        missing = sorted(set(local) - set(held))
+        flags = torch.tensor([local.get(v, 0) for v in held] + [len(missing), -oldest], dtype=torch.long,
+                             device=device)
         flags = trainer.rollout_corr_reducers.max(flags).cpu()
-        self._oldest = -int(flags[-1])
+        if trainer.metrics_mode == "train":  # the same all-reduce on every rank in either mode
+            self._oldest = -int(flags[-1])
         if int(flags[-2]) > 0:
             where = f"rows of version {missing[0]} arrived" if missing else "another rank got rows of a version"
             raise ValueError(
@@ -136,15 +144,16 @@ class LagSplit(Feature):
                 "the engine with the trainer, or resume from a checkpoint at one of its weight syncs. Else "
                 "unset policy_lag_split."
             )
-        return [v for v, needed in zip(held, flags[:-2].tolist()) if needed]
+        return [(v, chunks) for v, chunks in zip(held, flags[:-2].tolist()) if chunks > 0]
 
     def version_log_probs(self, trainer, batch: dict) -> Optional[torch.Tensor]:
         """(B, T) float32 log pi_train@v of each token at its own version v, stored as
         ``batch["rollout_version_log_probs"]`` (computed once per batch; the stored tensor afterwards). A token's
         version is its row's, or, for a row that spans a weight update, its own (``rollout_policy_version_tokens``):
         one forward per stale version of any rank over the rows holding a token of it (``_stale_versions``; on a
-        sharded model a rank without such rows runs it on a placeholder row). Tokens of the current version reuse
-        pi_old exactly (their lag ratio is 1). None while the batch has no pi_old or no versions."""
+        sharded model a rank with fewer chunks of such rows than another adds placeholder forwards). Tokens of the
+        current version reuse pi_old exactly (their lag ratio is 1). None while the batch has no pi_old or no
+        versions."""
         if "rollout_version_log_probs" in batch:
             return batch["rollout_version_log_probs"]
         old = batch.get("old_per_token_logps", batch.get("rollout_old_log_probs"))
@@ -156,27 +165,60 @@ class LagSplit(Feature):
         if tokens is None:
             tokens = versions[:, None].expand(old.shape)
         version_log_probs = old.detach().float().clone()
-        local = set(tokens.unique().tolist()) - {step}
-        for version in self._stale_versions(trainer, local, int(versions.min()), old.device):
+        batch_size = trainer.args.per_device_train_batch_size
+        local = {}  # stale version -> this rank's forward chunks over the rows holding a token of it
+        for version in set(tokens.unique().tolist()) - {step}:
+            local[version] = -(-int((tokens == version).any(dim=1).sum()) // batch_size)
+        placeholder = _forward_inputs(batch)  # row 0
+        for version, chunks in self._stale_versions(trainer, local, int(versions.min()), old.device):
             at = tokens == version
             rows = at.any(dim=1)
-            if not bool(rows.any()):
-                if self.store.collective:  # join the collective forward: score row 0, discard it
-                    self._log_probs_at_version(trainer, version, {k: batch[k][:1] for k in FORWARD_INPUT_KEYS
-                                                                  if k in batch})
+            own = local.get(version, 0)
+            joins = chunks - own if self.store.collective else 0  # a sharded model: as many forwards as any rank
+            if own == 0 and joins == 0:
                 continue
-            inputs = {k: batch[k][rows] for k in FORWARD_INPUT_KEYS if k in batch}  # the rows, their routes
-            scored = self._log_probs_at_version(trainer, version, inputs)
-            version_log_probs[rows] = torch.where(at[rows], scored, version_log_probs[rows])
+            inputs = _forward_inputs(batch, rows) if own else None
+            scored = self._log_probs_at_version(trainer, version, inputs, joins, placeholder)
+            if scored is not None:
+                version_log_probs[rows] = torch.where(at[rows], scored, version_log_probs[rows])
         batch["rollout_version_log_probs"] = version_log_probs
         return version_log_probs
 
-    def _log_probs_at_version(self, trainer, version: int, rows: dict) -> torch.Tensor:
-        """(b, T) float32 log-probs of ``rows`` under the policy at ``version`` (``store.loaded``)."""
-        fwd = trl_compat.prompt_completion_inputs(rows)
+    def _log_probs_at_version(self, trainer, version: int, rows: Optional[dict], joins: int = 0,
+                              placeholder: Optional[dict] = None) -> Optional[torch.Tensor]:
+        """(b, T) float32 log-probs of ``rows`` under the policy at ``version`` (``store.loaded``; None when
+        ``rows`` is None: this rank has none), chunked as TRL chunks (``per_device_train_batch_size`` rows per model
+        forward); then, inside the same ``loaded`` (on a sharded model a collective too), ``joins`` model forwards of
+        the 1-row ``placeholder`` whose results are discarded, so that every rank runs as many model forwards of
+        this version as the rank with the most chunks (``_stale_versions``): a sharded forward is a collective."""
         trainer.rollout_corr_forward_counts["version_log_probs"] += 1
-        with self.store.loaded(trainer, self.weights[version]) as model:
-            call = ForwardCall("version", model, batch=rows)
-            with torch.no_grad():
-                lp, _, _ = trainer.policy_forward(call, fwd, batch_size=trainer.args.per_device_train_batch_size)
-        return support.invalidate_misses(lp.float(), call.miss)  # support matching: missed tokens NaN, as mu's
+        batch_size = trainer.args.per_device_train_batch_size
+        scored = None
+        with self.store.loaded(trainer, self.weights[version]) as model, torch.no_grad():
+            if rows is not None:
+                call = ForwardCall("version", model, batch=rows)
+                lp, _, _ = trainer.policy_forward(call, trl_compat.prompt_completion_inputs(rows),
+                                                  batch_size=batch_size)
+                scored = support.invalidate_misses(lp.float(), call.miss)  # matching: missed tokens NaN, as mu's
+            for _ in range(joins):
+                trainer.policy_forward(ForwardCall("version", model, batch=placeholder),
+                                       trl_compat.prompt_completion_inputs(placeholder), batch_size=batch_size)
+        return scored
+
+
+def _forward_inputs(batch: dict, rows: Optional[torch.Tensor] = None) -> dict:
+    """What a forward over some of ``batch``'s rows takes with them (``hooks.FORWARD_INPUT_KEYS``: the tokens, the
+    routes to replay, replay's kept-token sets), for the rows ``rows`` ((B,) bool) or row 0 (None: the placeholder);
+    a list (the kept-token sets, ``rollout_support``) is taken by the rows' indices."""
+    out = {}
+    for key in FORWARD_INPUT_KEYS:
+        value = batch.get(key)
+        if value is None:
+            continue
+        if rows is None:
+            out[key] = value[:1]
+        elif isinstance(value, torch.Tensor):
+            out[key] = value[rows]
+        else:
+            out[key] = [value[i] for i in rows.nonzero()[:, 0].tolist()]
+    return out

@@ -123,10 +123,13 @@ class RolloutRecords(Feature):
     def after_loss(self, trainer, step: LossStep) -> None:
         """The trained micro-batch, as TRL passed it, and its pi_theta to the writer (training only; without a
         correction a batch can lack mu: warned, no diagnostics, not recorded). A measured forward of the loss step
-        (``LossStep.support``: pi_old read from it, the bypass loss) gives the support columns; pi_old's stay with
-        the micro-batch TRL holds (later iterations over it find them)."""
+        (``LossStep.support``: pi_old read from it, the bypass loss) gives the support columns, written to the
+        micro-batch TRL holds (later iterations over it find pi_old's) and to what the mode trained on when that is a
+        copy (``PolicyLag``'s lag filter: ``micro_batch`` reads it first)."""
         if step.support is not None:
             _support_keys(step.original, step.support)
+            if step.inputs is not step.original:
+                _support_keys(step.inputs, step.support)
         if trainer.metrics_mode == "train" and "rollout_log_probs" in step.original:
             self.writer.add(micro_batch(trainer.state.global_step, step.original, step.policy_log_probs,
                                         trained=step.inputs, num_experts=self.num_experts))
