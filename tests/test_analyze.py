@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hand_dump import LN, hand_dump
+from torchrun import run_torchrun
 from trl_rollout_corr.analyze import (
     ConfigError,
     NamedConfig,
@@ -224,7 +225,6 @@ def test_two_rank_dump_is_reproduced(llama_dir, tmp_path):
     rows of each generation batch (global batch-normalisation mean) and matches the logged values."""
     import os
     import socket
-    import subprocess
     import sys
 
     with socket.socket() as s:
@@ -233,8 +233,7 @@ def test_two_rank_dump_is_reproduced(llama_dir, tmp_path):
     dump = tmp_path / "dump"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            str(Path(__file__).with_name("dist_records_worker.py")), str(dump), str(llama_dir)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=600)
+    proc = run_torchrun(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"dump.rank{r}.json").read_text()) for r in range(2)]
     assert [r["world"] for r in ranks] == [2, 2] and [r["rows"] for r in ranks] == [8, 8]

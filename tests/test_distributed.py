@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
+
+from torchrun import run_torchrun
 
 
 # ---------------------------------------------------------------------------------------------- two ranks on CPU
@@ -18,7 +19,7 @@ def _launch(nproc: int, out_json, model_dir, port: int, *extra: str):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
            os.path.join(os.path.dirname(__file__), "dist_worker.py"), str(out_json), str(model_dir), *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_torchrun(cmd, env, timeout=600)
     errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
     assert proc.returncode == 0, "\n".join(errors[-20:]) + proc.stderr[-3000:]
     return [json.load(open(f"{out_json}.rank{r}")) for r in range(nproc)]

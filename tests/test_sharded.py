@@ -16,7 +16,6 @@ import functools
 import json
 import os
 import socket
-import subprocess
 import sys
 import types
 
@@ -27,6 +26,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
 from tiny_model import make_tiny_model
+from torchrun import run_torchrun
 from trl_rollout_corr import trl_compat
 from trl_rollout_corr.features.behaviour import plain_generate_has_no_mu
 
@@ -139,7 +139,7 @@ def _launch(nproc: int, backend: str, out_dir, model_dir, cases=CASES) -> list[d
            os.path.join(os.path.dirname(__file__), "dist_sharded_worker.py"), out, str(model_dir), backend,
            ",".join(cases)]
     # a hang (a forward some rank does not join) ends at the timeout: TimeoutExpired fails the test
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+    proc = run_torchrun(cmd, env, timeout=420)  # the whole tree killed on a timeout
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.load(open(f"{out}.rank{r}")) for r in range(nproc)]
 
