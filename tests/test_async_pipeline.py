@@ -358,3 +358,45 @@ def test_server_requests_run_on_daemon_threads_so_a_hung_request_cannot_block_ex
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "exiting", out.stderr
     assert time.monotonic() - t0 < 30
+
+
+def test_close_never_writes_into_a_request_still_being_written(tmp_path):
+    """A stopped engine that no longer reads blocks the worker thread in the middle of writing a request (a weight
+    load is hundreds of MB). ``close`` must not write its "close" into that socket too (it blocked the trainer's
+    thread forever in the full suite: test_engine_hangs under load); it kills the child at once instead."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+    from multiprocessing.connection import Connection
+
+    from trl_rollout_corr.engines.async_pipeline import EngineError, TransformersProcessEngine
+
+    engine = TransformersProcessEngine(str(tmp_path), temperature=1.0, max_tokens=4, eos_token_ids=[0],
+                                       log_path=str(tmp_path / "engine.log"))
+    ours, theirs = socket.socketpair()  # the child holds `theirs` and never reads it: a stopped engine
+    engine._conn = Connection(ours.detach())
+    engine.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                                      pass_fds=(theirs.fileno(),))
+    theirs.close()
+    failed = []
+
+    def write():
+        try:
+            engine._call(("load", 1, {"w": b"x" * (64 << 20)}), "load of version 1")
+        except EngineError as err:
+            failed.append(err)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    deadline = time.monotonic() + 10
+    while not engine._sending.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the 64 MB write is now blocked in the full socket
+    process, started = engine.process, time.monotonic()
+    engine.close()
+    assert time.monotonic() - started < 5  # killed at once, not after terminate's grace
+    assert process.returncode == -signal.SIGKILL
+    writer.join(10)
+    assert not writer.is_alive() and len(failed) == 1  # its write failed once the socket closed

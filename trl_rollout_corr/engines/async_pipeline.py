@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import pickle
+import select
 import socket
 import subprocess
 import sys
@@ -205,6 +206,7 @@ class TransformersProcessEngine:
         self.process = None
         self._conn = None
         self._hung = False
+        self._sending = threading.Lock()  # held while a request is written (close must not write into it)
 
     @property
     def pid(self) -> Optional[int]:
@@ -243,7 +245,8 @@ class TransformersProcessEngine:
 
     def _call(self, message: tuple, what: str):
         try:
-            _send(self._conn, message)
+            with self._sending:
+                _send(self._conn, message)
         except OSError as err:
             raise EngineError(f"the rollout engine (pid {self.pid}) {self._gone()} before its {what}.\n"
                               f"{self.log_tail()}") from err
@@ -251,8 +254,11 @@ class TransformersProcessEngine:
 
     def _gone(self) -> str:
         """How the child's end of the socket went away: its exit code once it is reaped (1 s at most)."""
+        process = self.process
+        if process is None:
+            return "was closed (the pipeline is stopping)"
         try:
-            return f"died (exit code {self.process.wait(1.0)})"
+            return f"died (exit code {process.wait(1.0)})"
         except subprocess.TimeoutExpired:
             return "closed its socket"
 
@@ -286,16 +292,24 @@ class TransformersProcessEngine:
         return f"engine log {self.log_path}, last lines:\n" + "\n".join(f"  {line}" for line in text)
 
     def close(self, grace_s: float = 5.0) -> None:
-        """Ask the child to exit; terminate, then kill it if it has not within ``grace_s`` (a hung child: killed at
-        once). Idempotent."""
+        """Ask the child to exit; terminate, then kill it if it has not within ``grace_s``. A hung child, or one
+        a request is still being written to (a stopped child that no longer reads: the writer blocks in the
+        socket), is killed at once without writing to it: a write there would block this thread too. Idempotent."""
         process, self.process = self.process, None
         if process is None:
             return
-        try:
-            if process.poll() is None:
-                _send(self._conn, ("close",))
-        except OSError:
-            pass
+        polite = process.poll() is None and self._sending.acquire(blocking=False)
+        if polite:
+            try:
+                if select.select([], [self._conn.fileno()], [], 0)[1]:  # room for the tiny message now
+                    _send(self._conn, ("close",))
+                else:
+                    polite = False
+            except OSError:
+                pass
+            finally:
+                self._sending.release()
+        self._hung = self._hung or not polite
         for stop in ((process.kill,) if self._hung else (None, process.terminate, process.kill)):
             if stop is not None:
                 stop()
