@@ -196,6 +196,12 @@ def _run(tmp_path, dtype: str, **config):
     return trainer
 
 
+def _close_engine(trainer) -> None:
+    """Shut the trainer's colocate engine down now (``VLLMGeneration.close``): several engines alive at once in this
+    process peaked at 17 GB RSS and the OOM killer ended ``make test-vllm`` on a 24 GB machine."""
+    trainer.vllm_generation.close()
+
+
 @pytest.fixture(scope="module")
 def float32_decoupled(tmp_path_factory):
     _needs_vllm_and_model()
@@ -249,23 +255,6 @@ def _check_mu_and_versions(trainer, bound: float) -> list[float]:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_float32_colocate_mu_is_the_processed_log_prob_and_syncs_are_exact(float32_decoupled):
-    trainer = float32_decoupled
-    _check_mu_and_versions(trainer, bound=1e-3)  # measured: max 2e-5 (float32 noise); raw 0.2+ nats
-    gen = trainer.vllm_generation
-    assert gen.describe()["rollout_engine"] == "trl_vllm_colocate" and gen.describe()["rollout_dtype"] == "float32"
-    assert gen.llm.llm_engine.model_config.enforce_eager  # eager by default on CPU
-    # after the optimizer steps the engine holds the trainer's new weights once synced again, embedding included
-    before = _engine_probe(trainer)  # engine: step 1's weights; trainer: step 2's
-    gen.sync_weights()
-    after = _engine_probe(trainer)
-    print(f"probe: engine vs trainer before the sync {before:.2e}, after {after:.2e}")
-    assert after < 1e-4, after  # float32 noise
-    assert before > 10 * after, (before, after)
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
 def test_float32_colocate_features_work(float32_decoupled):
     """Decoupled mode with the lag split, RS on the engine factor, max_policy_lag 0 and records: all run on TRL's
     colocate path, and with a float32 engine the engine factor is 1 to float32 noise (nothing rejected for it)."""
@@ -287,14 +276,34 @@ def test_float32_colocate_features_work(float32_decoupled):
         assert record["rollout_engine"] == "trl_vllm_colocate" and record["rollout_dtype"] == "float32"
 
 
-@pytest.fixture(scope="module")
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_float32_colocate_mu_is_the_processed_log_prob_and_syncs_are_exact(float32_decoupled):
+    trainer = float32_decoupled  # the fixture's last user: its engine is shut down at the end (_close_engine)
+    _check_mu_and_versions(trainer, bound=1e-3)  # measured: max 2e-5 (float32 noise); raw 0.2+ nats
+    gen = trainer.vllm_generation
+    assert gen.describe()["rollout_engine"] == "trl_vllm_colocate" and gen.describe()["rollout_dtype"] == "float32"
+    assert gen.llm.llm_engine.model_config.enforce_eager  # eager by default on CPU
+    # after the optimizer steps the engine holds the trainer's new weights once synced again, embedding included
+    before = _engine_probe(trainer)  # engine: step 1's weights; trainer: step 2's
+    gen.sync_weights()
+    after = _engine_probe(trainer)
+    print(f"probe: engine vs trainer before the sync {before:.2e}, after {after:.2e}")
+    _close_engine(trainer)
+    assert after < 1e-4, after  # float32 noise
+    assert before > 10 * after, (before, after)
+
+
+@pytest.fixture  # one test uses it: its engine is shut down right after (_close_engine)
 def bf16_decoupled(tmp_path_factory):
     _needs_vllm_and_model()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield _run(tmp_path_factory.mktemp("colocate_bf16"), "bfloat16",
-                   rollout_corr_preset="decoupled_k3_rs_token_tis")
+        trainer = _run(tmp_path_factory.mktemp("colocate_bf16"), "bfloat16",
+                       rollout_corr_preset="decoupled_k3_rs_token_tis")
+        yield trainer
+        _close_engine(trainer)
     finally:
         torch.set_num_threads(threads)
 
@@ -321,14 +330,16 @@ def test_bf16_colocate_mu_and_synced_weights(bf16_decoupled):
         assert torch.equal(engine[name], state[name].to(torch.bfloat16)), name
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test uses it: its engine is shut down right after (_close_engine)
 def float32_bypass_top_p(tmp_path_factory):
     _needs_vllm_and_model()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield _run(tmp_path_factory.mktemp("colocate_bypass"), "float32", rollout_corr_preset="bypass_pg_is",
-                   top_p=0.9, rollout_support_matching="recompute")
+        trainer = _run(tmp_path_factory.mktemp("colocate_bypass"), "float32", rollout_corr_preset="bypass_pg_is",
+                       top_p=0.9, rollout_support_matching="recompute")
+        yield trainer
+        _close_engine(trainer)
     finally:
         torch.set_num_threads(threads)
 
