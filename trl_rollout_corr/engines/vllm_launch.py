@@ -33,7 +33,35 @@ def _version(distribution_name: str) -> str:
 _version.__wrapped__ = _trl_rollout_corr_original_version
 _metadata.version = _version
 
+WATCH_PARENT_ENV = "TRL_ROLLOUT_CORR_WATCH_PARENT"  # set by ``vllm_serve.VLLMServer``: the pid to outlive never
+
+
+def watch_parent(parent_pid: int, poll_s: float = 1.0, grace_s: float = 10.0) -> None:
+    """Stop this process group once ``parent_pid`` is no longer our parent (it died, even by SIGKILL, which no
+    fixture or ``finally`` survives): SIGTERM to the group (vLLM's server and engine core shut down), SIGKILL after
+    ``grace_s``. Runs on a daemon thread; only for a server that ``VLLMServer`` started (``WATCH_PARENT_ENV``), never
+    for one a user started from a shell (``nohup`` there must keep it alive)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        group = os.getpgid(0)
+        os.killpg(group, signal.SIGTERM)
+        time.sleep(grace_s)
+        os.killpg(group, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="trl-rollout-corr-parent-watch", daemon=True).start()
+
+
 if __name__ == "__main__":
+    import os
+
+    if os.environ.get(WATCH_PARENT_ENV):
+        watch_parent(int(os.environ[WATCH_PARENT_ENV]))
     from vllm.entrypoints.cli.main import main
 
     main()

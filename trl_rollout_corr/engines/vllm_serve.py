@@ -205,6 +205,7 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
         env = {**server_env(not cuda_available()), **self.env}
+        env.setdefault("TRL_ROLLOUT_CORR_WATCH_PARENT", str(os.getpid()))  # vllm_launch: die with this process
         t0 = time.perf_counter()
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)
