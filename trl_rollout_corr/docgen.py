@@ -10,7 +10,7 @@ the features (``features.FEATURES``) that implement it, read from the classes (a
 it overrides it), so the table cannot drift. ``--batch-key-table`` and ``--role-table`` print the batch keys and
 the forward roles of ``docs/explanation/architecture.md`` from their one declaration (``hooks.BATCH_KEYS``,
 ``hooks.FORWARD_ROLES``). ``--cli`` prints ``docs/reference/cli.md``'s body: the ``--help`` of ``trl-rollout-corr``
-and of each sub-command, from ``cli.build_parser`` (at 100 columns, whatever the terminal). ``tests/test_docs.py``
+and of each sub-command, from ``cli.build_parser`` (at 100 columns, whatever the terminal). ``tests/unit/test_docs.py``
 checks that the pages hold them all.
 """
 

@@ -6,7 +6,8 @@ through the per-call objects below and through the batch keys declared once at t
 (``BATCH_KEYS``: writers, readers, shape; ``FORWARD_ROLES``: each forward role's traits), from which
 ``docs/explanation/architecture.md``'s tables are generated (``docgen``).
 
-The ordering rules (written once, here and in ``features.FEATURES``; tested in ``tests/test_features_order.py``):
+The ordering rules (written once, here and in ``features.FEATURES``; tested in
+``tests/features/test_features_order.py``):
 
 1. Around hooks (``generation``, ``plain_generate``, ``forward``) nest in list order: entered in ``FEATURES`` order,
    exited in reverse, so an earlier feature encloses every later one.
@@ -404,8 +405,8 @@ class BatchKey:
 
     Attributes:
         name: the key. shape: its shape (B: local rows, T: completion length, P: prompt length, F: reward functions).
-        writers: the parts that write it (class names; ``"TRL"``). ``tests/test_batch_schema.py`` fails when a part
-            writes a key not declared here, or a key it is not declared a writer of.
+        writers: the parts that write it (class names; ``"TRL"``). ``tests/trainer/test_batch_schema.py`` fails when a
+            part writes a key not declared here, or a key it is not declared a writer of.
         readers: who reads it (docs).
         forward_input: a policy forward over some of the rows takes it with them (``LagSplit``'s version forward;
             a tensor by its rows, a list by the rows' indices).

@@ -114,7 +114,7 @@ def render_section(correction: Mapping[str, Any], engine: Mapping[str, Any],
     return "\n".join([*lines, END]) + "\n"
 
 
-# What TRL 1.16's template renders with base_model=None / hub_model_id=None (pinned in tests/test_model_card.py).
+# What TRL 1.16's template renders with base_model=None / hub_model_id=None (pinned in tests/unit/test_model_card.py).
 TRL_NO_BASE_MODEL = "[None](https://huggingface.co/None)"
 TRL_NO_HUB_ID = 'model="None"'
 

@@ -23,7 +23,7 @@ TRL's private state (``_metrics``, ``_logs``, ``_buffered_inputs``, ``_step``). 
 
 ``docs/explanation/architecture.md`` gives the protocol, the ordering rules, the forward roles and the batch keys. Who
 knows TRL
-1.16's internals: this file and ``trl_compat.py``, both pinned by ``tests/test_trl_compat.py``.
+1.16's internals: this file and ``trl_compat.py``, both pinned by ``tests/trainer/test_trl_compat.py``.
 """
 
 from __future__ import annotations
@@ -302,8 +302,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     def _trl_forward_call(self, model) -> ForwardCall:
         """The role of a forward TRL itself starts: in a loss step ``loss`` (the mode's ``forward`` may make it
         ``old``); in a generation batch, the first no-grad policy forward is ``trl_old`` when TRL 1.16's rule runs
-        one (pinned in ``tests/test_trl_compat.py``) and every other is ``ref`` (a PEFT reference forward runs on the
-        policy with its adapter off); else ``other``."""
+        one (pinned in ``tests/trainer/test_trl_compat.py``) and every other is ``ref`` (a PEFT reference forward runs
+        on the policy with its adapter off); else ``other``."""
         step = self._loss
         if step is not None:
             return ForwardCall("loss", model, batch=step.inputs)

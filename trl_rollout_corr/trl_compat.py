@@ -2,8 +2,8 @@
 
 TRL has no hook for "advantages without these rows", "the loss of an objective TRL does not have" or "skip the
 pi_old forward", so the trainer reproduces a few of TRL's formulas. They all live here, next to each other, so a
-TRL upgrade means reading this file and its pins (``tests/test_trl_compat.py``), which check TRL's source text and
-signatures for every assumption below and fail loudly when the pinned TRL changes.
+TRL upgrade means reading this file and its pins (``tests/trainer/test_trl_compat.py``), which check TRL's source text
+and signatures for every assumption below and fail loudly when the pinned TRL changes.
 
 Mirrored from ``trl/trainer/grpo_trainer.py`` of trl 1.16.0 (line numbers of that release):
 
@@ -47,7 +47,7 @@ here                              TRL 1.16
                                   the module-level name swapped for the block); ``colocate_generation_class``:
                                   ``VLLMGeneration._init_vllm``'s one ``LLM(...)`` call (without
                                   ``COLOCATE_LLM_KWARGS``), ``sync_weights``' colocate ``load_weights`` per
-                                  parameter, ``generate`` (pinned in ``tests/test_trl_vllm_colocate.py``)
+                                  parameter, ``generate`` (pinned in ``tests/e2e/test_trl_vllm_colocate.py``)
 ``sharded_backend``               accelerate 1.15's ``state.deepspeed_plugin.zero_stage`` /
                                   ``state.fsdp_plugin.fsdp_version`` (as transformers' Trainer reads them);
                                   ``full_parameter_bytes``: DeepSpeed's ``ds_numel``, FSDP2's global DTensor size
@@ -119,7 +119,7 @@ def group_advantages(
 
     Returns:
         (B_global,) advantages in reward units per std (unitless when scaled); equal, bit for bit, to TRL's when
-        ``excluded`` is all False (pinned in ``tests/test_trl_compat.py``).
+        ``excluded`` is all False (pinned in ``tests/trainer/test_trl_compat.py``).
 
     Raises:
         ValueError: for an unknown ``scale_rewards`` or ``multi_objective_aggregation`` (as TRL).
@@ -484,9 +484,9 @@ def wrap_optimizer_step(optimizer: Any, allow: Callable[[], bool]) -> None:
     """Make ``optimizer.step()`` a no-op whenever ``allow()`` returns False (``features.empty_steps``).
 
     The Trainer (transformers 5.x, ``_run_epoch``) calls ``self.optimizer.step()`` once per optimizer
-    step, on the optimizer ``accelerator.prepare`` returned (pinned in ``tests/test_trl_compat.py``); the wrapper is
-    set on that instance once (``_rollout_corr_step_wrapped``), and ``allow`` runs on every call (it may run a
-    collective: every rank calls ``step``).
+    step, on the optimizer ``accelerator.prepare`` returned (pinned in ``tests/trainer/test_trl_compat.py``); the
+    wrapper is set on that instance once (``_rollout_corr_step_wrapped``), and ``allow`` runs on every call (it may run
+    a collective: every rank calls ``step``).
 
     Args:
         optimizer: the prepared optimizer (``trainer.optimizer``).
@@ -594,7 +594,7 @@ def resolved_generation_config(model: Any, generation_config: Any) -> Any:
 
     transformers fills every field the caller left None from the model's ``generation_config`` (its
     ``generation_config.json``), then from the global defaults (``GenerationMixin._prepare_generation_config``,
-    transformers 5.x; pinned in ``tests/test_trl_compat.py``). TRL 1.16 overrides nothing on the model under
+    transformers 5.x; pinned in ``tests/trainer/test_trl_compat.py``). TRL 1.16 overrides nothing on the model under
     transformers 5 (``_override_model_generation_config`` is a no-op there), so this is what TRL's generate path
     samples with.
 
@@ -644,8 +644,8 @@ def score_trained_tokens_only(enabled: bool = True) -> Iterator[None]:
     ``COMPACT_SCORING_DEVICES`` (CPU), which changes only which rows enter ``_ChunkedLogProbFunction`` (the tile
     kernel itself is chosen by ``trl.kernels.chunked_logprob``'s own ``_use_triton``, untouched). The per-token
     log-probs (nats) and entropies at labelled positions are the same computation on a subset of rows (equal bit
-    for bit on the tested models: ``tests/test_trl_compat.py``), and every other position reads 0 on both paths,
-    so values and gradients are unchanged; only the unused LM-head work (P + padding positions per row, the
+    for bit on the tested models: ``tests/trainer/test_trl_compat.py``), and every other position reads 0 on both
+    paths, so values and gradients are unchanged; only the unused LM-head work (P + padding positions per row, the
     (B * (P + T), V) projection's extra rows, and their backward) is skipped.
 
     ``enabled=False``: a no-op (TRL's own choice). Not thread-safe (a module attribute is swapped for the block;
@@ -696,7 +696,7 @@ def skip_fused_lm_head() -> Iterator[None]:
 
 # ---------------------------------------------------------------------------- TRL's vLLM colocate engine (issue 43)
 # The keyword arguments TRL 1.16's colocate ``vllm.LLM(...)`` call (``VLLMGeneration._init_vllm``) does not pass, and
-# which ``trl_vllm_colocate`` may therefore add (pinned: tests/test_trl_vllm_colocate.py).
+# which ``trl_vllm_colocate`` may therefore add (pinned: tests/e2e/test_trl_vllm_colocate.py).
 COLOCATE_LLM_KWARGS = ("dtype", "enforce_eager")
 
 _COLOCATE_CLASS: list = []  # the VLLMGeneration subclass, built on first use (importing it imports vLLM)
@@ -872,7 +872,7 @@ def install_vllm_client_cpu_weight_sync() -> bool:
     once and ``update_named_params(metadata, named_params)`` on every sync, inside or outside
     ``weight_update()`` (the ``_updating_weights`` flag), posting ``/start_weight_update``, ``/update_weights``
     and ``/finish_weight_update``; these calls and the wrapped methods' source are pinned in
-    ``tests/test_trl_compat.py``.
+    ``tests/trainer/test_trl_compat.py``.
 
     Idempotent; returns True when this call installed the hook. ``RolloutCorrGRPOTrainer`` calls it for
     ``use_vllm=True, vllm_mode="server"``; a plain ``GRPOTrainer`` user can call it before building the trainer.
@@ -1058,7 +1058,7 @@ def fsdp2_wrapped_method(method: Any) -> Optional[Any]:
 
     The wrapper is recognised by its code object (``functools.wraps`` copies the wrapped method's name and module
     onto it), and the wrapped method is its ``__wrapped__`` (a bound method). Pinned in
-    ``tests/test_trl_compat.py``: fails loudly if torch renames or restructures the wrapper.
+    ``tests/trainer/test_trl_compat.py``: fails loudly if torch renames or restructures the wrapper.
     """
     func = getattr(method, "__func__", None)
     code = _fsdp2_wrapper_code()

@@ -1,6 +1,6 @@
 """Multi-rank runs on CPU (torchrun + gloo, and DeepSpeed ZeRO-2): the rollout_corr/* values of 2 ranks equal those
 of 1 rank on the same global batch, RS-rejected rows leave their group baselines across ranks, and the logged
-token counts are global. The worker is ``tests/dist_worker.py`` (minutes: each test spawns torchrun twice)."""
+token counts are global. The worker is ``tests/helpers/dist_worker.py`` (minutes: each test spawns torchrun twice)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torchrun import run_torchrun
 def _launch(nproc: int, out_json, model_dir, port: int, *extra: str):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
-           os.path.join(os.path.dirname(__file__), "dist_worker.py"), str(out_json), str(model_dir), *extra]
+           os.path.join(os.path.dirname(__file__), "../helpers/dist_worker.py"), str(out_json), str(model_dir), *extra]
     proc = run_torchrun(cmd, env, timeout=600)
     errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
     assert proc.returncode == 0, "\n".join(errors[-20:]) + proc.stderr[-3000:]

@@ -19,7 +19,7 @@ import pytest
 
 from script_module import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get("TRL_ROLLOUT_CORR_SMOLLM2", ROOT / "models" / "SmolLM2-135M-Instruct"))
 CONFIG = ROOT / "recipes" / "configs" / "cpu_smollm2_decoupled.yaml"
 

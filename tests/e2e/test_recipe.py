@@ -20,7 +20,7 @@ pytest.importorskip("trl")
 import grpo_recipe_utils as ru  # noqa: E402  (recipes/ is on pytest's pythonpath)
 import print_run_summary  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
 ACCELERATE = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
 

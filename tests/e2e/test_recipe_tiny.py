@@ -23,7 +23,7 @@ pytest.importorskip("reasoning_gym")
 import grpo_recipe_utils as ru  # noqa: E402  (recipes/ is on pytest's pythonpath)
 from tiny_model import make_tiny_model_dir  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 

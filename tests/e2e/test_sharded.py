@@ -1,6 +1,6 @@
 """Sharded backends (DeepSpeed ZeRO-3, FSDP2): the pieces that recognise them (unit tests), and 2 real CPU ranks
-over gloo against 1 rank on the same fixed rollout table (``tests/dist_sharded_worker.py``; slow: three torchrun
-launches, about 2-3 minutes in all on 2 cores).
+over gloo against 1 rank on the same fixed rollout table (``tests/helpers/dist_sharded_worker.py``; slow: three
+torchrun launches, about 2-3 minutes in all on 2 cores).
 
 The 2-rank runs check, per backend and feature: a rank's parameter really is partial (ZeRO-3 ``ds_tensor`` /
 FSDP2 DTensor local shard smaller than the full tensor), the loss, grad_norm and every ``rollout_corr/*`` value of
@@ -136,7 +136,7 @@ def _launch(nproc: int, backend: str, out_dir, model_dir, cases=CASES) -> list[d
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = os.path.join(out_dir, f"{backend}{nproc}.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
-           os.path.join(os.path.dirname(__file__), "dist_sharded_worker.py"), out, str(model_dir), backend,
+           os.path.join(os.path.dirname(__file__), "../helpers/dist_sharded_worker.py"), out, str(model_dir), backend,
            ",".join(cases)]
     # a hang (a forward some rank does not join) ends at the timeout: TimeoutExpired fails the test
     proc = run_torchrun(cmd, env, timeout=420)  # the whole tree killed on a timeout

@@ -54,10 +54,10 @@ WORKER = textwrap.dedent('''
 def test_rollout_corr_keys_reach_tensorboard_and_trackio(tmp_path):
     pytest.importorskip("tensorboard")
     pytest.importorskip("trackio")
-    tests = Path(__file__).resolve().parent
+    tests = Path(__file__).resolve().parents[1] / "helpers"
     env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "HF_HUB_OFFLINE": "1",
            "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_DISABLE_TELEMETRY": "1",
-           "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parents[1]), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", WORKER, str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -22,7 +22,7 @@ import torch
 
 from trl_rollout_corr import trl_compat
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get("TRL_ROLLOUT_CORR_SMOLLM2", ROOT / "models" / "SmolLM2-135M-Instruct"))
 TEMPERATURE = 0.7  # processed log-probs (T = 0.7) differ from the raw ones: the check can tell the two apart
 

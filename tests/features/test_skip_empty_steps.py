@@ -17,12 +17,7 @@ from stale_rollout import StaleRollout
 from tiny_model import prompt_dataset, reward_len
 from trl_rollout_corr.features import SkipEmptySteps
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _silence_trl_experimental(monkeypatch):
-    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("_silence_trl_experimental")]
 
 
 def _train(llama_dir, tmp_path, skip, accumulation):

@@ -17,11 +17,6 @@ DECOUPLED = dict(rollout_corr_preset="decoupled_k3_rs_token_tis", rollout_genera
 TOL = 1e-6
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe_dir(tmp_path_factory):
-    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_qwen3_moe_old")), "qwen3_moe", seed=0)
-
-
 def _logged(trainer) -> list[dict]:
     return [{k: v for k, v in h.items() if isinstance(v, (int, float)) and "time" not in k and k != "epoch"}
             for h in trainer.state.log_history if "loss" in h]

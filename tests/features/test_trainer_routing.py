@@ -18,11 +18,6 @@ ROUTING_KEYS = ("rollout_corr/routing_mismatch_fraction", "rollout_corr/routing_
 
 
 @pytest.fixture(scope="module")
-def qwen3_moe_dir(tmp_path_factory):
-    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_qwen3_moe")), "qwen3_moe", seed=0)
-
-
-@pytest.fixture(scope="module")
 def olmoe_dir(tmp_path_factory):
     return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_olmoe")), "olmoe", seed=1)
 

@@ -1,6 +1,8 @@
-"""Multi-rank worker for ``tests/test_analyze.py::test_two_rank_dump_is_reproduced`` (not collected by pytest).
+"""Multi-rank worker for ``tests/features/test_analyze.py::test_two_rank_dump_is_reproduced`` (not collected by
+pytest).
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/dist_records_worker.py DUMP MODEL_DIR
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 \
+        tests/helpers/dist_records_worker.py DUMP MODEL_DIR
 
 Trains 2 GRPO steps with real gloo DDP on CPU (``use_cpu=True``) with rollout records on, in decoupled mode with
 batch-normalised token IS and RS, so that the recomputation must merge both ranks' rows of each generation batch

@@ -1,9 +1,9 @@
-"""Sharded-backend worker for ``tests/test_sharded.py`` (not collected by pytest).
+"""Sharded-backend worker for ``tests/e2e/test_sharded.py`` (not collected by pytest).
 
 Recipe (CPU, 2 ranks over gloo)::
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 \
-        tests/dist_sharded_worker.py OUT.json MODEL_DIR BACKEND CASE[,CASE...]
+        tests/helpers/dist_sharded_worker.py OUT.json MODEL_DIR BACKEND CASE[,CASE...]
 
 ``BACKEND``: ``ddp`` (also the 1-rank reference), ``zero3`` (DeepSpeed ZeRO-3, ``stage3_param_persistence_threshold``
 0 so that every parameter of the tiny model is really sharded), ``fsdp2`` (torch FSDP2 ``fully_shard``) or ``fsdp1``

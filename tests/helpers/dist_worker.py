@@ -1,10 +1,10 @@
-"""Multi-rank worker for ``tests/test_distributed.py`` (not collected by pytest).
+"""Multi-rank worker for ``tests/e2e/test_distributed.py`` (not collected by pytest).
 
 Recipe (CPU, real DDP over gloo; ``accelerate launch --cpu`` and torchrun without ``use_cpu=True`` give independent
 single-process runs instead)::
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 \
-        tests/dist_worker.py OUT.json MODEL_DIR [deepspeed]
+        tests/helpers/dist_worker.py OUT.json MODEL_DIR [deepspeed]
 
 with ``use_cpu=True`` in the ``RolloutCorrGRPOConfig``. Each rank writes ``OUT.json.rank<k>``. With ``deepspeed`` the
 trainers get a ZeRO-2 ``deepspeed=`` config (a real ``DeepSpeedEngine`` on 2 CPU ranks; ``pip install deepspeed``).

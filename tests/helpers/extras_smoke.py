@@ -1,7 +1,7 @@
 """One extra's environment, checked as a user gets it: run by ``make test-extras`` in a fresh venv that holds only
 ``pip install -c constraints/cpu.txt ".[EXTRA]"`` (not a pytest file: it needs its own venv).
 
-    python tests/extras_smoke.py peft
+    python tests/helpers/extras_smoke.py peft
 
 Checks that ``trl_rollout_corr`` is the installed copy (not this source tree), that the trainer imports, that the
 extra's own packages import, and trains one GRPO step on a tiny random model (``tiny_model.py``, next to this file)

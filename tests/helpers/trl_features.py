@@ -2,7 +2,7 @@
 
 One row per feature (the ``GRPOConfig`` field list and docstring groups of trl 1.16's ``grpo_config.py``, and the
 ``GRPOTrainer`` arguments), with the outcome under each correction preset of ``PRESETS``: ``WORKS`` or a substring
-of the config-time refusal (which names the option). ``tests/test_trl_features.py`` checks every row: without a
+of the config-time refusal (which names the option). ``tests/trainer/test_trl_features.py`` checks every row: without a
 correction the subclass trains exactly as plain TRL (same logged losses, gradient norms and TRL metrics), and with
 each preset the refusal happens when the config is built or a short training run works. ``markdown_table()``
 renders the table of ``docs/reference/trl-options.md`` from the same rows.
@@ -174,8 +174,8 @@ FEATURES = (
     Feature("ds3_gather_for_generation (DeepSpeed ZeRO-3)", "training arguments",
             dict(ds3_gather_for_generation=False), train=False, outcome=_untested(),
             note="the capture instruments the unwrapped model TRL generates with; ZeRO-2 is trained in "
-                 "tests/test_distributed.py, ZeRO-3 on 2 CPU ranks in tests/test_sharded.py with the default True "
-                 "(plain generate: mu captured, kl 2e-9); False is untested here"),
+                 "tests/e2e/test_distributed.py, ZeRO-3 on 2 CPU ranks in tests/e2e/test_sharded.py "
+                 "with the default True (plain generate: mu captured, kl 2e-9); False is untested here"),
     # ----------------------------------------------------------------- TrainingArguments that GRPOConfig re-defaults
     Feature("gradient_checkpointing (GRPOConfig default True)", "training arguments",
             dict(gradient_checkpointing=True)),
@@ -190,7 +190,8 @@ FEATURES = (
             note="our own field, with the GRPOConfig fields it must agree with"),
     # ----------------------------------------------------------------- GRPOTrainer arguments
     Feature("args=None (TRL's default config)", "trainer", train=False, outcome={c: NOT_APPLICABLE for c in PRESETS},
-            note="builds RolloutCorrGRPOConfig(\"<model>-GRPO\"), no correction (tests/test_trainer_drop_in.py)"),
+            note="builds RolloutCorrGRPOConfig(\"<model>-GRPO\"), no correction "
+                 "(tests/trainer/test_trainer_drop_in.py)"),
     Feature("reward_funcs: several, async", "trainer", trainer="async_reward"),
     Feature("reward_funcs: a reward model (path)", "trainer", trainer="reward_model"),
     Feature("train_dataset: IterableDataset", "trainer", trainer="iterable"),

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-VECTORS = json.loads((Path(__file__).parent / "data" / "testvectors.json").read_text())
+VECTORS = json.loads((Path(__file__).resolve().parents[1] / "data" / "testvectors.json").read_text())
 
 
 def tensor(name: str, dtype=torch.float64) -> torch.Tensor:

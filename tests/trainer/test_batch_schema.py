@@ -6,7 +6,7 @@ part among its writers, checked on real training steps.
 (``batch``; a ``LossStep``'s ``original`` and ``inputs``; a ``ForwardCall``'s ``batch``) before and after it: a key
 that is new, or whose value is another object, was written by that call. A write is charged to the innermost call that
 made it (a feature's forward hook inside the mode's ``score`` writes for itself). The golden cases
-(``tests/test_trainer_golden.py``: every mode, every feature) run under the watch.
+(``tests/trainer/test_trainer_golden.py``: every mode, every feature) run under the watch.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import contextlib
 
 import pytest
 import torch
+from test_trainer_golden import CASES, run_case
 
-from test_trainer_golden import CASES, qwen3_moe_dir, run_case  # noqa: F401 (qwen3_moe_dir: a fixture)
 from trl_rollout_corr import hooks
 from trl_rollout_corr.features.lag_split import LagSplit
 from trl_rollout_corr.hooks import AROUND_HOOKS, BATCH_KEY_SCHEMA, Feature, Features, ForwardCall, LossStep

@@ -17,9 +17,7 @@ from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrain
 ENGINE_KEYS = [f"rollout_corr/engine_ratio_{q}" for q in ("mean", "p01", "p50", "p99", "max")]
 
 
-@pytest.fixture(autouse=True)
-def _silence_trl_experimental(monkeypatch):
-    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
+pytestmark = pytest.mark.usefixtures("_silence_trl_experimental")  # rollout_func is experimental in TRL
 
 
 def _train(model_dir, tmp_path, rollout, **overrides):

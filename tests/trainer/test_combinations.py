@@ -61,7 +61,7 @@ NOT_RECOMPUTED = {  # policy_lag_split's lag_ratio_* are recomputed from version
 }
 # a dump analyze refuses, and the setting its message must name (support matching and max_policy_lag: recorded)
 ANALYZE_REFUSES = {"m2po": "rollout_m2_threshold=0.04 (M2PO)"}
-DOC = Path(__file__).resolve().parents[1] / "docs" / "reference" / "combinations.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "reference" / "combinations.md"
 TABLE_START, TABLE_END = "<!-- refused-combinations:start -->", "<!-- refused-combinations:end -->"
 PAIRS = [(mode, a, b) for mode in MODES for a, b in itertools.combinations(FEATURES, 2)]
 

@@ -25,9 +25,9 @@ import math
 import pytest
 
 from stale_rollout import StaleRollout
-from tiny_model import make_tiny_model_dir, prompt_dataset, reward_len
+from tiny_model import prompt_dataset, reward_len
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("_silence_trl_experimental")]
 
 ENGINE_KEYS = [f"rollout_corr/engine_ratio_{q}" for q in ("mean", "p01", "p50", "p99", "max")]
 MODES = {"decoupled": dict(rollout_corr_preset="decoupled_token_is"),
@@ -81,17 +81,6 @@ class HalfFresher(Reporting):
         out["policy_version"] = [v + 1 if i % 2 == 0 and v + 1 <= step else v
                                  for i, v in enumerate(out["policy_version"])]
         return out
-
-
-@pytest.fixture(autouse=True)
-def _silence_trl_experimental(monkeypatch):
-    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
-
-
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    """A tiny Qwen3-MoE (8 experts, top-2; ``tiny_model``)."""
-    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_qwen3_moe")), "qwen3_moe", seed=0)
 
 
 def _train(model_dir, tmp_path, mode, features, shape):
@@ -153,7 +142,7 @@ def _check_run(mode, features, rollout, logs, shape):
 
 
 @pytest.mark.parametrize("mode,features", TRIPLES, ids=["-".join((m, *f)) for m, f in TRIPLES])
-def test_stale_triple(mode, features, llama_dir, moe_dir, tmp_path):
+def test_stale_triple(mode, features, llama_dir, qwen3_moe_dir, tmp_path):
     from conftest import _make_args
 
     # bypass has no pi_old forward to keep (pi_old := mu): "always" is refused there (BypassMode.check_config)
@@ -162,7 +151,7 @@ def test_stale_triple(mode, features, llama_dir, moe_dir, tmp_path):
         _make_args(tmp_path, **dict(MODES[mode], per_device_train_batch_size=shape[0],
                                     gradient_accumulation_steps=shape[1], rollout_corr_old_forward=shape[2],
                                     **{k: v for f in features for k, v in FEATURES[f].items()}))
-    model_dir = moe_dir if "routing_r3" in features else llama_dir
+    model_dir = qwen3_moe_dir if "routing_r3" in features else llama_dir
     runs = {}
     for shape in shapes:
         rollout, logs = _train(model_dir, tmp_path / "-".join(map(str, shape)), mode, features, shape)

@@ -181,7 +181,8 @@ def test_trainer_takes_args_by_position_or_keyword(llama_dir, tmp_path, make_arg
     assert positional.rollout_correction == args.rollout_correction()
     with pytest.raises(TypeError, match="RolloutCorrGRPOConfig"):
         RolloutCorrGRPOTrainer(llama_dir, reward_len, GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
-    # (issue 9) args omitted: TRL's default config, with this trainer's config class (tests/test_trainer_drop_in.py)
+    # (issue 9) args omitted: TRL's default config, with this trainer's config class
+    # (tests/trainer/test_trainer_drop_in.py)
     with pytest.raises(TypeError):  # not a GRPOTrainer argument at all: refused by the signature, as GRPOTrainer does
         RolloutCorrGRPOTrainer(model=llama_dir, args=args, not_an_argument=1)
 

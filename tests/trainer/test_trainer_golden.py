@@ -18,8 +18,8 @@ and an AMD EPYC, both on AVX2 kernels, differ in the 7th significant digit), so 
 from the same library code (the AMD data passed at 405ddf2, the Intel data were recorded at 7e37fa6, with no change to
 ``trl_rollout_corr`` between); a vendor without data skips the cases, saying so.
 
-The data are produced by the code as it is (``GOLDEN_REGENERATE=1 pytest tests/test_trainer_golden.py`` rewrites
-them). Regenerate only in a commit that changes results on purpose, naming why (design:
+The data are produced by the code as it is (``GOLDEN_REGENERATE=1 pytest tests/trainer/test_trainer_golden.py``
+rewrites them). Regenerate only in a commit that changes results on purpose, naming why (design:
 ``docs/explanation/architecture.md``); a move of code must leave every case bit-identical.
 """
 
@@ -35,9 +35,9 @@ import pytest
 import torch
 
 from stale_rollout import StaleRollout
-from tiny_model import make_tiny_model_dir, prompt_dataset, reward_len
+from tiny_model import prompt_dataset, reward_len
 
-DATA = Path(__file__).parent / "data" / "golden_trainer"  # one folder per CPU vendor (see above)
+DATA = Path(__file__).resolve().parents[1] / "data" / "golden_trainer"  # one folder per CPU vendor (see above)
 REGENERATE = os.environ.get("GOLDEN_REGENERATE") == "1"
 
 # log_history keys measured by the clock (TRL's step_time, the Trainer's runtime summary)
@@ -72,12 +72,6 @@ CASES = {
         "llama_dir", dict(rollout_corr_preset="decoupled_token_is", policy_lag_split=True), False,
         lambda: StaleRollout(sync_interval=2)),
 }
-
-
-@pytest.fixture(scope="module")
-def qwen3_moe_dir(tmp_path_factory):
-    """A tiny Qwen3-MoE (8 experts, top-2; no router aux loss), as ``test_trainer_routing`` builds it."""
-    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_qwen3_moe")), "qwen3_moe", seed=0)
 
 
 def state_dict_sha256(model: torch.nn.Module) -> str:

@@ -44,9 +44,7 @@ def _train(tool_dir, tmp_path, make_args, preset, how, **overrides):
     return trainer, [h for h in trainer.state.log_history if "loss" in h]
 
 
-@pytest.fixture(autouse=True)
-def _silence_experimental(monkeypatch):
-    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+pytestmark = pytest.mark.usefixtures("_silence_trl_experimental")  # tools, environments
 
 
 @pytest.mark.parametrize("how", ["tools", "environment"])

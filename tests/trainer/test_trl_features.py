@@ -129,9 +129,7 @@ def _train(trainer_cls, config_cls, request, tmp_path, make_args, feature, **ove
     return [h for h in trainer.state.log_history if "loss" in h or "eval_loss" in h], trainer
 
 
-@pytest.fixture(autouse=True)
-def _silence_experimental(monkeypatch):
-    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+pytestmark = pytest.mark.usefixtures("_silence_trl_experimental")  # tools, environments
 
 
 @pytest.mark.slow

@@ -11,8 +11,6 @@ import torch
 from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction
 from trl_rollout_corr.accumulator import Reducers, RolloutCorrAccumulator, exact_ratio_quantiles, gather_uneven
 
-pytestmark = pytest.mark.unit
-
 
 def _batch(seed: int, rows: int = 3, width: int = 6):
     g = torch.Generator().manual_seed(seed)

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
-
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_step.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_step.py"
 
 
 @pytest.fixture()

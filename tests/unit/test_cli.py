@@ -17,8 +17,7 @@ from hand_dump import hand_dump
 from trl_rollout_corr.cli import main
 from trl_rollout_corr.console import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_OK
 
-pytestmark = pytest.mark.unit
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_entry_point_is_declared_and_importable():
@@ -61,11 +60,11 @@ def test_analyze_end_to_end(dump, tmp_path, capsys):
     code, out, _ = _analyze(dump, "--preset", "decoupled_k3_rs", "--config", cfg, "--length-buckets", "2,3",
                             capsys=capsys)
     assert code == EXIT_OK
-    # 57: the hand dump's empty slice [0, 2) logs only its num_seqs (tests/test_analyze.py)
+    # 57: the hand dump's empty slice [0, 2) logs only its num_seqs (tests/features/test_analyze.py)
     assert "57 rollout_corr/* values recomputed, max |diff| 0.00e+00" in out and ": OK" in out
     lines = [line for line in out.splitlines() if line.startswith(("trained", "decoupled_k3_rs", "k1 band"))]
     assert lines[0].split()[:3] == ["trained", "(decoupled_token_is)", "decoupled"]
-    assert "60.0%" in lines[2]  # the k1 band keeps 3 of the 5 tokens (tests/test_analyze.py by hand)
+    assert "60.0%" in lines[2]  # the k1 band keeps 3 of the 5 tokens (tests/features/test_analyze.py by hand)
     report = json.loads((dump / "analysis" / "analysis.json").read_text())
     assert [c["label"] for c in report["configs"]] == ["trained (decoupled_token_is)", "decoupled_k3_rs", "k1 band"]
     assert report["check"]["ok"] and report["configs"][2]["total"]["kept_tokens"] == pytest.approx(0.6)

@@ -18,8 +18,6 @@ from trl_rollout_corr.cli import main
 from trl_rollout_corr.console import EXIT_BAD_INPUT, EXIT_OK
 from trl_rollout_corr.records import MicroBatch, RolloutRecordWriter
 
-pytestmark = pytest.mark.unit
-
 
 def _run(argv, capsys):
     code = main([str(a) for a in argv])

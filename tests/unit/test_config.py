@@ -20,8 +20,6 @@ from trl_rollout_corr.config import (
     parse_rs_thresholds,
 )
 
-pytestmark = pytest.mark.unit
-
 
 def test_defaults_are_disabled():
     cfg = RolloutCorrectionConfig()

@@ -15,8 +15,6 @@ from trl_rollout_corr.features import FEATURES
 from trl_rollout_corr.hooks import CorrectionMode, Feature
 from trl_rollout_corr.modes import BypassMode, DecoupledMode, DiagnosticsMode
 
-pytestmark = pytest.mark.unit
-
 TRAINER_CONFIG = "trainer_config"  # the checks that span parts or concern the engines, run after every part's
 BYPASS = {"bypass_mode": True}
 DECOUPLED = {"rollout_is": "token"}

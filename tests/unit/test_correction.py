@@ -9,8 +9,6 @@ from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction
 from trl_rollout_corr.engines.alignment import rollout_log_probs_to_tensor
 from vectors import VECTORS, tensor
 
-pytestmark = pytest.mark.unit  # pure math: `make test-fast`
-
 OLD, ROLL, MASK = tensor("old_log_prob"), tensor("rollout_log_prob"), tensor("response_mask")
 P = "rollout_corr/"
 

@@ -17,8 +17,6 @@ from trl_rollout_corr.engines.transformers_generate import (
     resolve_generate_dtype,
 )
 
-pytestmark = pytest.mark.unit
-
 
 # ---------------------------------------------------------------------------------------------- transformers.generate
 def test_generate_log_probs_match_processed_distribution():

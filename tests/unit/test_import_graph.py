@@ -11,11 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.unit
-
-ROOT = Path(__file__).resolve().parents[1] / "trl_rollout_corr"
+ROOT = Path(__file__).resolve().parents[2] / "trl_rollout_corr"
 PACKAGE = ROOT.name
 
 

@@ -10,8 +10,6 @@ from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction
 from trl_rollout_corr.config import PRESETS, RolloutCorrectionArguments
 from trl_rollout_corr.correction.binary_kl import LOG_ONE_MINUS_P_FLOOR, bernoulli_kl, binary_kl_both
 
-pytestmark = pytest.mark.unit
-
 P = "rollout_corr/rollout_rs_token_binary_kl_"
 
 

@@ -12,8 +12,6 @@ from trl_rollout_corr.correction import make_correction_fn
 from trl_rollout_corr.losses import PPOClip, bypass_policy_loss, ppo_clip_per_token_loss, reinforce_per_token_loss
 from vectors import VECTORS, tensor
 
-pytestmark = pytest.mark.unit
-
 BYPASS = VECTORS["bypass"]
 MASK = tensor("response_mask")
 

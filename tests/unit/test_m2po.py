@@ -9,8 +9,6 @@ import torch
 
 from trl_rollout_corr.correction.m2po import M2Candidates, m2po_candidates, m2po_mask, m2po_select
 
-pytestmark = pytest.mark.unit
-
 
 def greedy_reference(l_rows, mask_rows, tau):
     """Plain Python: order valid tokens by |l| descending then flat index ascending; mask from the front while the

@@ -9,8 +9,6 @@ import torch
 from trl_rollout_corr import PRESETS, CorrectionStats, RolloutCorrectionConfig, compute_rollout_correction
 from trl_rollout_corr.correction.stats import StatView
 
-pytestmark = pytest.mark.unit  # pure math: `make test-fast`
-
 CONFIGS = [
     RolloutCorrectionConfig(
         rollout_is="token",

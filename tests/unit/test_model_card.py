@@ -7,11 +7,7 @@ import inspect
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
 from trl_rollout_corr import model_card
-
-pytestmark = pytest.mark.unit
 
 
 def test_render_section_tables_in_order():

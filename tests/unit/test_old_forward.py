@@ -7,8 +7,6 @@ import torch
 
 from trl_rollout_corr.old_forward import dropout_settings, plan_old_forward
 
-pytestmark = pytest.mark.unit
-
 BASE = dict(setting="auto", mode="decoupled", steps_per_generation=1, num_iterations=1, trl_computes_old=False)
 
 

@@ -2,15 +2,12 @@
 
 import math
 
-import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction
 from trl_rollout_corr.correction import ratio_decomposition
-
-pytestmark = pytest.mark.unit  # pure math: `make test-fast`
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Log-probs are <= 0; -1e30 stands for engines that write a huge negative number instead of -inf.

@@ -28,8 +28,6 @@ from trl_rollout_corr.records import (
     terminations,
 )
 
-pytestmark = pytest.mark.unit
-
 EOS, PAD = 1, 0
 
 

@@ -19,8 +19,6 @@ from trl_rollout_corr import records
 from trl_rollout_corr.features.rollout_records import micro_batch
 from trl_rollout_corr.records import RolloutRecordWriter, open_dump
 
-pytestmark = pytest.mark.unit
-
 EOS, PAD = 1, 0
 
 

@@ -15,11 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.unit
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # a signed decimal (thousands with commas: 4,096), not inside a word, a version or a range's right end; an ``x``
 # suffix (``0.60x``) is allowed
 NUMBER = re.compile(r"(?<![\w.+-])(?<!\d,)[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[+-]?\d+)?(?![.\d])"

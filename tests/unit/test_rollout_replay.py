@@ -13,9 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.unit
-
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _load(name):

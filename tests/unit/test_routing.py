@@ -26,8 +26,6 @@ from trl_rollout_corr.routing import (
     routes_from_vllm_outputs,
 )
 
-pytestmark = pytest.mark.unit
-
 # left-padded prompts of different lengths (pad 0), as TRL's generate path lays them out
 PROMPTS = [[2, 10, 11, 12], [2, 13, 14], [2, 15, 16, 17, 18], [2, 19]]
 

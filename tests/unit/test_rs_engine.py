@@ -47,8 +47,6 @@ def _short(metrics):
     return {k.removeprefix("rollout_corr/"): v for k, v in metrics.items()}
 
 
-pytestmark = pytest.mark.unit
-
 
 def test_whole_ratio_rs_rejects_stale_tokens_that_engine_factor_rs_keeps():
     old, mu, mask, at_version = _batch()
@@ -208,11 +206,6 @@ def _train(model_dir, tmp_path, sync_interval, rs_on, max_steps=4):
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
-@pytest.fixture
-def _silence_trl_experimental(monkeypatch):
-    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
-
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("_silence_trl_experimental")
 def test_trainer_engine_rs_keeps_the_stale_rows_whole_ratio_rs_rejects(llama_dir, tmp_path):
@@ -364,7 +357,6 @@ def test_what_if_engine_rs_on_a_direct_rs_dump(llama_dir, tmp_path):
     assert trained.total.counts.kept_tokens <= what_if.total.counts.kept_tokens
 
 
-@pytest.mark.unit
 def test_analyze_refuses_engine_rs_without_version_log_probs(tmp_path, capsys):
     """A what-if with rollout_rs_on: engine on a dump without version_log_probs (the hand dump: records 1.0, no
     policy_lag_split): a clear error naming the fix, from the library and from the CLI."""

@@ -11,11 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.unit
-
-PACKAGE = Path(__file__).resolve().parents[1] / "trl_rollout_corr"
+PACKAGE = Path(__file__).resolve().parents[2] / "trl_rollout_corr"
 MODULE_LINES = 500
 FUNCTION_LINES = 80
 TRAINER_CLASS_LINES = 350

@@ -26,7 +26,6 @@ from trl_rollout_corr.sketch import (
 )
 from trl_rollout_corr.support import SupportStats
 
-pytestmark = pytest.mark.unit
 QS = [q for _, q in RATIO_QUANTILES]
 
 

@@ -20,8 +20,6 @@ from transformers.generation.logits_process import (
 
 from trl_rollout_corr import support as S
 
-pytestmark = pytest.mark.unit
-
 # ------------------------------------------------------------------------------ a constructed distribution
 # Three next-token distributions over V = 6 (identity LM head: the logits are log p), the sampled token of each.
 PROBS = [

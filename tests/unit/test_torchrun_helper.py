@@ -13,8 +13,6 @@ import pytest
 
 from torchrun import run_torchrun
 
-pytestmark = pytest.mark.unit
-
 PARENT = """
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)

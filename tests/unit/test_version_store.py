@@ -1,7 +1,7 @@
 """``policy_lag_split``'s version store and version set (issue 46), in one process: the shard store swaps a kept
 version into the live model and back bit for bit, and the stale versions are the union over ranks (the other rank
 faked by the reducer), so every rank runs the same version forwards and keeps the same versions. The real 2-rank runs
-on ZeRO-3 and FSDP2 are in ``tests/test_sharded.py``."""
+on ZeRO-3 and FSDP2 are in ``tests/e2e/test_sharded.py``."""
 
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ from trl_rollout_corr.accumulator import Reducers
 from trl_rollout_corr.features.lag_split import LagSplit
 from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
 from trl_rollout_corr.version_store import FullCopies, RankShards, store_for
-
-pytestmark = pytest.mark.unit
 
 
 def _trainer(model=None, deepspeed=None, fsdp=None, other_rank=None):

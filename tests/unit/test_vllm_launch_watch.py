@@ -9,9 +9,6 @@ import sys
 import time
 
 import psutil
-import pytest
-
-pytestmark = pytest.mark.unit
 
 # the parent starts the watched child (in a session of its own, as VLLMServer does) and passes its own pid, as
 # VLLMServer does through TRL_ROLLOUT_CORR_WATCH_PARENT; the child says when its watch runs

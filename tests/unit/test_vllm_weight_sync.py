@@ -1,7 +1,7 @@
 """The CPU weight sync's pieces without vLLM: the chunk plan, a real two-rank gloo broadcast of mixed dtypes, the
 ``vllm-serve`` command built from TRL's, the CLI's refusals, and the ``VLLMClient`` hook's dispatch (TRL's own
 methods for a non-CPU device; the gloo path and its errors on CPU). The real server is in
-``tests/test_trl_vllm_server.py``."""
+``tests/e2e/test_trl_vllm_server.py``."""
 
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ from trl_rollout_corr.engines.vllm_weight_sync import (
     send_tensors,
     tensor_nbytes,
 )
-
-pytestmark = pytest.mark.unit
 
 
 def _free_port() -> int:
