@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = os.path.join(ROOT, "tests")
+TESTS = os.path.join(ROOT, "tests", "helpers")
 
 
 def launch(nproc: int, backend: str, out_dir: str, model_dir: str) -> list[dict]:

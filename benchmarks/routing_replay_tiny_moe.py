@@ -32,7 +32,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "helpers"))
 
 from tiny_model import make_tiny_model, make_tokenizer, prompt_dataset, reward_len  # noqa: E402
 from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction  # noqa: E402

@@ -23,7 +23,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 from results_md import replace_section  # noqa: E402  (benchmarks/, next to this file)
 
 BEGIN = "<!-- BEGIN support_tiny.py output -->"
