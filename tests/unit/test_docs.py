@@ -22,7 +22,7 @@ LINE_CAP = 120
 # left unwrapped so their merges stay easy). May only shrink: a page over its allowance fails, and a page under it
 # fails too until its number here is lowered (or its line deleted).
 LONG_LINE_EXCEPTIONS = {
-    "docs/explanation/architecture.md": 31,
+    "docs/explanation/architecture.md": 30,
     "docs/how-to/policy-lag.md": 9,
     "docs/how-to/read-the-metrics.md": 22,
     "docs/how-to/rollout-records.md": 6,
