@@ -5,8 +5,9 @@ taken over for a CPU trainer (gloo, ``engines/vllm_weight_sync.py``).
 here                              TRL 1.16
 ================================  ==========================================================================
 ``check_vllm_server_logprobs``    the vLLM server's ``get_server_info()["model_config"]["logprobs_mode"]``
-``install_vllm_client_cpu_weight  ``VLLMClient.init_communicator`` / ``update_named_params`` /
-_sync``                           ``close_communicator`` (``VLLM_CLIENT_HOOKED``) and ``VLLMGeneration``'s calls
+``install_vllm_client_cpu_weight_sync``
+                                  ``VLLMClient.init_communicator`` / ``update_named_params`` /
+                                  ``close_communicator`` (``VLLM_CLIENT_HOOKED``) and ``VLLMGeneration``'s calls
                                   to them (pinned in ``tests/test_trl_compat.py``)
 ``vllm_param_name``               ``VLLMGeneration._fix_param_name_to_vllm``
 ================================  ==========================================================================
