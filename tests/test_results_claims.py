@@ -8,7 +8,8 @@ The rule for the pages (README.md and ``docs/**/*.md``):
   fences are skipped.
 * A block is *checked* when it states a measured result: it cites the evidence (names ``RESULTS.md``, ``LOG.md`` or a
   claim: ``claim D1``, ``claims L1-L13``), or it says it is a measurement (the word ``measured`` or ``measurement``),
-  or it states a speed (``faster``, ``slower``), or it sits under a heading that says ``measured``, ``results`` or
+  or it states a speed (``faster``, ``slower``, ``cheaper``, a ratio such as ``0.88x``), or it names an experiment's
+  cell or arm (``trl_is_k32_s1``, ``bypass_k8``), or it sits under a heading that says ``measured``, ``results`` or
   ``evidence`` (the README's "Status / measured results"). A table is checked when the block just above it is.
 * In a checked block every number must appear, as a number, in RESULTS.md (its claims table or the generated tables
   below it; a leading ``+`` is ignored on both sides), every 95 % interval ``[lo, hi]`` as written, and every claim id
@@ -21,6 +22,12 @@ The rule for the pages (README.md and ``docs/**/*.md``):
 * Any other number of a checked block that is not a measurement (a default, a threshold, arithmetic, an example) is
   marked in that block, explicitly and narrowly: ``<!-- not a measurement: 14, 1.75 (why) -->`` exempts the numbers
   it lists in that block only, and each must occur in the block (a stale marker fails).
+* A number found only in LOG.md is not enough: quote a claim of RESULTS.md, add a claim row, or point at LOG.md
+  without the number.
+
+The rule for RESULTS.md's claims part (everything above "## Generated tables"): at most 200 lines, and every number of
+a claim row (its statement and value) is in the generated tables, or, for a row whose command writes no generated
+table (``GENERATED_CMDS``) or that names LOG.md, in the generated tables or LOG.md.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ CLAIM_ROW = re.compile(r"^\| ([A-Z]{1,2}\d+[a-z]?) \|", re.M)
 CLAIM_ID = re.compile(r"\b([A-Z]{1,2}\d+[a-z]?)\b")
 # what makes a block one that states a measured result
 CITES = re.compile(r"RESULTS\.md|LOG\.md|\bclaims? [A-Z]{1,2}\d")
-SAYS_MEASURED = re.compile(r"\bmeasured\b|\bmeasurements?\b|\bfaster\b|\bslower\b", re.I)
+SAYS_MEASURED = re.compile(r"\bmeasured\b|\bmeasurements?\b|\bfaster\b|\bslower\b|\bcheaper\b|\d(?:\.\d+)?x\b", re.I)
 # an experiment's cell or arm (``trl_is_k32_s1``, ``bypass_k8``): what the block says of it was measured
 CELL = re.compile(r"\b(?:trl|bypass|tis|decoupled|direct_gate|rs_engine|rs_direct|f32_rs_engine|f32_rs_direct"
                   r"|topp_[a-z]+|trl_[a-z0-9]+)_k(?:1|8|32)(?:_s\d|\b)")
@@ -204,6 +211,8 @@ def test_which_blocks_are_checked():
     assert unsupported("It lost 99.9, claim L1.", results) == ["number 99.9"]
     assert unsupported("Measured: 99.9 s.", results) == ["number 99.9"]
     assert unsupported("The scorer is 99.9x faster.", results) == ["number 99.9"]
+    assert unsupported("The step read 0.88x the other.", results) == ["number 0.88"]
+    assert unsupported("`trl_is_k32_s1` ended at 99.9.", results) == ["number 99.9"]
     assert unsupported("# Status / measured results\n\nIt lost 99.9.", results) == ["number 99.9"]
     assert unsupported("# Usage\n\nSet it to 99.9.", results) == []
 
