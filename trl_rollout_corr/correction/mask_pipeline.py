@@ -20,7 +20,7 @@ the window's batch-normalisation total is over exactly the tokens the loss hands
 a micro-batch (``lag.drop_stale_rows``, the ``PolicyLag`` feature and the bypass window) is the ``lag_rows`` step.
 
 Each step keeps the float ops of the code it replaced (same multiplications, same order, the mask's own dtype), so a
-run is bit-identical to before (tests/test_trainer_golden.py). Masks are 0/1; the correction reads them as
+run is bit-identical to before (tests/trainer/test_trainer_golden.py). Masks are 0/1; the correction reads them as
 boolean (entries > 0 kept).
 """
 

@@ -3,10 +3,10 @@ conventions that ``RolloutCorrGRPOTrainer`` must mirror, as pure functions, and 
 
 TRL has no hook for "advantages without these rows", "the loss of an objective TRL does not have" or "skip the
 pi_old forward", so the trainer reproduces a few of TRL's formulas. They all live in this package, split by
-concern, so a TRL upgrade means reading its modules and their pins (``tests/test_trl_compat.py``,
-``tests/test_trl_vllm_colocate.py``, ``tests/test_async_pipeline.py``), which check TRL's source text and signatures
-for every assumption and fail loudly when the pinned TRL changes. Each module's header maps its names to the TRL
-1.16 lines they mirror (``trl/trainer/grpo_trainer.py`` of trl 1.16.0, line numbers of that release).
+concern, so a TRL upgrade means reading its modules and their pins (``tests/trainer/test_trl_compat.py``,
+``tests/e2e/test_trl_vllm_colocate.py``, ``tests/features/test_async_pipeline.py``), which check TRL's source text and
+signatures for every assumption and fail loudly when the pinned TRL changes. Each module's header maps its names to the
+TRL 1.16 lines they mirror (``trl/trainer/grpo_trainer.py`` of trl 1.16.0, line numbers of that release).
 
 ====================  ==========================================================================================
 module                what it holds
@@ -29,8 +29,8 @@ module                what it holds
                       epoch's batch skip, TRL's prompt tokenisation of a generation batch
 ====================  ==========================================================================================
 
-Every public name of these modules is re-exported here (``__all__``; ``tests/test_trl_compat.py`` checks it), so
-callers write ``from trl_rollout_corr import trl_compat`` and ``trl_compat.NAME``. The functions take tensors, the
+Every public name of these modules is re-exported here (``__all__``; ``tests/trainer/test_trl_compat.py`` checks it),
+so callers write ``from trl_rollout_corr import trl_compat`` and ``trl_compat.NAME``. The functions take tensors, the
 few config values they need or the trainer object whose attribute they read, so each is tested on its own against
 hand-computed values and against TRL itself.
 """

@@ -2,7 +2,7 @@
 rejection sampling removed, and its pi_old rule.
 
 Mirrored from ``trl/trainer/grpo_trainer.py`` of trl 1.16.0 (line numbers of that release; pinned in
-``tests/test_trl_compat.py``):
+``tests/trainer/test_trl_compat.py``):
 
 ================================  ==========================================================================
 here                              TRL 1.16
@@ -54,7 +54,7 @@ def group_advantages(
 
     Returns:
         (B_global,) advantages in reward units per std (unitless when scaled); equal, bit for bit, to TRL's when
-        ``excluded`` is all False (pinned in ``tests/test_trl_compat.py``).
+        ``excluded`` is all False (pinned in ``tests/trainer/test_trl_compat.py``).
 
     Raises:
         ValueError: for an unknown ``scale_rewards`` or ``multi_objective_aggregation`` (as TRL).

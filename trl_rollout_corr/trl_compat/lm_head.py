@@ -17,7 +17,7 @@ here                              TRL 1.16
                                   fields after which the head's logits are not ``hidden @ W.T + b``
 ================================  ==========================================================================
 
-Pinned in ``tests/test_trl_compat.py``.
+Pinned in ``tests/trainer/test_trl_compat.py``.
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ def score_trained_tokens_only(enabled: bool = True) -> Iterator[None]:
     ``COMPACT_SCORING_DEVICES`` (CPU), which changes only which rows enter ``_ChunkedLogProbFunction`` (the tile
     kernel itself is chosen by ``trl.kernels.chunked_logprob``'s own ``_use_triton``, untouched). The per-token
     log-probs (nats) and entropies at labelled positions are the same computation on a subset of rows (equal bit
-    for bit on the tested models: ``tests/test_trl_compat.py``), and every other position reads 0 on both paths,
-    so values and gradients are unchanged; only the unused LM-head work (P + padding positions per row, the
+    for bit on the tested models: ``tests/trainer/test_trl_compat.py``), and every other position reads 0 on both
+    paths, so values and gradients are unchanged; only the unused LM-head work (P + padding positions per row, the
     (B * (P + T), V) projection's extra rows, and their backward) is skipped.
 
     ``enabled=False``: a no-op (TRL's own choice). Not thread-safe (a module attribute is swapped for the block;

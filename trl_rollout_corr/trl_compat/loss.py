@@ -3,7 +3,7 @@ forward inputs, the decoupled mode's injection into TRL's own loss, and the bypa
 logged means.
 
 Mirrored from ``trl/trainer/grpo_trainer.py`` of trl 1.16.0 (line numbers of that release; pinned in
-``tests/test_trl_compat.py``):
+``tests/trainer/test_trl_compat.py``):
 
 ================================  ==========================================================================
 here                              TRL 1.16

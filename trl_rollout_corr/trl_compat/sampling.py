@@ -13,7 +13,7 @@ here                              TRL 1.16
                                   samples with (transformers merges the model's ``generation_config.json``)
 ================================  ==========================================================================
 
-Pinned in ``tests/test_trl_compat.py``.
+Pinned in ``tests/trainer/test_trl_compat.py``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def resolved_generation_config(model: Any, generation_config: Any) -> Any:
 
     transformers fills every field the caller left None from the model's ``generation_config`` (its
     ``generation_config.json``), then from the global defaults (``GenerationMixin._prepare_generation_config``,
-    transformers 5.x; pinned in ``tests/test_trl_compat.py``). TRL 1.16 overrides nothing on the model under
+    transformers 5.x; pinned in ``tests/trainer/test_trl_compat.py``). TRL 1.16 overrides nothing on the model under
     transformers 5 (``_override_model_generation_config`` is a no-op there), so this is what TRL's generate path
     samples with.
 

@@ -10,7 +10,7 @@ here                              accelerate 1.15 / torch
                                   ``generate`` with it under FSDP), recognised by its code object
 ================================  ==========================================================================
 
-Pinned in ``tests/test_trl_compat.py``.
+Pinned in ``tests/trainer/test_trl_compat.py``.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def fsdp2_wrapped_method(method: Any) -> Optional[Any]:
 
     The wrapper is recognised by its code object (``functools.wraps`` copies the wrapped method's name and module
     onto it), and the wrapped method is its ``__wrapped__`` (a bound method). Pinned in
-    ``tests/test_trl_compat.py``: fails loudly if torch renames or restructures the wrapper.
+    ``tests/trainer/test_trl_compat.py``: fails loudly if torch renames or restructures the wrapper.
     """
     func = getattr(method, "__func__", None)
     code = _fsdp2_wrapper_code()

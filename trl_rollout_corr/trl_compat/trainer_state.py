@@ -2,7 +2,7 @@
 5.x's optimizer step and resumed-epoch skip, and TRL's prompt tokenisation for a generation batch (asynchronous
 generation, issue 45; empty steps).
 
-Pinned in ``tests/test_trl_compat.py`` and ``tests/test_async_pipeline.py``.
+Pinned in ``tests/trainer/test_trl_compat.py`` and ``tests/features/test_async_pipeline.py``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ def wrap_optimizer_step(optimizer: Any, allow: Callable[[], bool]) -> None:
     """Make ``optimizer.step()`` a no-op whenever ``allow()`` returns False (``features.empty_steps``).
 
     The Trainer (transformers 5.x, ``_run_epoch``) calls ``self.optimizer.step()`` once per optimizer
-    step, on the optimizer ``accelerator.prepare`` returned (pinned in ``tests/test_trl_compat.py``); the wrapper is
-    set on that instance once (``_rollout_corr_step_wrapped``), and ``allow`` runs on every call (it may run a
-    collective: every rank calls ``step``).
+    step, on the optimizer ``accelerator.prepare`` returned (pinned in ``tests/trainer/test_trl_compat.py``); the
+    wrapper is set on that instance once (``_rollout_corr_step_wrapped``), and ``allow`` runs on every call (it may run
+    a collective: every rank calls ``step``).
 
     Args:
         optimizer: the prepared optimizer (``trainer.optimizer``).

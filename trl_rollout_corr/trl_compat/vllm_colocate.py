@@ -8,7 +8,7 @@ here                              TRL 1.16
                                   the module-level name swapped for the block); ``colocate_generation_class``:
                                   ``VLLMGeneration._init_vllm``'s one ``LLM(...)`` call (without
                                   ``COLOCATE_LLM_KWARGS``), ``sync_weights``' colocate ``load_weights`` per
-                                  parameter, ``generate`` (pinned in ``tests/test_trl_vllm_colocate.py``)
+                                  parameter, ``generate`` (pinned in ``tests/e2e/test_trl_vllm_colocate.py``)
 ================================  ==========================================================================
 """
 
@@ -22,7 +22,7 @@ import torch
 
 # ---------------------------------------------------------------------------- TRL's vLLM colocate engine (issue 43)
 # The keyword arguments TRL 1.16's colocate ``vllm.LLM(...)`` call (``VLLMGeneration._init_vllm``) does not pass, and
-# which ``trl_vllm_colocate`` may therefore add (pinned: tests/test_trl_vllm_colocate.py).
+# which ``trl_vllm_colocate`` may therefore add (pinned: tests/e2e/test_trl_vllm_colocate.py).
 COLOCATE_LLM_KWARGS = ("dtype", "enforce_eager")
 
 _COLOCATE_CLASS: list = []  # the VLLMGeneration subclass, built on first use (importing it imports vLLM)

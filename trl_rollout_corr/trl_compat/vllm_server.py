@@ -8,7 +8,7 @@ here                              TRL 1.16
 ``install_vllm_client_cpu_weight_sync``
                                   ``VLLMClient.init_communicator`` / ``update_named_params`` /
                                   ``close_communicator`` (``VLLM_CLIENT_HOOKED``) and ``VLLMGeneration``'s calls
-                                  to them (pinned in ``tests/test_trl_compat.py``)
+                                  to them (pinned in ``tests/trainer/test_trl_compat.py``)
 ``vllm_param_name``               ``VLLMGeneration._fix_param_name_to_vllm``
 ================================  ==========================================================================
 """
@@ -74,7 +74,7 @@ def install_vllm_client_cpu_weight_sync() -> bool:
     once and ``update_named_params(metadata, named_params)`` on every sync, inside or outside
     ``weight_update()`` (the ``_updating_weights`` flag), posting ``/start_weight_update``, ``/update_weights``
     and ``/finish_weight_update``; these calls and the wrapped methods' source are pinned in
-    ``tests/test_trl_compat.py``.
+    ``tests/trainer/test_trl_compat.py``.
 
     Idempotent; returns True when this call installed the hook. ``RolloutCorrGRPOTrainer`` calls it for
     ``use_vllm=True, vllm_mode="server"``; a plain ``GRPOTrainer`` user can call it before building the trainer.
