@@ -139,6 +139,18 @@ class RolloutRecords(Feature):
         if trainer.metrics_mode == "train":
             self.writer.end_window(trainer.state.global_step, record)
 
+    def state_dict(self) -> dict:
+        """This rank's counts at the checkpoint: generation batches tagged (``batches``) and the writer's
+        (``RolloutRecordWriter.state_dict``: windows, micro-batches, bytes and rows written). The rows of a window
+        still open at the checkpoint are in the dump (``open-window/``, written by this feature's ``on_save``)."""
+        return {"batches": self.batches, "writer": self.writer.state_dict()}
+
+    def load_state_dict(self, state) -> None:
+        """Continue ``state_dict()``'s counts: the resumed run's generation batches and micro-batches are numbered
+        on from the checkpoint's, as the uninterrupted run's are (also across windows ``rollout_dump_every`` skips)."""
+        self.batches = int(state["batches"])
+        self.writer.load_state_dict(state["writer"])
+
 
 def _support_keys(batch: dict, score) -> None:
     """``batch["rollout_record_support_{log_mass,size,miss}"]``: (B, T) of a ``support.SupportScore``."""
