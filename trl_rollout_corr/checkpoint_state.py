@@ -48,10 +48,10 @@ def checkpoint_folder(args, step: int) -> Path:
 
 def resume_folder(args, resume_from_checkpoint: Any) -> Optional[str]:
     """The checkpoint ``Trainer.train(resume_from_checkpoint=...)`` resumes from: ``True`` the latest under
-    ``args.output_dir`` (None when there is none: the Trainer refuses that itself), a path that path, None / False
-    none."""
+    ``args.output_dir`` (None when there is none, or no such folder: the Trainer refuses that itself), a path that
+    path, None / False none."""
     if isinstance(resume_from_checkpoint, bool):
-        if not resume_from_checkpoint:
+        if not resume_from_checkpoint or not os.path.isdir(args.output_dir):
             return None
         from transformers.trainer_utils import get_last_checkpoint
 
