@@ -9,6 +9,9 @@ on) the same way; ``after_loss`` hands each trained micro-batch (as TRL passed i
 pi_theta (``LossStep.policy_log_probs``) to the writer; ``after_log`` closes the window of the logged step, after TRL's
 ``log`` added its own values (the Trainer's copy in ``log_history``, which callbacks cannot change).
 
+Its state at a checkpoint (``state_dict``: the generation batches tagged and the writer's counts) is saved with the
+checkpoint's other feature state (``checkpoint_state``); a resumed run numbers on from it.
+
 Last in ``features.FEATURES``: nothing is written before every other part accepted the setup.
 """
 

@@ -251,8 +251,9 @@ class RolloutRecordWriter:
         "Resuming"): the windows logged after ``k`` and this rank's step files and open-window files after ``k`` move
         to ``superseded/resume-at-<k>/``; the rows of the window still open at ``k`` (steps ``previous + 1..k``,
         trained before the checkpoint) are taken back into the buffer from the first file of the interrupted run
-        that holds them (``open-window/checkpoint-<k>``, else the later step or open-window file); the window, row
-        and micro-batch counts continue after the kept ones. What moved and what was taken back is counted in
+        that holds them (``open-window/checkpoint-<k>``, else the later step or open-window file); the window, batch
+        and micro-batch counts continue from the checkpoint's (``load_state_dict``), else after the kept rows
+        (``_dump_counts``). What moved and what was taken back is counted in
         ``resume.rank-<r>.json`` there.
 
         Raises:
