@@ -6,24 +6,26 @@ Trainer has saved it (``on_save``): the state is per rank (the rollout records' 
 or this rank's shards of them), so each rank reads back its own file. The file holds ``{"format", "global_step",
 "rank", "world_size", "features": [names in FEATURES order], "state": {name: state_dict}}``.
 
-A run resumed from a checkpoint (``RolloutCorrGRPOTrainer.train(resume_from_checkpoint=...)``, resolved here as the
-Trainer resolves it) restores every feature's state at ``on_train_begin``: after the Trainer loaded the model, the
-optimizer and ``TrainerState``, before the first step. It refuses, naming the fix, a checkpoint without the file, of
-another world size or step, or whose features differ from the run's (the features follow the config).
+A run resumed from a checkpoint (``RolloutCorrGRPOTrainer.train(resume_from_checkpoint=...)``, resolved as the Trainer
+resolves it: ``trl_compat.resume_checkpoint``) restores every feature's state at ``on_train_begin``: after the
+Trainer loaded the model, the optimizer and ``TrainerState``, before the first step. It refuses, naming the fix, a
+checkpoint without the file, of another world size or step, or whose features differ from the run's (the features
+follow the config).
 
-Coupling to transformers (pinned in ``tests/test_trl_compat.py``): ``Trainer._save_checkpoint`` writes
-``<output_dir>/checkpoint-<global_step>`` (``PREFIX_CHECKPOINT_DIR``) before the callbacks' ``on_save``, on every
-rank; ``Trainer.train`` resolves ``resume_from_checkpoint=True`` to ``get_last_checkpoint(args.output_dir)``; the
-checkpoint is loaded before ``on_train_begin``. Hyperparameter search (a trial's own output folder) is not supported.
+The coupling to transformers' Trainer (the checkpoint folder, the resolution of ``resume_from_checkpoint``, the
+order of saving, loading and the callbacks) is in ``trl_compat.trainer_state``, pinned in ``tests/test_trl_compat.py``.
+Hyperparameter search (a trial's own output folder) is not supported.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING
 
 import torch
+
+from . import trl_compat
 
 if TYPE_CHECKING:
     from .trainer import RolloutCorrGRPOTrainer
@@ -37,26 +39,6 @@ FEATURE_FIELDS = "policy_lag_split, routing_replay, skip_empty_steps, rollout_du
 def state_file(folder: os.PathLike | str, rank: int) -> Path:
     """This rank's feature-state file in checkpoint ``folder``."""
     return Path(folder) / FILE.format(rank=int(rank))
-
-
-def checkpoint_folder(args, step: int) -> Path:
-    """The folder ``Trainer._save_checkpoint`` writes at optimizer step ``step``: ``<output_dir>/checkpoint-<N>``."""
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-    return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{int(step)}"
-
-
-def resume_folder(args, resume_from_checkpoint: Any) -> Optional[str]:
-    """The checkpoint ``Trainer.train(resume_from_checkpoint=...)`` resumes from: ``True`` the latest under
-    ``args.output_dir`` (None when there is none, or no such folder: the Trainer refuses that itself), a path that
-    path, None / False none."""
-    if isinstance(resume_from_checkpoint, bool):
-        if not resume_from_checkpoint or not os.path.isdir(args.output_dir):
-            return None
-        from transformers.trainer_utils import get_last_checkpoint
-
-        return get_last_checkpoint(args.output_dir)
-    return None if resume_from_checkpoint is None else str(resume_from_checkpoint)
 
 
 def save(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | str) -> Path:
@@ -113,13 +95,13 @@ def load(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | str) -> None:
 
 def callback(trainer: "RolloutCorrGRPOTrainer"):
     """The ``TrainerCallback`` of the mechanism: ``on_save`` writes this rank's file into the checkpoint just saved
-    (``checkpoint_folder``), ``on_train_begin`` restores it from ``trainer.rollout_corr_resume_from`` (set by
-    ``RolloutCorrGRPOTrainer.train``; consumed)."""
+    (``trl_compat.checkpoint_folder``), ``on_train_begin`` restores it from ``trainer.rollout_corr_resume_from``
+    (set by ``RolloutCorrGRPOTrainer.train``; consumed)."""
     from transformers import TrainerCallback
 
     class FeatureState(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
-            save(trainer, checkpoint_folder(args, state.global_step))
+            save(trainer, trl_compat.checkpoint_folder(args, state.global_step))
 
         def on_train_begin(self, args, state, control, **kwargs):
             folder, trainer.rollout_corr_resume_from = trainer.rollout_corr_resume_from, None

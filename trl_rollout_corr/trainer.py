@@ -23,7 +23,7 @@ TRL's private state (``_metrics``, ``_logs``, ``_buffered_inputs``, ``_step``). 
 
 ``docs/explanation/architecture.md`` gives the protocol, the ordering rules, the forward roles and the batch keys. Who
 knows TRL
-1.16's internals: this file and ``trl_compat.py``, both pinned by ``tests/test_trl_compat.py``.
+1.16's internals: this file and the ``trl_compat`` package, both pinned by ``tests/test_trl_compat.py``.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
                 checkpoint without this trainer's feature state or of other features (``checkpoint_state.load``).
         """
         bound = inspect.signature(GRPOTrainer.train).bind(self, *args, **kwargs).arguments
-        self.rollout_corr_resume_from = checkpoint_state.resume_folder(self.args, bound.get("resume_from_checkpoint"))
+        self.rollout_corr_resume_from = trl_compat.resume_checkpoint(self.args, bound.get("resume_from_checkpoint"))
         if self.rollout_async is None:
             return super().train(*args, **kwargs)
         try:
