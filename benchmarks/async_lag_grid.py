@@ -78,9 +78,9 @@ class Candidate:
 # seeds; ~96 seeds would meet it at that spread). The warm start's own recipe from the base model is seed 1 of
 # base_16x4 (seed 42, 16 steps x 4 prompts: 99 -> 203/512, run at code 749637a).
 CANDIDATES = (
-    Candidate("warm_32x8", "warmstart", 32, 8, 4, 0.75, tuple((s, f"policy_lag/trl_k1_s{s}") for s in (1, 2, 3, 4)),
+    Candidate("warm_32x8", "warmstart", 32, 8, 4, 0.70, tuple((s, f"policy_lag/trl_k1_s{s}") for s in (1, 2, 3, 4)),
               "the main grid's design: its on-policy cells"),
-    Candidate("base_16x4", "base", 16, 4, 8, 0.40, ((1, "policy_lag/warmstart"),),
+    Candidate("base_16x4", "base", 16, 4, 8, 0.35, ((1, "policy_lag/warmstart"),),
               "the warm start's recipe from the base model; seed 1 is the committed warm start"),
     Candidate("base_32x8", "base", 32, 8, 8, 0.80, (), "the main grid's steps and prompts from the base model"),
     Candidate("warm_32x16", "warmstart", 32, 16, 6, 1.40, (), "twice the prompts per step from the warm start"),
