@@ -6,6 +6,7 @@ interval spans zero). Written into benchmarks/RESULTS.md between its own markers
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from pathlib import Path
@@ -92,7 +93,8 @@ def calibration_rows(results: Path, main_grid: Path = g.MAIN_GRID) -> list[str]:
 def grid_finals(cand: g.Candidate, results: Path, depth_set: set[int], engine_kl_max: float = 0.03
                 ) -> tuple[dict[tuple[str, int], dict[int, float]], list[str]]:
     """``cand``'s committed cells at the depths in ``depth_set``: (method, d) -> {seed: final accuracy}, leaving out
-    the cells whose lag check fails (recomputed from their ``log.jsonl``; listed in the second value)."""
+    the cells whose lag check fails (recomputed from their ``log.jsonl``) or whose step-0 check did not score as the
+    start (``cell_meta.json``'s ``starts_at_start``); those are listed in the second value."""
     finals: dict[tuple[str, int], dict[int, float]] = {}
     failed = []
     names = {p.name for p in (results / cand.name).glob("*_d*_s*") if (p / "eval.json").exists()}
@@ -106,6 +108,9 @@ def grid_finals(cand: g.Candidate, results: Path, depth_set: set[int], engine_kl
         if folder.parent.name == cand.name:  # our own cell: the emulated schedule's check
             steps = [r for r in g.pl._read_jsonl(folder / "log.jsonl") if "loss" in r and "step_time" in r]
             problems = g.async_lag_check(steps, d, engine_kl_max)
+            meta = folder / "cell_meta.json"
+            if meta.exists() and json.loads(meta.read_text()).get("starts_at_start") is False:
+                problems.append("its step-0 check differs from the start's scores")
             if problems:
                 failed.append(f"{name} ({'; '.join(problems[:2])})")
                 continue

@@ -158,3 +158,13 @@ def test_report_calibrates_base_16x4_and_shows_its_grid(g, rep, tmp_path, monkey
     assert "| trl_d2 | 2 | 55.0 |" in text and "| trl_d0 - trl_d2 | 2 (1) | +17.5 [" in text
     assert "Left out (lag check failed): bypass_d2_s1 (step 3: policy lag max/mean (1, 1), expected 2; step 4" in text
     assert "Not run yet (19 of the grid's cells): tis_d2_s1, rs_engine_d2_s1, bypass_d2_s2," in text
+
+
+def test_grid_finals_leaves_out_a_cell_that_did_not_start_at_the_start(g, rep, tmp_path):
+    res = tmp_path / "async_lag"
+    _cell(res / "base_32x8" / "trl_d2_s1", 0.50, [1, 0], depth=2)
+    _cell(res / "base_32x8" / "trl_d2_s2", 0.60, [1, 1], depth=2)
+    (res / "base_32x8" / "trl_d2_s2" / "cell_meta.json").write_text(json.dumps({"starts_at_start": False}))
+    finals, failed = rep.grid_finals(g.candidate("base_32x8"), res, {0, 2})
+    assert finals == {("trl", 2): {1: 0.50}}
+    assert failed == ["trl_d2_s2 (its step-0 check differs from the start's scores)"]
