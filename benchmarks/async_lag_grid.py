@@ -317,7 +317,8 @@ def run_cell(cand: Candidate, name: str, args: argparse.Namespace) -> bool:
     steps = [r for r in pl._read_jsonl(out / "log.jsonl") if "loss" in r and "step_time" in r]
     check = async_lag_check(steps, parse_cell(name)[1], args.engine_kl_max)
     first = pl._read_jsonl(out / "curve.jsonl")[0]["scores"]
-    meta = {"cell": name, "candidate": cand.name, "async": "emulated (VLLMCPURollout async_depth, one thread)",
+    meta = {"cell": name, "candidate": cand.name,
+            "async": "emulated: VLLMCPURollout(async_depth=d), weights d steps behind, nothing overlapped",
             "flags": flags, "code": pl.code_revision(), "wall_s": round(time.time() - t0, 1),
             "cpu_s": round(cpu1.children_user + cpu1.children_system - cpu0.children_user - cpu0.children_system, 1),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu_kernels": args.cpu_kernels,
