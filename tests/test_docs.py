@@ -33,7 +33,7 @@ LONG_LINE_EXCEPTIONS = {
     "docs/how-to/support-matching.md": 4,
     "docs/reference/combinations.md": 22,
     "docs/reference/configuration.md": 11,
-    "docs/reference/known-limits.md": 6,
+    "docs/reference/known-limits.md": 4,
     "docs/reference/trl-options.md": 35,
     "docs/tutorial/first-run.md": 2,
 }
