@@ -54,16 +54,34 @@ def test_every_feature_state_round_trips_in_one_file_per_rank(tmp_path):
     assert torch.equal(back.weights[0]["w"], weights[0]["w"]) and torch.equal(back.weights[3]["w"], weights[3]["w"])
 
 
-def test_refusals_name_the_fix(tmp_path):
+def test_a_file_of_another_step_or_world_size_is_refused_naming_the_fix(tmp_path):
     checkpoint_state.save(_trainer([_Plain(), _Counter(1)]), tmp_path)
-    with pytest.raises(ValueError, match=r"has no rollout_corr_features.rank-00001.pt.*start a new run from its "
-                                         r"weights \(model=<checkpoint folder>, without resume_from_checkpoint\)"):
-        checkpoint_state.load(_trainer([_Plain(), _Counter()], rank=1, world=2), tmp_path)
     with pytest.raises(ValueError, match=r"format 1, 1 processes, step 5; this run resumes at step 6 on 1 processes"):
         checkpoint_state.load(_trainer([_Plain(), _Counter()], step=6), tmp_path)
-    with pytest.raises(ValueError, match=r"features \['plain', 'counter'\], this run has \['plain'\] \(not here: "
-                                         r"\['counter'\], new here: \[\]\).*resume with the checkpoint's settings"):
-        checkpoint_state.load(_trainer([_Plain()]), tmp_path)
+    with pytest.raises(ValueError, match=r"format 1, 1 processes, step 5; this run resumes at step 5 on 2 processes"):
+        checkpoint_state.load(_trainer([_Plain(), _Counter()], world=2), tmp_path)
+
+
+def test_missing_state_starts_those_features_fresh_with_one_warning(tmp_path, caplog):
+    """No file (plain TRL's checkpoint, an older version's): every feature starts fresh; a stateful one is named in
+    the warning, a stateless one is not. Other features than the checkpoint's: the common ones are restored."""
+    caplog.set_level("WARNING", logger="trl_rollout_corr.checkpoint_state")
+    fresh = _Counter(9)
+    assert checkpoint_state.load(_trainer([_Plain(), fresh], rank=1, world=2), tmp_path) == ["plain", "counter"]
+    assert fresh.count == 9  # untouched: it starts from what __init__ gave it
+    assert len(caplog.records) == 1 and "it has no rollout_corr_features.rank-00001.pt" in caplog.text
+    assert "start fresh: ['counter']; saved state left unused: []" in caplog.text
+    caplog.clear()
+    assert checkpoint_state.load(_trainer([_Plain()]), tmp_path) == ["plain"]  # nothing stateful: no warning
+    assert not caplog.records
+
+    checkpoint_state.save(_trainer([_Plain(), _Counter(1)]), tmp_path)
+    assert checkpoint_state.load(_trainer([_Plain()]), tmp_path) == []
+    assert "start fresh: []; saved state left unused: ['counter']" in caplog.text
+    caplog.clear()
+    back = _Counter()
+    assert checkpoint_state.load(_trainer([back]), tmp_path) == []  # "plain" (stateless) dropped: no warning
+    assert back.count == 1 and not caplog.records
 
 
 def test_a_feature_without_state_refuses_state():

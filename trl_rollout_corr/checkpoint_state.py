@@ -9,8 +9,8 @@ or this rank's shards of them), so each rank reads back its own file. The file h
 A run resumed from a checkpoint (``RolloutCorrGRPOTrainer.train(resume_from_checkpoint=...)``, resolved as the Trainer
 resolves it: ``trl_compat.resume_checkpoint``) restores every feature's state at ``on_train_begin``: after the
 Trainer loaded the model, the optimizer and ``TrainerState``, before the first step. It refuses, naming the fix, a
-checkpoint without the file, of another world size or step, or whose features differ from the run's (the features
-follow the config).
+file of another world size, step or format; a checkpoint without the file (plain TRL's, an older version's) or of
+other features than the run's starts the missing features fresh, with one warning (``load``).
 
 The coupling to transformers' Trainer (the checkpoint folder, the resolution of ``resume_from_checkpoint``, the
 order of saving, loading and the callbacks) is in ``trl_compat.trainer_state``, pinned in ``tests/test_trl_compat.py``.
@@ -19,6 +19,7 @@ Hyperparameter search (a trial's own output folder) is not supported.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,9 +27,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import trl_compat
+from .hooks import Feature
 
 if TYPE_CHECKING:
     from .trainer import RolloutCorrGRPOTrainer
+
+logger = logging.getLogger(__name__)
 
 FORMAT = 1
 FILE = "rollout_corr_features.rank-{rank:05d}.pt"
@@ -56,41 +60,48 @@ def save(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | str) -> Path:
     return path
 
 
-def load(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | str) -> None:
+def load(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | str) -> list[str]:
     """Restore every feature's state from this rank's file in checkpoint ``folder``.
 
+    A feature of this run with no saved state starts fresh (the neutral treatment of a checkpoint written by plain
+    TRL's ``GRPOTrainer``, by an older ``trl_rollout_corr``, or by a run whose config had fewer features): support
+    matching measures its kept mass again, the records recount the dump's files (``RolloutRecordWriter``), and the
+    lag split holds only the resumed weights (it refuses, naming the fix, rows of an older version it does not hold).
+    Saved state of a feature this run does not have is left unused. Both are logged in one warning.
+
+    Returns:
+        The names of this run's features that started fresh (empty when every feature was restored).
+
     Raises:
-        ValueError: no file (a checkpoint not written by this trainer), a file of another format, world size or step
-            than the resumed ``TrainerState``'s, or of other features than this run's (each message names the fix).
+        ValueError: a file of another format, world size or step than the resumed ``TrainerState``'s (a file copied
+            between checkpoints or a resume on another number of processes; the message names the fix).
     """
     rank, world = int(trainer.accelerator.process_index), int(trainer.accelerator.num_processes)
     path = state_file(folder, rank)
-    if not path.is_file():
-        raise ValueError(
-            f"Resuming from {folder}: it has no {path.name}, the features' resume state (policy lag split, support "
-            "matching, rollout records) that RolloutCorrGRPOTrainer saves with every checkpoint; it was saved by "
-            "another trainer or an older trl_rollout_corr (or for another number of processes). Resume from a "
-            "checkpoint this trainer saved, or start a new run from its weights (model=<checkpoint folder>, "
-            "without resume_from_checkpoint).")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    ours = [f.name for f in trainer.rollout_corr_features]
+    payload = torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
     step = int(trainer.state.global_step)
-    if payload.get("format") != FORMAT or payload.get("world_size") != world or payload.get("global_step") != step:
+    if payload is not None and (payload.get("format") != FORMAT or payload.get("world_size") != world
+                                or payload.get("global_step") != step):
         raise ValueError(
             f"{path}: format {payload.get('format')}, {payload.get('world_size')} processes, step "
             f"{payload.get('global_step')}; this run resumes at step {step} on {world} processes with format "
             f"{FORMAT}. Resume with the checkpoint's number of processes and trl_rollout_corr version, from the "
             "checkpoint folder the file was saved in.")
-    ours = [f.name for f in trainer.rollout_corr_features]
-    theirs = list(payload["features"])
-    if theirs != ours:
-        missing, new = sorted(set(theirs) - set(ours)), sorted(set(ours) - set(theirs))
-        raise ValueError(
-            f"Resuming from {folder}: it was saved by a run with the features {theirs}, this run has {ours} (not "
-            f"here: {missing}, new here: {new}). Each feature's state continues the run it was saved by, and the "
-            f"features follow the config ({FEATURE_FIELDS}): resume with the checkpoint's settings of these, or "
-            "start a new run from its weights (model=<checkpoint folder>, without resume_from_checkpoint).")
+    saved = dict(payload["state"]) if payload is not None else {}
+    fresh = [name for name in ours if name not in saved]
+    unused = [name for name, state in saved.items() if name not in ours and state]
+    stateful = [f.name for f in trainer.rollout_corr_features if type(f).state_dict is not Feature.state_dict]
+    if [name for name in fresh if name in stateful] or unused:
+        where = f"it has no {path.name}" if payload is None else f"it was saved with the features {list(saved)}"
+        logger.warning(
+            "Resuming from %s: %s. These features of this run start fresh: %s; saved state left unused: %s (the "
+            "features follow the config: %s). To continue every feature's state, resume with the checkpoint's "
+            "settings of these fields.", folder, where, [n for n in fresh if n in stateful], unused, FEATURE_FIELDS)
     for feature in trainer.rollout_corr_features:
-        feature.load_state_dict(payload["state"][feature.name])
+        if feature.name in saved:
+            feature.load_state_dict(saved[feature.name])
+    return fresh
 
 
 def callback(trainer: "RolloutCorrGRPOTrainer"):
