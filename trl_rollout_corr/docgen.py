@@ -12,15 +12,21 @@ the forward roles of ``docs/explanation/architecture.md`` from their one declara
 ``hooks.FORWARD_ROLES``). ``--cli`` prints ``docs/reference/cli.md``'s body: the ``--help`` of ``trl-rollout-corr``
 and of each sub-command, from ``cli.build_parser`` (at 100 columns, whatever the terminal). ``tests/test_docs.py``
 checks that the pages hold them all.
+
+Whole pages (``docgen_pages.GENERATED_PAGES``: the trainer fields, the presets, the metrics, the recorded trainer
+fields of the rollout records): ``--write`` writes every one of them into the repository (run from its root),
+``--page PATH`` prints one; ``tests/test_docs.py`` fails when a committed page differs from what ``--write`` writes.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+from pathlib import Path
 from typing import Optional
 
 from .config import markdown_table
+from .docgen_pages import GENERATED_PAGES
 
 # the hooks in TRL's call order, with the TRL method each runs in
 _HOOKS = (
@@ -103,10 +109,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--batch-key-table", action="store_true", help="the architecture page's batch keys (Markdown)")
     parser.add_argument("--role-table", action="store_true", help="the architecture page's forward roles (Markdown)")
     parser.add_argument("--cli", action="store_true", help="docs/reference/cli.md's body: every --help (Markdown)")
+    parser.add_argument("--page", choices=tuple(GENERATED_PAGES), help="print one generated page (Markdown)")
+    parser.add_argument("--write", action="store_true",
+                        help="write every generated page (docgen_pages.GENERATED_PAGES) under the current directory, "
+                        "the repository root")
     args = parser.parse_args(argv)
+    if args.write:
+        root = Path.cwd()
+        if not (root / "trl_rollout_corr" / "docgen.py").is_file():
+            parser.error(f"--write writes into the repository: run it from the repository root, not {root}")
+        for rel, render in GENERATED_PAGES.items():
+            (root / rel).write_text(render())
+            print(f"wrote {rel}")
+        return 0
+    if args.page:
+        print(GENERATED_PAGES[args.page](), end="")
+        return 0
     chosen = [name for name in _TABLES if getattr(args, name)]
     if not chosen:
-        parser.error("nothing to print: pass --config-table, --hook-table, --batch-key-table, --role-table or --cli")
+        parser.error("nothing to print: pass --config-table, --hook-table, --batch-key-table, --role-table, --cli, "
+                     "--page PATH or --write")
     print("\n\n".join(_TABLES[name]() for name in chosen))
     return 0
 
