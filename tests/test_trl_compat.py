@@ -1,5 +1,6 @@
-"""trl_compat: the TRL 1.16 formulas the trainer mirrors, tested directly (hand-computed values) and pinned to
-TRL's source and signatures (the ``test_trl_coupling_*`` tests fail loudly when the pinned TRL changes)."""
+"""trl_compat (the package, every module of it): the TRL 1.16 formulas the trainer mirrors, tested directly
+(hand-computed values) and pinned to TRL's source and signatures (the ``test_trl_coupling_*`` tests fail loudly when
+the pinned TRL changes)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,44 @@ ONE_REWARD = dict(
 )
 
 
+# ---------------------------------------------------------------------------------------------- the package
+@pytest.mark.unit
+def test_trl_compat_package_re_exports_every_public_name():
+    """``trl_compat`` is a package split by concern (issue 48) and callers write ``trl_compat.NAME``: every public
+    name defined in any of its modules (found by listing the package, so a new module counts) is re-exported by
+    ``trl_compat/__init__.py`` as the very same object, ``__all__`` lists exactly those names, and no name is defined
+    in two modules."""
+    import ast
+    import importlib
+    import pkgutil
+    from pathlib import Path
+
+    defined: dict[str, str] = {}
+    for info in pkgutil.iter_modules(trl_compat.__path__):
+        module = importlib.import_module(f"{trl_compat.__name__}.{info.name}")
+        for node in ast.parse(Path(module.__file__).read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                names = [t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                         if isinstance(t, ast.Name)]
+            else:
+                continue
+            for name in names:
+                if name.startswith("_"):
+                    continue
+                assert name not in defined, f"{name} is defined in both {defined[name]} and {info.name}"
+                defined[name] = info.name
+                assert getattr(trl_compat, name, None) is getattr(module, name), (
+                    f"trl_compat.{name} is not {info.name}.{name}: re-export it in trl_compat/__init__.py")
+    assert {"advantages", "loss", "lm_head", "sampling", "vllm_colocate", "vllm_server", "sharded",
+            "trainer_state"} <= set(defined.values())
+    assert sorted(trl_compat.__all__) == sorted(defined), set(trl_compat.__all__) ^ set(defined)
+
+
 # ---------------------------------------------------------------------------------------------- TRL coupling pins
 def test_trl_coupling_version_and_signatures():
-    assert trl.__version__.startswith("1.16."), "trainer.py and trl_compat.py are written against trl 1.16"
+    assert trl.__version__.startswith("1.16."), "trainer.py and trl_compat/ are written against trl 1.16"
     sig = {name: list(inspect.signature(getattr(GRPOTrainer, name)).parameters) for name in (
         "_generate_single_turn", "_generate", "_calculate_rewards", "_get_per_token_logps_and_entropies",
         "_generate_and_score_completions", "_compute_loss", "log")}
@@ -59,7 +95,7 @@ def test_trl_coupling_version_and_signatures():
 
 
 def test_trl_coupling_formulas_mirrored_in_trl_compat():
-    """The TRL source lines behind each trl_compat function (see its module header)."""
+    """The TRL source lines behind each trl_compat function (see its module's header)."""
     src_gen = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     src_loss = inspect.getsource(GRPOTrainer._compute_loss)
     # group_advantages: unscorable rows NaN, the two aggregations, TRL's std epsilon, the per-process slice
@@ -796,7 +832,7 @@ def test_trl_coupling_fsdp2_generate_wrapper_pin():
     import transformers.trainer
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    code = trl_compat._fsdp2_wrapper_code()
+    code = trl_compat.sharded._fsdp2_wrapper_code()
     assert code is not None and code.co_name == "wrapped_method"
     src = inspect.getsource(register_fsdp_forward_method)
     assert "@functools.wraps(orig_method)" in src and "def wrapped_method(self, *args, **kwargs)" in src
@@ -870,13 +906,13 @@ def refuse(*a, **k): raise ConnectionError("peer gone")
 
 ws.GlooChannel = ws.send_tensors = refuse
 try:
-    trl_compat._init_cpu_communicator(Client())
+    trl_compat.vllm_server._init_cpu_communicator(Client())
 except RuntimeError as e:
     print("init:", str(e).split(" (")[0])
 client = Client()
 client.communicator = type("Channel", (), {"chunk_bytes": 1})()
 try:
-    trl_compat._cpu_update_named_params(client, [("w", "float32", [1])], iter([]))
+    trl_compat.vllm_server._cpu_update_named_params(client, [("w", "float32", [1])], iter([]))
 except RuntimeError as e:
     print("update:", str(e).split(" (")[0])
 print("threads:", sorted({t.name for t in threading.enumerate()}))

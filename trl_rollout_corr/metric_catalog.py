@@ -156,7 +156,7 @@ METRICS: tuple[MetricFamily, ...] = (
     _m("support_{singleton_fraction,miss_fraction}", _TRAINER, "one-token supports / sampled tokens outside the "
        "recomputed support, over scored tokens", "support/stats.py"),
     _m("rs_lone_survivor_fraction", _TRAINER, "rows RS kept while rejecting every other row of their group, over "
-       "rows (their advantage is 0)", "trl_compat.py"),
+       "rows (their advantage is 0)", "trl_compat/advantages.py"),
     _m("routing_mismatch_fraction", _TRAINER, "MoE selections where the trainer's own top-k differs from the "
        "replayed route (`routing_replay: r3`)", "routing.py"),
     _m("routing_mismatch_fraction/layer_{i}", _TRAINER, "the same for MoE layer `i`", "routing.py"),

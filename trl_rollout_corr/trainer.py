@@ -23,7 +23,7 @@ TRL's private state (``_metrics``, ``_logs``, ``_buffered_inputs``, ``_step``). 
 
 ``docs/explanation/architecture.md`` gives the protocol, the ordering rules, the forward roles and the batch keys. Who
 knows TRL
-1.16's internals: this file and ``trl_compat.py``, both pinned by ``tests/test_trl_compat.py``.
+1.16's internals: this file and the ``trl_compat`` package, both pinned by ``tests/test_trl_compat.py``.
 """
 
 from __future__ import annotations
