@@ -81,3 +81,18 @@ def test_metrics_page_lists_every_family_once():
                         "Ratio decomposition and policy lag", "Trainer features"]
     assert page.endswith("\n* `skipped_step_fraction`: 1 on an optimizer step `skip_empty_steps` skipped, else 0 "
                          "(features/empty_steps.py)\n")
+
+
+def test_pages_do_not_depend_on_a_parser_having_run():
+    """``HfArgumentParser`` rewrites ``Field.type`` in place (``Optional[str]`` -> ``str``); the pages read the
+    classes' annotations, so they are the same before and after a parser was built (the staleness check in
+    ``tests/test_docs.py`` must not depend on test order)."""
+    from transformers import HfArgumentParser
+
+    from trl_rollout_corr.trainer import RolloutCorrGRPOConfig
+
+    before = {rel: render() for rel, render in docgen_pages.GENERATED_PAGES.items()}
+    HfArgumentParser(RolloutCorrGRPOConfig)
+    assert {rel: render() for rel, render in docgen_pages.GENERATED_PAGES.items()} == before
+    assert "* `rollout_rs_on`: type `Optional[str]`, default `None` (core default `'direct'`)" in before[
+        "docs/reference/trainer-fields.md"]

@@ -46,6 +46,17 @@ def _type_name(annotation: Any) -> str:
     return str(annotation).replace("typing.", "")
 
 
+def _annotation(cls: type, name: str) -> Any:
+    """The annotation of field ``name`` as the class that declares it wrote it (a string under ``from __future__
+    import annotations``). Read from the classes, not from ``Field.type``, which ``HfArgumentParser`` rewrites in
+    place (``Optional[str]`` becomes ``str`` once a parser was built), so the page would depend on what ran before."""
+    for klass in cls.__mro__:
+        annotations = klass.__dict__.get("__annotations__", {})
+        if name in annotations:
+            return annotations[name]
+    raise KeyError(f"{cls.__name__} declares no field {name!r}")
+
+
 def _default(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         return repr(f.default)
@@ -54,19 +65,24 @@ def _default(f: dataclasses.Field) -> str:
     return "required"
 
 
-def _field_item(f: dataclasses.Field, note: str = "") -> list[str]:
-    lines = [f"### `{f.name}`", "", *_wrap(f"* type `{_type_name(f.type)}`, default `{_default(f)}`{note}", "", "  ")]
+def _field_item(cls: type, f: dataclasses.Field, note: str = "") -> list[str]:
+    lines = [f"### `{f.name}`", "",
+             *_wrap(f"* type `{_type_name(_annotation(cls, f.name))}`, default `{_default(f)}`{note}", "", "  ")]
     help_text = f.metadata.get("help", "")
     return [*lines, *(_wrap(help_text, "* ", "  ") if help_text else ["* (no help text)"]), ""]
 
 
-def _config_fields() -> tuple[dict[str, dataclasses.Field], dict[str, dataclasses.Field]]:
+def _config_classes() -> tuple[type, type]:
     from trl import GRPOConfig
 
     from .trainer_config import RolloutCorrGRPOConfig
 
-    return ({f.name: f for f in dataclasses.fields(RolloutCorrGRPOConfig)},
-            {f.name: f for f in dataclasses.fields(GRPOConfig)})
+    return RolloutCorrGRPOConfig, GRPOConfig
+
+
+def _config_fields() -> tuple[dict[str, dataclasses.Field], dict[str, dataclasses.Field]]:
+    ours, trl = _config_classes()
+    return {f.name: f for f in dataclasses.fields(ours)}, {f.name: f for f in dataclasses.fields(trl)}
 
 
 def trainer_fields_page() -> str:
@@ -74,6 +90,7 @@ def trainer_fields_page() -> str:
     from .config import CORRECTION_FIELD_TABLE, CORRECTION_FIELDS
 
     ours, trl = _config_fields()
+    ours_cls, trl_cls = _config_classes()
     lines = _header("Trainer fields", "the fields `RolloutCorrGRPOConfig` adds to (or redefines in) TRL's "
                     "`GRPOConfig`, their types, defaults and `help` metadata (`trainer_config.py`, "
                     "`config/arguments.py`)")
@@ -86,17 +103,17 @@ def trainer_fields_page() -> str:
             continue
         note = ""
         if name in trl:
-            if _type_name(trl[name].type) == _type_name(f.type) and _default(trl[name]) == _default(f):
+            trl_type = _type_name(_annotation(trl_cls, name))
+            if trl_type == _type_name(_annotation(ours_cls, name)) and _default(trl[name]) == _default(f):
                 continue  # TRL's field, unchanged
-            note = (f" (redefines TRL's `GRPOConfig.{name}`: type `{_type_name(trl[name].type)}`, default "
-                    f"`{_default(trl[name])}`)")
-        lines += _field_item(f, note)
+            note = f" (redefines TRL's `GRPOConfig.{name}`: type `{trl_type}`, default `{_default(trl[name])}`)"
+        lines += _field_item(ours_cls, f, note)
     lines += ["## Correction fields", "", *_wrap(
         "The fields of `config.CORRECTION_FIELD_TABLE`, flat and Optional: unset (`None`) takes the preset's value, "
         "or the core default below without a preset; explicitly set fields override the preset. Their values and "
         "meaning: [configuration.md](configuration.md)."), ""]
     for cf in CORRECTION_FIELD_TABLE:
-        lines.append(f"* `{cf.name}`: type `{_type_name(ours[cf.name].type)}`, default `None` "
+        lines.append(f"* `{cf.name}`: type `{_type_name(_annotation(ours_cls, cf.name))}`, default `None` "
                      f"(core default `{cf.default!r}`)")
     return "\n".join(lines).rstrip() + "\n"
 
@@ -144,7 +161,7 @@ def recorded_fields_page() -> str:
                      "batches, the windows and the loss ([rollout-records.md](../how-to/rollout-records.md))."), ""]
     for name in RECORDED_TRAINER_FIELDS:
         owner = "TRL's `GRPOConfig`" if name in trl else "`RolloutCorrGRPOConfig`"
-        lines += _field_item(ours[name], f"; from {owner}")
+        lines += _field_item(_config_classes()[0], ours[name], f"; from {owner}")
     return "\n".join(lines).rstrip() + "\n"
 
 
