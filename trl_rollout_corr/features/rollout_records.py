@@ -9,6 +9,9 @@ on) the same way; ``after_loss`` hands each trained micro-batch (as TRL passed i
 pi_theta (``LossStep.policy_log_probs``) to the writer; ``after_log`` closes the window of the logged step, after TRL's
 ``log`` added its own values (the Trainer's copy in ``log_history``, which callbacks cannot change).
 
+Its state at a checkpoint (``state_dict``: the generation batches tagged and the writer's counts) is saved with the
+checkpoint's other feature state (``checkpoint_state``); a resumed run numbers on from it.
+
 Last in ``features.FEATURES``: nothing is written before every other part accepted the setup.
 """
 
@@ -139,6 +142,18 @@ class RolloutRecords(Feature):
         """Close the logged step's window with TRL's logged values (training only)."""
         if trainer.metrics_mode == "train":
             self.writer.end_window(trainer.state.global_step, record)
+
+    def state_dict(self) -> dict:
+        """This rank's counts at the checkpoint: generation batches tagged (``batches``) and the writer's
+        (``RolloutRecordWriter.state_dict``: windows, micro-batches, bytes and rows written). The rows of a window
+        still open at the checkpoint are in the dump (``open-window/``, written by this feature's ``on_save``)."""
+        return {"batches": self.batches, "writer": self.writer.state_dict()}
+
+    def load_state_dict(self, state) -> None:
+        """Continue ``state_dict()``'s counts: the resumed run's generation batches and micro-batches are numbered
+        on from the checkpoint's, as the uninterrupted run's are (also across windows ``rollout_dump_every`` skips)."""
+        self.batches = int(state["batches"])
+        self.writer.load_state_dict(state["writer"])
 
 
 def _support_keys(batch: dict, score) -> None:
