@@ -24,6 +24,7 @@ import torch
 
 from ..correction import DEFAULT_LENGTH_BUCKETS
 from ..hooks import Feature, GenerationBatch, LossStep, refuse_config
+from ..model_card import rollout_engine_record  # the one description of the engine (card, records, summary)
 
 if TYPE_CHECKING:
     from ..records import MicroBatch, RolloutRecordWriter
@@ -212,29 +213,6 @@ def micro_batch(step: int, inputs: dict, log_probs: Optional[torch.Tensor], *, t
         ),
         routes=inputs.get("routed_experts") if num_experts is not None else None, num_experts=num_experts,
     )
-
-
-def rollout_engine_record(trainer) -> dict:
-    """What produced mu: the ``rollout_func``'s own ``describe()`` when it has one, else TRL's path."""
-    describe = getattr(trainer.rollout_func, "describe", None)
-    if callable(describe):
-        return dict(describe())
-    if trainer.use_vllm:
-        from ..model_card import rollout_engine_record as describe_engine  # the one description of TRL's vLLM path
-
-        return describe_engine(trainer)
-    if trainer.rollout_func is not None:
-        return dict(rollout_engine=f"rollout_func {type(trainer.rollout_func).__name__}")
-    if trainer.use_transformers_continuous_batching:
-        from ..model_card import continuous_batching_record
-
-        return continuous_batching_record(trainer)
-    import transformers
-
-    dtype = trainer.args.rollout_generate_dtype or str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
-    return dict(rollout_engine="transformers.generate", rollout_engine_version=transformers.__version__,
-                rollout_dtype=f"{dtype}{' (bf16 autocast)' if trainer.args.bf16 else ''}",
-                rollout_logprobs_mode="processed (log_softmax of the final processed scores)")
 
 
 def generation_config_dict(model) -> Optional[dict]:
