@@ -13,8 +13,8 @@ file of another world size, step or format; a checkpoint without the file (plain
 other features than the run's starts the missing features fresh, with one warning (``load``).
 
 The coupling to transformers' Trainer (the checkpoint folder, the resolution of ``resume_from_checkpoint``, the
-order of saving, loading and the callbacks) is in ``trl_compat.trainer_state``, pinned in ``tests/test_trl_compat.py``.
-Hyperparameter search (a trial's own output folder) is not supported.
+order of saving, loading and the callbacks) is in ``trl_compat.trainer_state``, pinned in
+``tests/trainer/test_trl_compat.py``. Hyperparameter search (a trial's own output folder) is not supported.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ checks that the pages hold them all.
 
 Whole pages (``docgen_pages.GENERATED_PAGES``: the trainer fields, the presets, the metrics, the recorded trainer
 fields of the rollout records): ``--write`` writes every one of them into the repository (run from its root),
-``--page PATH`` prints one; ``tests/test_docs.py`` fails when a committed page differs from what ``--write`` writes.
+``--page PATH`` prints one; ``tests/unit/test_docs.py`` fails when a committed page differs from what ``--write``
+writes.
 """
 
 from __future__ import annotations

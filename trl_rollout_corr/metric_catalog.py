@@ -5,9 +5,9 @@ The keys themselves are built where they are computed (``correction/``, ``accumu
 ``support/stats.py``, ...), often from parts (an RS option, a length slice, a layer); this module declares what they
 can be. ``MetricFamily.pattern`` is the key after ``rollout_corr/`` with ``{a,b,c}`` for one of the listed words and
 ``{option}`` (an RS option, ``correction.rejection.RS_OPTIONS``), ``{lo}_{hi}`` (a length slice: ``lo`` an edge,
-``hi`` the next edge or ``inf``) and ``{i}`` (a layer index) for the variable parts. ``tests/test_metric_catalog.py``
-checks that every key the correction, M2PO and the golden trainer runs log matches exactly one family, and that every
-family is seen.
+``hi`` the next edge or ``inf``) and ``{i}`` (a layer index) for the variable parts.
+``tests/unit/test_metric_catalog.py`` checks that every key the correction, M2PO and the golden trainer runs log
+matches exactly one family, and that every family is seen.
 
 Nothing here imports torch or TRL.
 """

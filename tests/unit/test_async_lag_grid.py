@@ -8,8 +8,6 @@ import pytest
 
 from script_module import load_script
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture(scope="module")
 def g():

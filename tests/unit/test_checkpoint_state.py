@@ -1,5 +1,5 @@
 """``checkpoint_state``: every feature's ``state_dict`` in one file per rank of each checkpoint, read back on resume;
-its refusals. On stand-in trainers (the real ones: ``tests/test_resume_features.py``)."""
+its refusals. On stand-in trainers (the real ones: ``tests/features/test_resume_features.py``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import torch
 
 from trl_rollout_corr import checkpoint_state
 from trl_rollout_corr.hooks import Feature
-
-pytestmark = pytest.mark.unit
 
 
 class _Counter(Feature):

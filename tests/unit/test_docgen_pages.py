@@ -1,16 +1,12 @@
 """The generated reference pages (``trl_rollout_corr/docgen_pages.py``) say what the code says: the trainer's own
 fields with TRL's field they redefine, each preset's fields, the recorded trainer fields of ``run.json`` and the
-metric catalogue (whose keys ``tests/test_metric_catalog.py`` checks against the logged ones)."""
+metric catalogue (whose keys ``tests/unit/test_metric_catalog.py`` checks against the logged ones)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import pytest
-
 from trl_rollout_corr import docgen_pages
-
-pytestmark = pytest.mark.unit
 
 
 def _section(page: str, heading: str) -> str:
@@ -86,7 +82,7 @@ def test_metrics_page_lists_every_family_once():
 def test_pages_do_not_depend_on_a_parser_having_run():
     """``HfArgumentParser`` rewrites ``Field.type`` in place (``Optional[str]`` -> ``str``); the pages read the
     classes' annotations, so they are the same before and after a parser was built (the staleness check in
-    ``tests/test_docs.py`` must not depend on test order)."""
+    ``tests/unit/test_docs.py`` must not depend on test order)."""
     from transformers import HfArgumentParser
 
     from trl_rollout_corr.trainer import RolloutCorrGRPOConfig

@@ -15,8 +15,6 @@ from trl_rollout_corr.config import markdown_table
 from trl_rollout_corr.docgen import batch_key_table, cli_reference, hook_table, main, role_table
 from trl_rollout_corr.docgen_pages import GENERATED_PAGES, REGENERATE, stale_pages
 
-pytestmark = pytest.mark.unit
-
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINE_CAP = 120

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction
@@ -16,9 +15,7 @@ from trl_rollout_corr.correction.m2po import m2po_mask
 from trl_rollout_corr.correction.rejection import RS_OPTIONS
 from trl_rollout_corr.metric_catalog import METRICS, PREFIX, family_of
 
-pytestmark = pytest.mark.unit
-
-GOLDEN = Path(__file__).parent / "data" / "golden_trainer"
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_trainer"
 
 
 def _correction_keys() -> set[str]:

@@ -110,7 +110,7 @@ def test_card_records_and_summary_describe_the_engine_with_one_function(tmp_path
                       if any(isinstance(n, ast.FunctionDef) and n.name == "rollout_engine_record"
                              for n in ast.walk(ast.parse(p.read_text()))))
     assert defining == ["trl_rollout_corr/model_card.py"]
-    # the recipe's summary: tests/test_recipe_tiny.py::test_outputs_a_person_reads (results.json == the card)
+    # the recipe's summary: tests/e2e/test_recipe_tiny.py::test_outputs_a_person_reads (results.json == the card)
 
 
 def test_complete_card_mends_trls_none_placeholders(tmp_path):
