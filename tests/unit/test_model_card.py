@@ -104,7 +104,7 @@ def test_card_records_and_summary_describe_the_engine_with_one_function(tmp_path
     assert rollout_records.rollout_engine_record(trainer)["rollout_engine"] == (
         "rollout_func test_card_records_and_summary_describe_the_engine_with_one_function.<locals>.plain")
     # no other module of the package or the recipe builds an engine record of its own from a trainer
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     defining = sorted(str(p.relative_to(root)) for p in [*root.glob("trl_rollout_corr/**/*.py"),
                                                           *root.glob("recipes/*.py")]
                       if any(isinstance(n, ast.FunctionDef) and n.name == "rollout_engine_record"
