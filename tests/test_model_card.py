@@ -59,13 +59,17 @@ def _trainer(tmp_path, **overrides):
 
 
 def test_rollout_engine_record_per_source(tmp_path):
+    import transformers
+
     trainer = _trainer(tmp_path)
     assert model_card.rollout_engine_record(trainer) == {
-        "rollout_engine": "transformers.generate", "rollout_dtype": "float32",
-        "rollout_logprobs_mode": "processed scores (after logits processors)"}
+        "rollout_engine": "transformers.generate", "rollout_engine_version": transformers.__version__,
+        "rollout_dtype": "float32", "rollout_logprobs_mode": "processed (log_softmax of the final processed scores)"}
     trainer.args.bf16 = True
-    assert model_card.rollout_engine_record(trainer)["rollout_dtype"] == "bfloat16 (autocast)"
+    assert model_card.rollout_engine_record(trainer)["rollout_dtype"] == "float32 (bf16 autocast)"
     trainer.args.rollout_generate_dtype = "float16"
+    assert model_card.rollout_engine_record(trainer)["rollout_dtype"] == "float16 (bf16 autocast)"
+    trainer.args.bf16 = False
     assert model_card.rollout_engine_record(trainer)["rollout_dtype"] == "float16"
     # issue 44, item 6: TRL's continuous batching (generate_batch) casts to the training dtype and returns no mu
     batching = _trainer(tmp_path, use_transformers_continuous_batching=True)
@@ -83,7 +87,34 @@ def test_rollout_engine_record_per_source(tmp_path):
         return {}
 
     record = model_card.rollout_engine_record(_trainer(tmp_path, rollout_func=my_rollout))
-    assert record["rollout_engine"].startswith("rollout_func ") and record["rollout_engine"].endswith("my_rollout")
+    assert record == {"rollout_engine": "rollout_func test_rollout_engine_record_per_source.<locals>.my_rollout",
+                      "rollout_logprobs_mode": "as returned by the rollout_func"}
+
+
+def test_card_records_and_summary_describe_the_engine_with_one_function(tmp_path):
+    """Issue 48: the model card, the rollout records' run.json and the recipe's run summary name the engine through
+    ``model_card.rollout_engine_record`` alone (the records once had a second describer that named a plain function
+    ``rollout_func function`` and gave transformers.generate other strings than the card)."""
+    import ast
+
+    from trl_rollout_corr.features import rollout_records
+
+    assert rollout_records.rollout_engine_record is model_card.rollout_engine_record
+
+    def plain(prompts, trainer):
+        return {}
+
+    trainer = _trainer(tmp_path, rollout_func=plain, use_transformers_continuous_batching=False)
+    assert rollout_records.rollout_engine_record(trainer)["rollout_engine"] == (
+        "rollout_func test_card_records_and_summary_describe_the_engine_with_one_function.<locals>.plain")
+    # no other module of the package or the recipe builds an engine record of its own from a trainer
+    root = Path(__file__).resolve().parents[1]
+    defining = sorted(str(p.relative_to(root)) for p in [*root.glob("trl_rollout_corr/**/*.py"),
+                                                          *root.glob("recipes/*.py")]
+                      if any(isinstance(n, ast.FunctionDef) and n.name == "rollout_engine_record"
+                             for n in ast.walk(ast.parse(p.read_text()))))
+    assert defining == ["trl_rollout_corr/model_card.py"]
+    # the recipe's summary: tests/test_recipe_tiny.py::test_outputs_a_person_reads (results.json == the card)
 
 
 def test_complete_card_mends_trls_none_placeholders(tmp_path):

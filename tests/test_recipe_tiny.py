@@ -133,7 +133,7 @@ def test_outputs_a_person_reads(chat_llama_dir, tmp_path, capsys):
     name and no dataset link."""
     pytest.importorskip("matplotlib")
     out = tmp_path / "demo_like"
-    _, records = _run(chat_llama_dir, out, "--max_steps", "2", "--plots", "true")
+    results, records = _run(chat_llama_dir, out, "--max_steps", "2", "--plots", "true")
     console = capsys.readouterr().out
     lines = [line for line in console.splitlines() if line.startswith("step ")]
     assert [line.split(" | ")[0] for line in lines] == ["step 1/2", "step 2/2"]
@@ -151,6 +151,10 @@ def test_outputs_a_person_reads(chat_llama_dir, tmp_path, capsys):
     assert "# Model Card for demo_like" in card and "None" not in card.split("\n## ")[0]
     assert "huggingface.co/datasets" not in card
     assert "| `rollout_engine` | `transformers.generate` |" in card
+    # issue 48: the run summary names the engine with the card's one description (model_card.rollout_engine_record)
+    assert results["engine"]["rollout_dtype"] == "float32" and "| `rollout_dtype` | `float32` |" in card
+    assert "| `rollout_logprobs_mode` | `processed (log_softmax of the final processed scores)` |" in card
+    assert results["engine"]["rollout_logprobs_mode"] == "processed (log_softmax of the final processed scores)"
     assert "not a Hub dataset" in card and "| `torch_threads` | `1` |" in card
     assert card.count("## Rollout correction (trl-rollout-corr)") == 1
     assert "trl-rollout-corr" in card.split("---")[1]  # a tag in the card's metadata (_tag_names)

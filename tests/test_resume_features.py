@@ -148,39 +148,67 @@ def _stop_after(step):
     return StopAfter()
 
 
-def test_an_engine_kept_through_the_restart_keeps_the_lag_and_the_lag_split_names_the_fix(llama_dir, tmp_path):
+def test_an_engine_kept_through_the_restart_keeps_the_lag_and_the_lag_split_resumes_exactly(llama_dir, tmp_path):
     """An engine that outlived the trainer (the same ``StaleRollout``, synced every 3 steps, last at step 0) and a
-    checkpoint at 2, between syncs (docs/how-to/policy-lag.md, "Resuming from a checkpoint"): with ``policy_lag_split``
-    the
-    resumed trainer holds only the weights of step 2, so the version-0 rows of step 3 are refused, naming the fix;
-    without it, steps 3 (lag 2) and 4 (synced at 3: lag 0) are the uninterrupted run's, ``max_policy_lag=2``
-    included."""
+    checkpoint at 2, between syncs (docs/how-to/policy-lag.md, "Resuming from a checkpoint"), with
+    ``policy_lag_split`` and ``max_policy_lag=2``. The checkpoint's feature state holds the versions the split kept at
+    step 2, 0 (the initial weights, bit for bit) and 1, and the pruning bound 0; the resumed trainer scores the
+    version-0 rows of step 3 at them, so steps 3 (lag 2, a real lag factor) and 4 (synced at 3: lag 0) are the
+    uninterrupted run's. Resuming that checkpoint without ``policy_lag_split``, or from a copy of it without the
+    feature-state file, is refused before any generation, naming the fix."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
 
     common = dict(save_steps=2, rollout_corr_preset="decoupled_k3_rs_token_tis", rollout_rs_threshold="0.5",
                   max_policy_lag=2, rollout_dump_dir=None)
 
-    def make(path, engine, max_steps, **extra):
+    def make(path, engine, split=True):
         return RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, train_dataset=prompt_dataset(8),
-                                      args=_args(path, max_steps=max_steps, **common, **extra), rollout_func=engine)
+                                      args=_args(path, max_steps=4, policy_lag_split=split, **common),
+                                      rollout_func=engine)
 
-    full = make(tmp_path / "full", StaleRollout(3), 4)
+    full = make(tmp_path / "full", StaleRollout(3))
     full.train()
     kept = StaleRollout(3)
-    crashed = make(tmp_path / "part", kept, 4)
+    crashed = make(tmp_path / "part", kept)
     crashed.add_callback(_stop_after(2))  # the interrupted run: stops after saving checkpoint-2
     crashed.train()
     assert crashed.state.global_step == 2 and kept.engine_version == 0
-    checkpoint = str(tmp_path / "part" / "out" / "checkpoint-2")
+    checkpoint = tmp_path / "part" / "out" / "checkpoint-2"
+    saved = torch.load(checkpoint / "rollout_corr_features.rank-00000.pt", weights_only=True)
+    assert saved["features"] == ["behaviour_log_probs", "policy_lag", "support_matching", "lag_split"]
+    assert saved["global_step"] == 2 and saved["world_size"] == 1
+    split = saved["state"]["lag_split"]
+    assert sorted(split["weights"]) == [0, 1] and split["oldest"] == 0
+    initial = AutoModelForCausalLM.from_pretrained(llama_dir).state_dict()
+    assert all(torch.equal(split["weights"][0][name], initial[name]) for name in initial)
+    assert not all(torch.equal(split["weights"][1][name], initial[name]) for name in initial)  # trained at step 1
+
+    bare = tmp_path / "bare" / "checkpoint-2"
+    shutil.copytree(checkpoint, bare)
+    (bare / "rollout_corr_features.rank-00000.pt").unlink()
+    other = StaleRollout(3)  # a second engine kept through a restart (the first one's state must stay untouched)
+    second = make(tmp_path / "second", other)
+    second.add_callback(_stop_after(2))
+    second.train()
+    # no feature state (plain TRL's checkpoint, an older version's): the split starts fresh, holding only the
+    # resumed weights, and refuses the kept engine's rows of version 0 instead of scoring them at the wrong weights
     with pytest.raises(ValueError, match=r"rows of version 0 arrived, but the trainer holds no weights of that "
-                                         r"version \(held: \[2\]\).*resumed from a checkpoint.*restart the engine"):
-        make(tmp_path / "part", kept, 4, policy_lag_split=True).train(resume_from_checkpoint=checkpoint)
-    assert kept.engine_version == 0 and kept.calls[-1] == (2, 0)
-    resumed = make(tmp_path / "part", kept, 4)
-    resumed.train(resume_from_checkpoint=checkpoint)
+                                         r"version \(held: \[2\]\)"):
+        make(tmp_path / "second", other).train(resume_from_checkpoint=str(bare))
+
+    resumed = make(tmp_path / "part", kept)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
     logs = _assert_same_steps(full, resumed, [3, 4])
     assert [log["rollout_corr/policy_lag_max"] for log in logs] == [2.0, 0.0]
+    assert logs[0]["rollout_corr/lag_ratio_max"] != 1.0  # a real lag factor: pi_train@0 != pi_old at step 3
+    assert logs[1]["rollout_corr/lag_ratio_max"] == 1.0  # lag 0: pi_train@3 is pi_old
     assert kept.calls[-2:] == [(2, 0), (3, 3)] == full.rollout_func.calls[-2:]
+    assert sorted(resumed.rollout_corr_features.items[-1].weights) == [3]  # versions 0-2 pruned after step 4
 
 
 # ---------------------------------------------------------------------------------------------- (b) M2PO
@@ -436,3 +464,70 @@ def test_two_crashes_inside_one_logging_window_with_save_total_limit_resume_to_t
     totals = [summary_row(Recomputer(d).analyse(named, d.length_buckets).total) for d in (dump, expected)]
     assert totals[0]["valid_rows"] == 4 * rows_per_step
     assert totals[0] == pytest.approx(totals[1], rel=REL, abs=ABS)
+
+
+# ---------------------------------------------------------------------------------------------- (f) feature state
+def test_support_matching_off_measures_the_kept_mass_once_across_a_resume(llama_dir, tmp_path, caplog):
+    """top_p 0.8 with matching off: the kept mass is measured once, at the first training batch, and warned at its
+    log. The checkpoint at 1 saves both as done (``SupportMatching.state_dict``), so steps 2 and 3 after the resume
+    are the uninterrupted run's: no second measurement (no ``support_*`` keys), no second warning."""
+    import logging
+
+    import torch
+
+    from conftest import _make_trainer
+
+    def make():
+        return _make_trainer(llama_dir, tmp_path, max_steps=3, save_strategy="steps", save_steps=1, top_p=0.8,
+                             rollout_corr_preset="decoupled_k3_rs_token_tis", rollout_rs_threshold="0.5")
+
+    first = make()
+    first.train()
+    step_1 = {h["step"]: h for h in first.state.log_history if "loss" in h}[1]
+    assert step_1["rollout_corr/support_log_mass_mean"] < -1e-3  # measured at step 1
+    saved = torch.load(tmp_path / "out" / "checkpoint-1" / "rollout_corr_features.rank-00000.pt", weights_only=True)
+    assert saved["state"]["support_matching"] == {"measure_due": False, "warn_due": False,
+                                                  "processors_warned": False}
+    resumed = make()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_rollout_corr.trainer"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    logs = _assert_same_steps(first, resumed, [2, 3])
+    assert all(log["grad_norm"] > 0 for log in logs)  # trained
+    assert not any(key.startswith("rollout_corr/support_") for log in logs for key in log)
+    assert not [r for r in caplog.records if "Measured mean log kept mass" in r.getMessage()]
+
+
+def test_dump_every_2_resumes_to_the_uninterrupted_records(llama_dir, tmp_path):
+    """``rollout_dump_every=2``, a window per step, checkpoint at 2: the dump keeps windows 1 and 3; window 2's rows
+    are in no file. Resumed from checkpoint-2, window 3's rows are the uninterrupted run's, their micro-step and
+    generation-batch numbers included: one micro-batch and one generation batch per step, so 2 and 2 (they count the
+    skipped window's), restored from the checkpoint's counts (a count of the dump's kept files gives 1 and 1)."""
+    import torch
+
+    from conftest import _make_trainer
+    from trl_rollout_corr.records import open_dump
+
+    def make(path):
+        return _make_trainer(llama_dir, path, max_steps=3, save_strategy="steps", save_steps=2,
+                             rollout_dump_dir=str(path / "dump"), rollout_dump_every=2,
+                             rollout_corr_preset="decoupled_k3_rs_token_tis")
+
+    full = make(tmp_path / "full")
+    full.train()
+    crashed = make(tmp_path / "part")
+    crashed.add_callback(_stop_after(2))
+    crashed.train()
+    saved = torch.load(tmp_path / "part" / "out" / "checkpoint-2" / "rollout_corr_features.rank-00000.pt",
+                       weights_only=True)["state"]["rollout_records"]
+    assert saved["batches"] == 2 and saved["writer"]["micro_step"] == 2 and saved["writer"]["windows"] == 2
+    resumed = make(tmp_path / "part")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "part" / "out" / "checkpoint-2"))
+    _assert_same_steps(full, resumed, [3])
+    dump, expected = open_dump(tmp_path / "part" / "dump"), open_dump(tmp_path / "full" / "dump")
+    assert [(w.logged_step, w.dumped) for w in dump.windows] == [(1, True), (2, False), (3, True)]
+    window_3 = dump.read_table(dump.windows[2:])
+    assert window_3.num_rows == 4
+    assert set(window_3.column("micro_step").to_pylist()) == {2}
+    assert set(window_3.column("generation_batch").to_pylist()) == {2}
+    _assert_same_rows(dump, expected)

@@ -26,12 +26,12 @@ TRAINER_METHOD_LINES = 50
 MODULE_EXCEPTIONS = {
     "probe.py": 685,
     "routing.py": 635,
-    "records/writer.py": 621,
+    "records/writer.py": 616,
     "engines/vllm_cpu_rollout.py": 511,
 }
 # "module:function" -> its size on 2026-12-07; may only shrink
 FUNCTION_EXCEPTIONS = {
-    "records/writer.py:_continue_at": 98,
+    "records/writer.py:_continue_at": 96,
 }
 
 

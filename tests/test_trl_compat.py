@@ -927,3 +927,42 @@ print("threads:", sorted({t.name for t in threading.enumerate()}))
         "init: weight-sync set-up failed: peer gone", "update: weight sync failed: peer gone",
         "threads: ['MainThread', 'trl-rollout-corr-sync']"]
     assert time.monotonic() - started < 30
+
+
+def test_trl_coupling_checkpoint_state_pins(tmp_path):
+    """``trl_compat.trainer_state``'s checkpoint assumptions (for ``checkpoint_state``) about transformers 5.x's
+    Trainer (and TRL 1.16's override): the checkpoint of step N is ``<output_dir>/checkpoint-N``, written before the
+    callbacks' ``on_save``; ``train`` resolves ``resume_from_checkpoint=True`` to
+    ``get_last_checkpoint(args.output_dir)``; the model, optimizer and ``TrainerState`` are loaded before
+    ``on_train_begin``."""
+    import transformers
+    from transformers import Trainer
+
+    assert transformers.__version__.startswith("5."), transformers.__version__
+    save = inspect.getsource(Trainer._save_checkpoint)
+    assert 'checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"' in save
+    assert "run_dir = self._get_output_dir(trial=trial)" in save
+    assert "output_dir = os.path.join(run_dir, checkpoint_folder)" in save
+    assert "if self.hp_search_backend is not None and trial is not None:" in inspect.getsource(Trainer._get_output_dir)
+    assert "super()._save_checkpoint(model, trial)" in inspect.getsource(GRPOTrainer._save_checkpoint)
+    step = inspect.getsource(Trainer._maybe_log_save_evaluate)
+    assert ("self._save_checkpoint(model, trial)\n            self.control = self.callback_handler.on_save("
+            in step)
+    train = inspect.getsource(Trainer.train)
+    assert ("if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:\n"
+            "            resume_from_checkpoint = get_last_checkpoint(args.output_dir)") in train
+    assert "resume_from_checkpoint" in inspect.signature(GRPOTrainer.train).parameters
+    loop = inspect.getsource(Trainer._inner_training_loop)
+    assert (loop.index("self._init_training_state(") < loop.index("self._prepare_for_training(")
+            < loop.index("self.callback_handler.on_train_begin("))
+    prepare = inspect.getsource(Trainer._prepare_for_training)
+    assert "self._load_optimizer_and_scheduler(resume_from_checkpoint)" in prepare
+    args = collections.namedtuple("Args", "output_dir")("/x/out")
+    assert str(trl_compat.checkpoint_folder(args, 7)) == "/x/out/checkpoint-7"
+    assert trl_compat.resume_checkpoint(args, False) is None and trl_compat.resume_checkpoint(args, None) is None
+    assert trl_compat.resume_checkpoint(args, "/y/checkpoint-3") == "/y/checkpoint-3"
+    assert trl_compat.resume_checkpoint(args, True) is None  # no such folder: the Trainer refuses it itself
+    for step in (3, 12):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    latest = trl_compat.resume_checkpoint(collections.namedtuple("Args", "output_dir")(str(tmp_path)), True)
+    assert latest == str(tmp_path / "checkpoint-12")

@@ -5,7 +5,7 @@ One row per feature (the ``GRPOConfig`` field list and docstring groups of trl 1
 of the config-time refusal (which names the option). ``tests/test_trl_features.py`` checks every row: without a
 correction the subclass trains exactly as plain TRL (same logged losses, gradient norms and TRL metrics), and with
 each preset the refusal happens when the config is built or a short training run works. ``markdown_table()``
-renders the table of ``docs/reference/trl-options.md`` from the same rows.
+renders the list of ``docs/reference/trl-options.md`` from the same rows.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Feature:
     """One TRL feature.
 
     Attributes:
-        name: the ``GRPOConfig`` field(s) or ``GRPOTrainer`` argument, as ``docs/reference/trl-options.md``'s table
+        name: the ``GRPOConfig`` field(s) or ``GRPOTrainer`` argument, as ``docs/reference/trl-options.md``'s list
         shows it.
         group: TRL's docstring group.
         config: ``GRPOConfig`` overrides that switch it on (on top of ``conftest.TRAIN_DEFAULTS``).
@@ -209,10 +209,13 @@ FEATURES = (
 
 
 def markdown_table() -> str:
-    """The table of ``docs/reference/trl-options.md``: one row per feature, one column per mode."""
-    head = ["TRL 1.16 feature", "no correction", "decoupled preset", "bypass PPO-clip preset",
-            "bypass REINFORCE preset", "note"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    """The list of ``docs/reference/trl-options.md``: one item per feature (without a correction, then per mode
+    preset, merged into "every preset" where the three agree, then the note), wrapped at the docs' 120 columns."""
+    import textwrap
+
+    names = {"decoupled": "decoupled preset", "bypass_ppo_clip": "bypass PPO-clip preset",
+             "bypass_reinforce": "bypass REINFORCE preset"}
+    lines = []
     for f in FEATURES:
         if any(k.startswith(("rollout_", "bypass_")) for k in f.config):
             no_correction = NOT_APPLICABLE  # a row about one of our own fields
@@ -222,15 +225,20 @@ def markdown_table() -> str:
             no_correction = "as TRL (config built)"
         else:
             no_correction = UNTESTED if UNTESTED in f.outcome.values() else "as TRL"
-        cells = [f"`{f.name}`", no_correction]
+        cells = {}
         for column in PRESETS:
             outcome = f.expected(column)
             if outcome == WORKS:
-                cells.append("works (trained)" if f.train else "works (config built)")
+                cells[column] = "works (trained)" if f.train else "works (config built)"
             elif outcome in (UNTESTED, NOT_APPLICABLE):
-                cells.append(outcome)
+                cells[column] = outcome
             else:
-                cells.append(f"refused: `{outcome}`")
-        cells.append(f.note)
-        lines.append("| " + " | ".join(cells) + " |")
+                cells[column] = f"refused: `{outcome}`"
+        if len(set(cells.values())) == 1:
+            per_mode = f"every preset: {next(iter(cells.values()))}"
+        else:
+            per_mode = "; ".join(f"{names[column]}: {cell}" for column, cell in cells.items())
+        text = f"`{f.name}`: no correction: {no_correction}; {per_mode}" + (f". Note: {f.note}" if f.note else "")
+        lines += textwrap.wrap(text, 120, initial_indent="* ", subsequent_indent="  ", break_long_words=False,
+                               break_on_hyphens=False)
     return "\n".join(lines)

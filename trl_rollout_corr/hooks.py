@@ -189,7 +189,8 @@ class Feature:
 
     Every hook has a no-op default, so a feature overrides only the hooks it needs. A subclass is built from the
     config (``wanted(args)``; ``__init__(trainer)`` after ``GRPOTrainer.__init__``) and listed once in
-    ``features.FEATURES``.
+    ``features.FEATURES``. What it carries across optimizer steps it returns from ``state_dict`` and takes back in
+    ``load_state_dict``: every checkpoint saves it, a resumed run restores it (``checkpoint_state``).
 
     Attributes:
         name: the feature's name (docs, errors).
@@ -260,6 +261,24 @@ class Feature:
 
     def after_log(self, trainer, record: Mapping[str, Any]) -> None:
         """After TRL's ``log``: ``record`` is ``state.log_history[-1]``."""
+
+    # checkpoints (``checkpoint_state``: one file per rank in each checkpoint folder, keyed by ``name``)
+    def state_dict(self) -> dict:
+        """What a run resumed from a checkpoint needs to continue as the uninterrupted run would: this rank's state
+        at the checkpoint (ints, floats, strings, tensors, and dicts / lists of them: ``torch.load(weights_only=True)``
+        reads it back). Default: {} (a feature whose hooks carry nothing from one optimizer step to the next)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()``'s value from the checkpoint a run resumes from, before its first step (the
+        Trainer has loaded the model, the optimizer and ``TrainerState``).
+
+        Raises:
+            ValueError: a state this feature cannot take (the default: a non-empty one), naming the fix.
+        """
+        if state:
+            raise ValueError(f"{self.name}: the checkpoint holds state {sorted(state)} for a feature that keeps "
+                             "none; it was saved by another version of trl_rollout_corr. Resume with that version.")
 
 
 class CorrectionMode:

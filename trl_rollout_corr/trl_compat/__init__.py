@@ -26,7 +26,8 @@ module                what it holds
 ``sharded``           accelerate's sharding state (DeepSpeed ZeRO-3, FSDP1/2, FSDP dropped on CPU), full parameter
                       sizes, FSDP2's ``generate`` wrapper
 ``trainer_state``     the Trainer's micro-step counter and generation cadence, its optimizer step, the resumed
-                      epoch's batch skip, TRL's prompt tokenisation of a generation batch
+                      epoch's batch skip, TRL's prompt tokenisation of a generation batch, the checkpoint folder
+                      and ``resume_from_checkpoint``'s resolution
 ====================  ==========================================================================================
 
 Every public name of these modules is re-exported here (``__all__``; ``tests/test_trl_compat.py`` checks it), so
@@ -83,11 +84,13 @@ from .sharded import (
     sharded_backend,
 )
 from .trainer_state import (
+    checkpoint_folder,
     first_optimizer_step,
     generate_every,
     generation_prompt_ids,
     loader_skips_itself,
     micro_step,
+    resume_checkpoint,
     wrap_optimizer_step,
 )
 from .vllm_colocate import (
@@ -116,5 +119,5 @@ __all__ = [
     "VLLM_CLIENT_HOOKED", "LOOPBACK_HOSTS", "trainer_versions", "install_vllm_client_cpu_weight_sync",
     "vllm_param_name", "sharded_backend", "dropped_fsdp", "full_parameter_bytes", "fsdp2_wrapped_method",
     "wrap_optimizer_step", "generate_every", "first_optimizer_step", "micro_step", "loader_skips_itself",
-    "generation_prompt_ids",
+    "generation_prompt_ids", "checkpoint_folder", "resume_checkpoint",
 ]

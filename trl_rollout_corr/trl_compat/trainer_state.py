@@ -1,6 +1,8 @@
 """The Trainer state the trainer reads or wraps: TRL 1.16's micro-step counter and generation cadence, transformers
 5.x's optimizer step and resumed-epoch skip, and TRL's prompt tokenisation for a generation batch (asynchronous
-generation, issue 45; empty steps).
+generation, issue 45; empty steps), and its checkpoint folder and ``resume_from_checkpoint`` resolution (the
+features' checkpoint state, ``checkpoint_state``; the model, optimizer and ``TrainerState`` are loaded before
+``on_train_begin``).
 
 Pinned in ``tests/test_trl_compat.py`` and ``tests/test_async_pipeline.py``.
 """
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 
@@ -88,3 +92,24 @@ def generation_prompt_ids(trainer: Any, items: list) -> list:
     prompts = copy.deepcopy([x["prompt"] for x in items])
     prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
     return [list(ids) for ids in prompt_ids]
+
+
+def checkpoint_folder(args, step: int) -> Path:
+    """The folder transformers 5.x's ``Trainer._save_checkpoint`` writes at optimizer step ``step``, before the
+    callbacks' ``on_save`` (on every rank): ``<output_dir>/checkpoint-<step>`` (no hyperparameter search)."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{int(step)}"
+
+
+def resume_checkpoint(args, resume_from_checkpoint: Any) -> Optional[str]:
+    """The checkpoint ``Trainer.train(resume_from_checkpoint=...)`` resumes from: ``True`` the latest under
+    ``args.output_dir`` (None when there is none, or no such folder: the Trainer refuses that itself), a path that
+    path, None / False none."""
+    if isinstance(resume_from_checkpoint, bool):
+        if not resume_from_checkpoint or not os.path.isdir(args.output_dir):
+            return None
+        from transformers.trainer_utils import get_last_checkpoint
+
+        return get_last_checkpoint(args.output_dir)
+    return None if resume_from_checkpoint is None else str(resume_from_checkpoint)
