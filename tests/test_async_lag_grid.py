@@ -140,12 +140,12 @@ def _cell(folder, acc, scores, depth=None, steps=16, kl=0.001):
 def test_report_calibrates_base_16x4_and_shows_its_grid(g, rep, tmp_path, monkeypatch):
     monkeypatch.setattr(g, "RESULTS", tmp_path)
     main = tmp_path / "policy_lag"
-    # the base model scores 1 of 4, the warm start (base_16x4's seed 1) 3 of 4; seeds 2, 3 end at 0.70, 0.80
+    # the base model scores 1 of 4 (the warm start's "before"); base_16x4's seeds 1-3 end at 0.75, 0.70, 0.80
     _cell(main / "warmstart", 0.75, [1, 1, 1, 0], depth=0)  # committed whole, as in the repository
     (main / "warmstart" / "eval.json").write_text(json.dumps({"before": {"accuracy": 0.25, "scores": [1, 0, 0, 0]},
                                                               "after": {"accuracy": 0.75, "scores": [1, 1, 1, 0]}}))
     res = tmp_path / "async_lag"
-    for s, acc in ((2, 0.70), (3, 0.80)):
+    for s, acc in ((1, 0.75), (2, 0.70), (3, 0.80)):
         _cell(res / "base_16x4" / f"trl_d0_s{s}", acc, [1, 1, 0, 0], depth=0)
     _cell(res / "base_16x4" / "trl_d2_s1", 0.50, [1, 0, 1, 0], depth=2)
     _cell(res / "base_16x4" / "trl_d2_s2", 0.60, [1, 0, 1, 0], depth=2)
@@ -154,7 +154,7 @@ def test_report_calibrates_base_16x4_and_shows_its_grid(g, rep, tmp_path, monkey
     assert v.status == g.MEASURABLE and v.n == 3
     text = rep.report(res, main_grid=main)
     assert text.startswith(rep.BEGIN) and text.endswith(rep.END) and "EMULATED" in text
-    assert "| base_16x4 | base | 16 x 4 | 3 (s1: policy_lag/warmstart) | 25.0 | 75.0 | +50.0 ± 2.9 |" in text
+    assert "| base_16x4 | base | 16 x 4 | 3 | 25.0 | 75.0 | +50.0 ± 2.9 |" in text
     assert "| warm_32x8 | warmstart | 32 x 8 | 0 | 75.0 | — | — | — | run more seeds" in text
     assert "Grid in design `base_16x4` (base, 16 steps x 4 prompts; start 25.0 %)" in text
     # trl_d0 - trl_d2 by seed: 0.75 - 0.50 and 0.70 - 0.60; the failed bypass cell is committed, so not "not run"
@@ -200,9 +200,10 @@ def test_calibration_leaves_out_the_cells_the_report_leaves_out(g, rep, tmp_path
     (main / "warmstart" / "eval.json").write_text(json.dumps({"before": {"accuracy": 0.25, "scores": [1, 0, 0, 0]},
                                                               "after": {"accuracy": 0.75, "scores": [1, 1, 1, 0]}}))
     cand, res = g.candidate("base_16x4"), tmp_path / "async_lag"
+    _cell(res / cand.name / "trl_d0_s1", 0.75, [1, 1, 0, 0], depth=0)
     _cell(res / cand.name / "trl_d0_s2", 0.70, [1, 1, 0, 0], depth=0)
     _cell(res / cand.name / "trl_d0_s3", 0.80, [1, 1, 0, 0], depth=0, kl=0.05)
-    # seed 1 (the warm start, reused: +0.50) and seed 2 (+0.45); seed 3 failed its check
+    # seed 1 (+0.50) and seed 2 (+0.45); seed 3 failed its check
     assert g.on_policy_gains(cand, res, main) == pytest.approx({1: 0.50, 2: 0.45})
     v = g.verdict_of(cand, res, main)
     assert v.n == 2 and v.status == g.MORE_SEEDS
