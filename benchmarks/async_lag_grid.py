@@ -31,6 +31,7 @@ the generated RESULTS.md section (``async_lag_report``); ``--plan`` prints the c
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -75,13 +76,15 @@ class Candidate:
 
 
 # Cheapest per new seed first. The main grid's design is committed and fails the rule (+2.2 +- 3.6 points over 4
-# seeds; ~96 seeds would meet it at that spread). The warm start's own recipe from the base model is seed 1 of
-# base_16x4 (seed 42, 16 steps x 4 prompts: 99 -> 203/512, run at code 749637a).
+# seeds; ~96 seeds would meet it at that spread). base_16x4 is the warm start's own recipe from the base model, but
+# the committed warm start (99 -> 203/512) is NOT reused as its seed 1: it ran at code 749637a, whose float rounding
+# differs (today's code rebuilds it to 135/512, LOG.md 2026-12-04), so its tokens differ from step 2 on and it would
+# not pair with the d = 2 arms of seed 1 run at today's code. Every base_16x4 cell runs at one code revision.
 CANDIDATES = (
     Candidate("warm_32x8", "warmstart", 32, 8, 4, 0.70, tuple((s, f"policy_lag/trl_k1_s{s}") for s in (1, 2, 3, 4)),
               "the main grid's design: its on-policy cells"),
-    Candidate("base_16x4", "base", 16, 4, 8, 0.35, ((1, "policy_lag/warmstart"),),
-              "the warm start's recipe from the base model; seed 1 is the committed warm start"),
+    Candidate("base_16x4", "base", 16, 4, 8, 0.35, (),
+              "the warm start's recipe from the base model (the committed warm start, other code, not reused)"),
     Candidate("base_32x8", "base", 32, 8, 8, 0.80, (), "the main grid's steps and prompts from the base model"),
     Candidate("warm_32x16", "warmstart", 32, 16, 6, 1.40, (), "twice the prompts per step from the warm start"),
     Candidate("warm_64x8", "warmstart", 64, 8, 6, 1.45, (), "twice the steps from the warm start"),
@@ -207,16 +210,30 @@ def final_accuracy(folder: Path) -> float | None:
     return json.loads(path.read_text())["after"]["accuracy"] if path.exists() else None
 
 
-def on_policy_gains(cand: Candidate, results: Path, main_grid: Path = MAIN_GRID) -> dict[int, float]:
-    """{seed: on-policy accuracy minus the start's} over ``cand``'s committed ``trl_d0`` cells (reused or its own)."""
+def on_policy_seeds(cand: Candidate, results: Path) -> set[int]:
+    """The seeds of ``cand``'s ``trl_d0`` cells that are reused or have a folder under ``results``."""
+    return {s for s, _ in cand.reuse} | {parse_cell(p.name)[2] for p in (results / cand.name).glob("trl_d0_s*")}
+
+
+def on_policy_gains(cand: Candidate, results: Path, main_grid: Path = MAIN_GRID,
+                    engine_kl_max: float = 0.03) -> dict[int, float]:
+    """{seed: on-policy accuracy minus the start's} over ``cand``'s committed ``trl_d0`` cells (reused or its own)
+    that pass their check (``passing_accuracy``: the cells the report's grid table keeps)."""
     start = statistics.fmean(start_scores(cand, main_grid))
     out = {}
-    seeds = {s for s, _ in cand.reuse} | {parse_cell(p.name)[2] for p in (results / cand.name).glob("trl_d0_s*")}
-    for seed in sorted(seeds):
-        acc = final_accuracy(cell_folder(cand, f"trl_d0_s{seed}", results))
+    for seed in sorted(on_policy_seeds(cand, results)):
+        acc = passing_accuracy(cand, f"trl_d0_s{seed}", results, engine_kl_max)
         if acc is not None:
             out[seed] = acc - start
     return out
+
+
+def next_calibration_seed(cand: Candidate, results: Path) -> int:
+    """The lowest seed whose on-policy cell is neither reused nor committed: a committed cell that fails its check is
+    left out of the calibration (``on_policy_gains``), never re-run."""
+    reused = {s for s, _ in cand.reuse}
+    return next(s for s in itertools.count(1) if s not in reused
+                and not committed(cell_folder(cand, f"trl_d0_s{s}", results)))
 
 
 def grid_cells(seeds: int, depth: int = DEPTH) -> list[str]:
@@ -243,11 +260,15 @@ def cell_flags(name: str, cand: Candidate, out: Path, args: argparse.Namespace) 
             "--output_dir", str(out), "--plots", "false", "--torch_threads", "1", "--eval_size", "0", *extra]
 
 
-def async_lag_check(steps: list[dict], depth: int, engine_kl_max: float) -> list[str]:
-    """The lag-accounting violations of a finished cell (empty when it passes): at logged step t (1-based, one
+def async_lag_check(steps: list[dict], depth: int, engine_kl_max: float,
+                    expected_steps: int | None = None) -> list[str]:
+    """The lag-accounting violations of a finished cell (empty when it passes): ``expected_steps`` logged steps
+    (when given: a missing or cut log.jsonl has nothing to check, so it fails), at logged step t (1-based, one
     generation per optimizer step) ``policy_lag_max`` and ``policy_lag_mean`` equal min(t - 1, depth) exactly (the
     emulated schedule), and every lag-0 step has ``rollout_corr/k3_kl`` <= ``engine_kl_max`` (engine mismatch)."""
     problems = []
+    if expected_steps is not None and len(steps) != expected_steps:
+        problems.append(f"{len(steps)} logged steps, expected {expected_steps}")
     for t, r in enumerate(steps, start=1):
         want = min(t - 1, depth)
         got = (r.get("rollout_corr/policy_lag_max"), r.get("rollout_corr/policy_lag_mean"))
@@ -257,6 +278,37 @@ def async_lag_check(steps: list[dict], depth: int, engine_kl_max: float) -> list
         if want == 0 and (kl is None or kl > engine_kl_max):
             problems.append(f"step {r.get('step', t)}: lag 0 but k3_kl {kl} (bound {engine_kl_max})")
     return problems
+
+
+COMMITTED_FILES = ("log.jsonl", "cell_meta.json", "eval.json")  # run_cell copies eval.json last
+
+
+def committed(folder: Path) -> bool:
+    """Whether ``folder`` holds a whole committed cell (``COMMITTED_FILES``; a copy cut short lacks one)."""
+    return all((folder / f).exists() for f in COMMITTED_FILES)
+
+
+def cell_problems(cand: Candidate, name: str, results: Path, engine_kl_max: float = 0.03) -> list[str]:
+    """Why a committed cell of ``cand`` does not count (empty: it counts). A reused cell was checked in its own grid;
+    our own: ``async_lag_check`` over its ``log.jsonl`` with ``cand.steps`` steps, a ``cell_meta.json`` whose step-0
+    check scored as the start (``starts_at_start``)."""
+    folder = cell_folder(cand, name, results)
+    if folder.parent.name != cand.name:
+        return []
+    steps = [r for r in pl._read_jsonl(folder / "log.jsonl") if "loss" in r and "step_time" in r]
+    problems = async_lag_check(steps, parse_cell(name)[1], engine_kl_max, cand.steps)
+    meta = folder / "cell_meta.json"
+    if not meta.exists():
+        problems.append("no cell_meta.json")
+    elif json.loads(meta.read_text()).get("starts_at_start") is False:
+        problems.append("its step-0 check differs from the start's scores")
+    return problems
+
+
+def passing_accuracy(cand: Candidate, name: str, results: Path, engine_kl_max: float = 0.03) -> float | None:
+    """A committed cell's final accuracy, None when it has none or fails its check (``cell_problems``)."""
+    acc = final_accuracy(cell_folder(cand, name, results))
+    return None if acc is None or cell_problems(cand, name, results, engine_kl_max) else acc
 
 
 def run_cell_in_process(name: str, flags: list[str], check_every: int, check_size: int, eval_size: int,
@@ -291,7 +343,7 @@ def run_cell(cand: Candidate, name: str, args: argparse.Namespace) -> bool:
     """Run one cell in a fresh process unless it is committed; keep its small outputs under ``--results`` and
     (``--commit``) commit them. Returns False when the cell process failed (its ``run.log`` stays in ``--out``)."""
     results = cell_folder(cand, name, Path(args.results))
-    if (results / "eval.json").exists():
+    if committed(results):
         print(f"=== {cand.name}/{name}: committed already ({results})", flush=True)
         return True
     if cand.start == "warmstart" and not (Path(args.main_out) / pl.WARMSTART / "model.safetensors").exists():
@@ -326,7 +378,7 @@ def run_cell(cand: Candidate, name: str, args: argparse.Namespace) -> bool:
             "starts_at_start": first == start_scores(cand)[:len(first)]}
     (out / "cell_meta.json").write_text(json.dumps(meta, indent=1))
     results.mkdir(parents=True, exist_ok=True)
-    for f in pl.KEEP_FILES:
+    for f in sorted(pl.KEEP_FILES, key=lambda f: f == "eval.json"):  # eval.json last: a cut copy is not committed
         if (out / f).exists():
             shutil.copy2(out / f, results / f)
     (results / "run_tail.log").write_text("\n".join((out / "run.log").read_text().splitlines()[-60:]) + "\n")
@@ -354,14 +406,17 @@ def calibrate(args: argparse.Namespace) -> tuple[Candidate, Verdict] | None:
         RuntimeError: a calibration cell failed (its run.log names why)."""
     for cand in [candidate(args.candidate)] if args.candidate else CANDIDATES:
         while True:
-            gains = on_policy_gains(cand, Path(args.results))
+            gains = on_policy_gains(cand, Path(args.results), engine_kl_max=args.engine_kl_max)
             v = calibration_verdict(list(gains.values()), cand.max_seeds)
             print(f"=== calibration {cand.name}: {v.n} seeds, {v.status} ({v.reason})", flush=True)
             if v.status == MEASURABLE:
                 return cand, v
             if v.status == NOT_MEASURABLE:
                 break
-            seed = min(s for s in range(1, cand.max_seeds + 2) if s not in gains)
+            seed = next_calibration_seed(cand, Path(args.results))
+            if seed > cand.max_seeds:  # cells that failed their check used up the candidate's seeds
+                print(f"=== calibration {cand.name}: its {cand.max_seeds} seeds are spent", flush=True)
+                break
             if not run_cell(cand, f"trl_d0_s{seed}", args):
                 raise RuntimeError(f"calibration cell {cand.name}/trl_d0_s{seed} failed; see its run.log")
     return None
@@ -376,8 +431,10 @@ def plan_lines(results: Path, depth: int = DEPTH, followup: int = 1, min_seeds: 
     for cand in CANDIDATES:
         v = verdict_of(cand, results, main_grid)
         gains = on_policy_gains(cand, results, main_grid)
-        new = [] if v.status != MORE_SEEDS else [f"trl_d0_s{s}" for s in range(1, cand.max_seeds + 1)
-                                                 if s not in gains][:max(MIN_CALIBRATION_SEEDS - v.n, 1)]
+        new = [] if v.status != MORE_SEEDS else [
+            f"trl_d0_s{s}" for s in range(1, cand.max_seeds + 1)
+            if s not in gains and not committed(cell_folder(cand, f"trl_d0_s{s}", results))
+        ][:max(MIN_CALIBRATION_SEEDS - v.n, 1)]
         out.append(f"calibration {cand.name} ({cand.start}, {cand.steps} steps x {cand.prompts} prompts, "
                    f"{cand.cell_h:.2f} core-h a cell, up to {cand.max_seeds} seeds): {v.n} committed, {v.status} "
                    f"({v.reason})" + (f"; next at least: {', '.join(new)} ({len(new) * cand.cell_h:.1f} core-h)"
@@ -388,7 +445,7 @@ def plan_lines(results: Path, depth: int = DEPTH, followup: int = 1, min_seeds: 
         return out + ["no candidate left: every one is ruled out (add one to CANDIDATES)"]
     cand, v = chosen
     n = grid_seeds(v, min_seeds)
-    todo = [c for c in grid_cells(n, depth) if not (cell_folder(cand, c, results) / "eval.json").exists()]
+    todo = [c for c in grid_cells(n, depth) if not committed(cell_folder(cand, c, results))]
     todo = [c for c in todo if not (c.startswith("trl_d0_") and parse_cell(c)[2] <= max(v.n, MIN_CALIBRATION_SEEDS))]
     fup = followup_cells(n, followup)
     out += [f"grid (if {cand.name} calibrates; {n} seeds): {len(todo)} cells, {len(todo) * cand.cell_h:.1f} core-h: "
@@ -419,8 +476,8 @@ def run(args: argparse.Namespace) -> None:
     if args.stop_after == "grid":
         return
     res = Path(args.results)
-    acc = {d: {s: final_accuracy(cell_folder(cand, f"trl_d{d}_s{s}", res)) for s in range(1, n + 1)}
-           for d in (0, args.depth)}
+    acc = {d: {s: passing_accuracy(cand, f"trl_d{d}_s{s}", res, args.engine_kl_max) for s in range(1, n + 1)}
+           for d in (0, args.depth)}  # the cells the report keeps
     if lag_effect_established(*({s: a for s, a in acc[d].items() if a is not None} for d in (args.depth, 0))):
         for name in followup_cells(n, args.followup_depth):
             if not run_cell(cand, name, args):

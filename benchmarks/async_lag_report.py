@@ -6,7 +6,6 @@ interval spans zero). Written into benchmarks/RESULTS.md between its own markers
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
@@ -93,8 +92,9 @@ def calibration_rows(results: Path, main_grid: Path = g.MAIN_GRID) -> list[str]:
 def grid_finals(cand: g.Candidate, results: Path, depth_set: set[int], engine_kl_max: float = 0.03
                 ) -> tuple[dict[tuple[str, int], dict[int, float]], list[str]]:
     """``cand``'s committed cells at the depths in ``depth_set``: (method, d) -> {seed: final accuracy}, leaving out
-    the cells whose lag check fails (recomputed from their ``log.jsonl``) or whose step-0 check did not score as the
-    start (``cell_meta.json``'s ``starts_at_start``); those are listed in the second value."""
+    the cells that fail their check (``async_lag_grid.cell_problems``: the lag check recomputed from their
+    ``log.jsonl``, which must hold every step, and ``cell_meta.json``'s ``starts_at_start``, the step-0 check); those
+    are listed in the second value."""
     finals: dict[tuple[str, int], dict[int, float]] = {}
     failed = []
     names = {p.name for p in (results / cand.name).glob("*_d*_s*") if (p / "eval.json").exists()}
@@ -105,15 +105,10 @@ def grid_finals(cand: g.Candidate, results: Path, depth_set: set[int], engine_kl
         acc = g.final_accuracy(folder)
         if d not in depth_set or acc is None:
             continue
-        if folder.parent.name == cand.name:  # our own cell: the emulated schedule's check
-            steps = [r for r in g.pl._read_jsonl(folder / "log.jsonl") if "loss" in r and "step_time" in r]
-            problems = g.async_lag_check(steps, d, engine_kl_max)
-            meta = folder / "cell_meta.json"
-            if meta.exists() and json.loads(meta.read_text()).get("starts_at_start") is False:
-                problems.append("its step-0 check differs from the start's scores")
-            if problems:
-                failed.append(f"{name} ({'; '.join(problems[:2])})")
-                continue
+        problems = g.cell_problems(cand, name, results, engine_kl_max)  # our own cells' check (none for reused)
+        if problems:
+            failed.append(f"{name} ({'; '.join(problems[:2])})")
+            continue
         finals.setdefault((method, d), {})[seed] = acc
     return finals, failed
 
@@ -145,8 +140,7 @@ def report(results: Path, depth: int = g.DEPTH, followup: int = 1, min_seeds: in
             lines += ["", "Left out (lag check failed): " + "; ".join(failed) + "."]
         if cand is chosen:
             n = g.grid_seeds(g.verdict_of(cand, results, main_grid), min_seeds)
-            missing = [c for c in g.grid_cells(n, depth)
-                       if not (g.cell_folder(cand, c, results) / "eval.json").exists()]
+            missing = [c for c in g.grid_cells(n, depth) if not g.committed(g.cell_folder(cand, c, results))]
             if missing:
                 lines += ["", f"Not run yet ({len(missing)} of the grid's cells): {', '.join(missing)}."]
     lines += ["", END]

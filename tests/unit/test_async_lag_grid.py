@@ -122,25 +122,28 @@ def test_arm_rows_against_start_and_on_policy(rep):
     assert one[3] == "| tis_d2 | 1 | 30.0 | +10.0 (n = 1: no interval) | no paired seed yet |"
 
 
-def _cell(folder, acc, scores, depth=None, steps=4):
+def _cell(folder, acc, scores, depth=None, steps=16, kl=0.001):
+    """A committed cell: eval.json, and with ``depth`` the emulated schedule's log.jsonl (``steps`` steps, k3_kl
+    ``kl``) and cell_meta.json, as ``run_cell`` commits them."""
     folder.mkdir(parents=True)
     (folder / "eval.json").write_text(json.dumps({"after": {"accuracy": acc, "scores": scores}}))
     if depth is not None:
         log = [{"step": t, "loss": 0.0, "step_time": 1.0, "rollout_corr/policy_lag_max": min(t - 1, depth),
-                "rollout_corr/policy_lag_mean": min(t - 1, depth), "rollout_corr/k3_kl": 0.001}
+                "rollout_corr/policy_lag_mean": min(t - 1, depth), "rollout_corr/k3_kl": kl}
                for t in range(1, steps + 1)]
         (folder / "log.jsonl").write_text("\n".join(json.dumps(r) for r in log) + "\n")
+        (folder / "cell_meta.json").write_text(json.dumps({"starts_at_start": True}))
 
 
 def test_report_calibrates_base_16x4_and_shows_its_grid(g, rep, tmp_path, monkeypatch):
     monkeypatch.setattr(g, "RESULTS", tmp_path)
     main = tmp_path / "policy_lag"
-    # the base model scores 1 of 4, the warm start (base_16x4's seed 1) 3 of 4; seeds 2, 3 end at 0.70, 0.80
-    _cell(main / "warmstart", 0.75, [1, 1, 1, 0])
+    # the base model scores 1 of 4 (the warm start's "before"); base_16x4's seeds 1-3 end at 0.75, 0.70, 0.80
+    _cell(main / "warmstart", 0.75, [1, 1, 1, 0], depth=0)  # committed whole, as in the repository
     (main / "warmstart" / "eval.json").write_text(json.dumps({"before": {"accuracy": 0.25, "scores": [1, 0, 0, 0]},
                                                               "after": {"accuracy": 0.75, "scores": [1, 1, 1, 0]}}))
     res = tmp_path / "async_lag"
-    for s, acc in ((2, 0.70), (3, 0.80)):
+    for s, acc in ((1, 0.75), (2, 0.70), (3, 0.80)):
         _cell(res / "base_16x4" / f"trl_d0_s{s}", acc, [1, 1, 0, 0], depth=0)
     _cell(res / "base_16x4" / "trl_d2_s1", 0.50, [1, 0, 1, 0], depth=2)
     _cell(res / "base_16x4" / "trl_d2_s2", 0.60, [1, 0, 1, 0], depth=2)
@@ -149,7 +152,7 @@ def test_report_calibrates_base_16x4_and_shows_its_grid(g, rep, tmp_path, monkey
     assert v.status == g.MEASURABLE and v.n == 3
     text = rep.report(res, main_grid=main)
     assert text.startswith(rep.BEGIN) and text.endswith(rep.END) and "EMULATED" in text
-    assert "| base_16x4 | base | 16 x 4 | 3 (s1: policy_lag/warmstart) | 25.0 | 75.0 | +50.0 ± 2.9 |" in text
+    assert "| base_16x4 | base | 16 x 4 | 3 | 25.0 | 75.0 | +50.0 ± 2.9 |" in text
     assert "| warm_32x8 | warmstart | 32 x 8 | 0 | 75.0 | — | — | — | run more seeds" in text
     assert "Grid in design `base_16x4` (base, 16 steps x 4 prompts; start 25.0 %)" in text
     # trl_d0 - trl_d2 by seed: 0.75 - 0.50 and 0.70 - 0.60; the failed bypass cell is committed, so not "not run"
@@ -160,9 +163,49 @@ def test_report_calibrates_base_16x4_and_shows_its_grid(g, rep, tmp_path, monkey
 
 def test_grid_finals_leaves_out_a_cell_that_did_not_start_at_the_start(g, rep, tmp_path):
     res = tmp_path / "async_lag"
-    _cell(res / "base_32x8" / "trl_d2_s1", 0.50, [1, 0], depth=2)
-    _cell(res / "base_32x8" / "trl_d2_s2", 0.60, [1, 1], depth=2)
+    _cell(res / "base_32x8" / "trl_d2_s1", 0.50, [1, 0], depth=2, steps=32)
+    _cell(res / "base_32x8" / "trl_d2_s2", 0.60, [1, 1], depth=2, steps=32)
     (res / "base_32x8" / "trl_d2_s2" / "cell_meta.json").write_text(json.dumps({"starts_at_start": False}))
     finals, failed = rep.grid_finals(g.candidate("base_32x8"), res, {0, 2})
     assert finals == {("trl", 2): {1: 0.50}}
     assert failed == ["trl_d2_s2 (its step-0 check differs from the start's scores)"]
+
+
+def test_a_partly_committed_cell_fails_its_check(g, rep, tmp_path):
+    """A cell folder with eval.json but no (or a short) log.jsonl, or no cell_meta.json, is a partial commit: the lag
+    check has nothing to check there, so it must not pass (it did: an empty log has no violation)."""
+    cand = g.candidate("base_16x4")
+    res = tmp_path / "async_lag"
+    _cell(res / cand.name / "trl_d2_s1", 0.50, [1, 0], depth=2)  # complete: 16 steps, meta
+    _cell(res / cand.name / "trl_d2_s2", 0.90, [1, 0])  # eval.json only
+    _cell(res / cand.name / "trl_d2_s3", 0.90, [1, 0], depth=2, steps=5)  # a log cut after 5 of its 16 steps
+    _cell(res / cand.name / "trl_d2_s4", 0.90, [1, 0], depth=2)
+    (res / cand.name / "trl_d2_s4" / "cell_meta.json").unlink()
+    finals, failed = rep.grid_finals(cand, res, {2})
+    assert finals == {("trl", 2): {1: 0.50}}  # not the three partial cells' 0.90
+    assert g.async_lag_check([], 2, 0.03, expected_steps=16) == ["0 logged steps, expected 16"]
+    assert failed == ["trl_d2_s2 (0 logged steps, expected 16; no cell_meta.json)",
+                      "trl_d2_s3 (5 logged steps, expected 16)", "trl_d2_s4 (no cell_meta.json)"]
+    assert not g.committed(res / cand.name / "trl_d2_s2") and g.committed(res / cand.name / "trl_d2_s1")
+
+
+def test_calibration_leaves_out_the_cells_the_report_leaves_out(g, rep, tmp_path, monkeypatch):
+    """An on-policy cell whose lag check fails (k3_kl 0.05 at lag 0, over the 0.03 bound) is left out of the
+    calibration as the report's grid table leaves it out, and the next calibration seed is a fresh one."""
+    monkeypatch.setattr(g, "RESULTS", tmp_path)
+    main = tmp_path / "policy_lag"
+    _cell(main / "warmstart", 0.75, [1, 1, 1, 0], depth=0)  # committed whole, as in the repository
+    (main / "warmstart" / "eval.json").write_text(json.dumps({"before": {"accuracy": 0.25, "scores": [1, 0, 0, 0]},
+                                                              "after": {"accuracy": 0.75, "scores": [1, 1, 1, 0]}}))
+    cand, res = g.candidate("base_16x4"), tmp_path / "async_lag"
+    _cell(res / cand.name / "trl_d0_s1", 0.75, [1, 1, 0, 0], depth=0)
+    _cell(res / cand.name / "trl_d0_s2", 0.70, [1, 1, 0, 0], depth=0)
+    _cell(res / cand.name / "trl_d0_s3", 0.80, [1, 1, 0, 0], depth=0, kl=0.05)
+    # seed 1 (+0.50) and seed 2 (+0.45); seed 3 failed its check
+    assert g.on_policy_gains(cand, res, main) == pytest.approx({1: 0.50, 2: 0.45})
+    v = g.verdict_of(cand, res, main)
+    assert v.n == 2 and v.status == g.MORE_SEEDS
+    assert g.next_calibration_seed(cand, res) == 4  # seed 3 is committed (failed): never re-run, never counted
+    finals, failed = rep.grid_finals(cand, res, {0, 2})
+    assert finals == {("trl", 0): {1: 0.75, 2: 0.70}} and failed[0].startswith("trl_d0_s3 (step 1: lag 0 but k3_kl")
+    assert g.passing_accuracy(cand, "trl_d0_s3", res) is None and g.passing_accuracy(cand, "trl_d0_s2", res) == 0.70

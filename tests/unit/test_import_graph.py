@@ -144,6 +144,18 @@ def _third_party(name: str, path: Path) -> set[str]:
     return out - {PACKAGE}
 
 
+def _packages_run(importer: str, target: str, graph: dict[str, set[str]]) -> set[str]:
+    """``target`` and the package ``__init__`` modules importing it runs first: its parent packages (in ``graph``)
+    that are not the importer's own (those are being imported already)."""
+    own = set(_parents(importer)) | {importer}
+    return {target} | {pkg for pkg in _parents(target) if pkg in graph and pkg not in own}
+
+
+def _parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def _in(module: str, packages) -> bool:
     return any(module == f"{PACKAGE}.{p}" or module.startswith(f"{PACKAGE}.{p}.") for p in packages)
 
@@ -151,7 +163,8 @@ def _in(module: str, packages) -> bool:
 def layering_violations(graph: dict[str, set[str]], third_party: dict[str, set[str]]) -> list[str]:
     """Every layering rule broken, as ``"importer -> imported: rule"`` lines (``LAYERING_ALLOWLIST`` edges skipped):
 
-    * a pure module imports, directly or through other package modules, the trainer's layer, or TRL / transformers;
+    * a pure module imports, directly or through other package modules (an imported submodule's package
+      ``__init__`` included: ``_packages_run``), the trainer's layer, or TRL / transformers;
     * a feature module imports another feature module or a mode (``features/__init__.py`` is the container: it
       imports them all);
     * a mode module imports a feature module.
@@ -160,7 +173,7 @@ def layering_violations(graph: dict[str, set[str]], third_party: dict[str, set[s
     for name in sorted(graph):
         edges = {e for e in graph[name] if (name, e) not in LAYERING_ALLOWLIST}
         if _in(name, PURE):
-            seen, stack = set(), list(edges)
+            seen, stack = set(), [d for e in edges for d in _packages_run(name, e, graph)]
             while stack:
                 dep = stack.pop()
                 if dep in seen:
@@ -172,7 +185,8 @@ def layering_violations(graph: dict[str, set[str]], third_party: dict[str, set[s
                 bad = third_party.get(dep, set()) & set(THIRD_PARTY_FORBIDDEN)
                 if bad:
                     out.append(f"{name} -> {dep}: a pure module imports {sorted(bad)} through {dep}")
-                stack.extend(e for e in graph.get(dep, ()) if (dep, e) not in LAYERING_ALLOWLIST)
+                stack.extend(d for e in graph.get(dep, ()) if (dep, e) not in LAYERING_ALLOWLIST
+                             for d in _packages_run(dep, e, graph))
             bad = third_party.get(name, set()) & set(THIRD_PARTY_FORBIDDEN)
             if bad:
                 out.append(f"{name} -> {sorted(bad)}: a pure module imports TRL / transformers")
@@ -218,3 +232,23 @@ def test_layering_catches_each_rule():
         f"{p}.sketch -> {p}.glue: a pure module imports ['trl'] through {p}.glue",
     ]
     assert layering_violations({f"{p}.lag": set(), f"{p}.modes.x": {f"{p}.hooks"}}, {f"{p}.lag": {"torch"}}) == []
+
+
+def test_layering_sees_the_package_init_a_submodule_import_runs():
+    """Importing ``trl_compat.sampling`` runs ``trl_compat/__init__.py`` first, which imports every ``trl_compat``
+    module (``advantages`` imports trl): a pure module importing any ``trl_compat`` submodule imports trl. The
+    package's own ``__init__`` of the importer (already running) is no such edge."""
+    p = PACKAGE
+    graph = {f"{p}.analyze.x": {f"{p}.trl_compat.sampling"}, f"{p}.trl_compat.sampling": set(),
+             f"{p}.trl_compat": {f"{p}.trl_compat.advantages", f"{p}.trl_compat.sampling"},
+             f"{p}.trl_compat.advantages": set(), f"{p}.analyze": {f"{p}.analyze.x"}, f"{p}.analyze.y": set()}
+    third = {f"{p}.trl_compat.advantages": {"trl", "torch"}}
+    assert layering_violations(graph, third) == [
+        f"{p}.{m} -> {p}.trl_compat.advantages: a pure module imports ['trl'] through {p}.trl_compat.advantages"
+        for m in ("analyze", "analyze.x")]  # analyze/__init__.py imports analyze.x
+    # a sibling import (analyze.y -> analyze.x) does not re-run analyze/__init__.py's imports as a new edge
+    graph[f"{p}.analyze.y"] = {f"{p}.analyze.x"}
+    graph[f"{p}.analyze"] = {f"{p}.analyze.x", f"{p}.hooks"}
+    graph[f"{p}.hooks"] = set()
+    found = layering_violations(graph, third)
+    assert f"{p}.analyze.y -> {p}.hooks: a pure module imports the trainer's layer" not in found

@@ -14,8 +14,8 @@ The rule for the pages (README.md and ``docs/**/*.md``):
 * In a checked block every number must appear, as a number, in RESULTS.md (its claims table or the generated tables
   below it; a leading ``+`` is ignored on both sides), every 95 % interval ``[lo, hi]`` as written, and every claim id
   it names must be a row of the claims table. A number is a decimal literal with its sign (``-22.7``, ``0.663``,
-  ``2.4e-07``, the ``0.60`` of ``0.60x``); digits inside names (``k3``, ``bypass_k32``, ``SmolLM2-135M``), version
-  strings (``0.9.1``) and commit hashes are not numbers.
+  ``2.4e-07``, the ``0.60`` of ``0.60x``, both ends of a range ``15-40``); digits inside names (``k3``,
+  ``bypass_k32``, ``SmolLM2-135M``), version strings (``0.9.1``) and commit hashes are not numbers.
 * Not numbers of a measurement, so not checked: inline code (`` `max_policy_lag=4` ``: configuration, code), link
   targets, identifiers (``issue 47``, ``section 7``, ``round 8``, ``#6280``, ``et al., 2025``) and the version after a
   package name (``TRL 1.16``, ``vLLM 0.32``, ``transformers 5.19``).
@@ -40,10 +40,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-# a signed decimal (thousands with commas: 4,096), not inside a word, a version or a range's right end; an ``x``
-# suffix (``0.60x``) is allowed
-NUMBER = re.compile(r"(?<![\w.+-])(?<!\d,)[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[+-]?\d+)?(?!\.?\d)"
-                    r"(?!(?!x\b)\w)")
+# a signed decimal (thousands with commas: 4,096), not inside a word or a version; a range's right end (the 40 of
+# ``15-40``, a hyphen right after a digit) is a number too; an ``x`` suffix (``0.60x``) is allowed
+NUMBER = re.compile(r"(?:(?<![\w.+-])|(?<=\d-))(?<!\d,)[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[+-]?\d+)?"
+                    r"(?!\.?\d)(?!(?!x\b)\w)")
 INTERVAL = re.compile(r"\[[+-]?\d[^\[\]]*?, [+-]?\d[^\[\]]*?\]")
 CLAIM_ROW = re.compile(r"^\| ([A-Z]{1,2}\d+[a-z]?) \|", re.M)
 CLAIM_ID = re.compile(r"\b([A-Z]{1,2}\d+[a-z]?)\b")
@@ -178,9 +178,19 @@ def unsupported_claim_rows(claims: str, generated: str, log: str) -> list[str]:
 def test_number_extraction_by_hand():
     text = ("bypass_k32 ended +25.3 [+13.2, +37.4] (n = 4) on SmolLM2-135M, verl 0.9.1 at 78501de, 0.60x, "
             "2.4e-07, k3 19/128 -> 56/128, lags 0-31, 4,096 tokens, ended 0.863.")
-    assert numbers(text) == ["25.3", "13.2", "37.4", "4", "0.60", "2.4e-07", "19", "128", "56", "128", "0", "4,096",
-                             "0.863"]
+    assert numbers(text) == ["25.3", "13.2", "37.4", "4", "0.60", "2.4e-07", "19", "128", "56", "128", "0", "31",
+                             "4,096", "0.863"]
     assert INTERVAL.findall(text) == ["[+13.2, +37.4]"]
+
+
+def test_a_ranges_right_end_is_a_number():
+    """``15-40 minutes`` states two numbers: the right end of a range of numbers is checked as the left end is (a
+    hyphen after a letter is no range: ``SmolLM2-135M``, ``x-1``)."""
+    assert numbers("a 15-40 minute rebuild, 0.8-1.0 MB, lags 0-31, steps 2-4") == [
+        "15", "40", "0.8", "1.0", "0", "31", "2", "4"]
+    assert numbers("SmolLM2-135M, k3-kl, x-1") == []
+    results = "| L1 | a claim | 15 minutes |\n"
+    assert unsupported("Measured: a 15-40 minute rebuild.", results) == ["number 40"]
 
 
 def test_blocks_split_rows_items_paragraphs_and_skip_code():
