@@ -6,14 +6,16 @@ family is produced by one of them (so a family that is never logged, or a key wi
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import torch
 
 from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction
-from trl_rollout_corr.correction.m2po import m2po_mask
+from trl_rollout_corr.accumulator import Reducers, RolloutCorrAccumulator
 from trl_rollout_corr.correction.rejection import RS_OPTIONS
 from trl_rollout_corr.metric_catalog import METRICS, PREFIX, family_of
+from trl_rollout_corr.modes.decoupled import DecoupledMode
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_trainer"
 
@@ -39,8 +41,19 @@ def _correction_keys() -> set[str]:
         keys |= set(compute_rollout_correction(lp, mu, mask, config).metrics)
     engine = RolloutCorrectionConfig(rollout_rs_on="engine", **all_rs)
     keys |= set(compute_rollout_correction(lp, mu, mask, engine, rs_log_probs=lp).metrics)
-    keys |= set(m2po_mask(lp - mu, mask, 1e-3)[1].metrics())
+    keys |= _trainer_m2po_keys(lp, mu, mask)
     return keys
+
+
+def _trainer_m2po_keys(lp, mu, mask) -> set[str]:
+    """The ``rollout_corr/m2po_*`` keys the trainer logs: what ``DecoupledMode._m2po_keep`` (the trainer's one M2PO
+    step) records into the trainer's accumulator, flushed as ``RolloutCorrGRPOTrainer.log`` flushes it (not
+    ``M2Selection.metrics()``, which the trainer never logs)."""
+    metrics = RolloutCorrAccumulator(Reducers())
+    trainer = types.SimpleNamespace(rollout_corr_reducers=Reducers(), rollout_corr_metrics=metrics,
+                                    metrics_mode="train", accelerator=types.SimpleNamespace(process_index=0))
+    DecoupledMode._m2po_keep(types.SimpleNamespace(m2_threshold=1e-3), trainer, lp, mu, mask, None)
+    return set(metrics.flush("train"))
 
 
 def _golden_keys() -> set[str]:
@@ -81,4 +94,5 @@ def test_patterns_match_as_declared():
     assert length.matches("len_0_64/num_seqs") and length.matches("len_1024_inf/num_seqs")
     assert not length.matches("len_0_64/kl") and not length.matches("len_a_64/num_seqs")
     assert by_pattern["routing_mismatch_fraction/layer_{i}"].matches("routing_mismatch_fraction/layer_12")
+    assert family_of("rollout_corr/m2po_masked_tokens") == []  # M2Selection.metrics() only: the trainer never logs it
     assert family_of("rollout_corr/not_a_metric") == []
