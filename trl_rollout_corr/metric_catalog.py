@@ -132,7 +132,6 @@ METRICS: tuple[MetricFamily, ...] = (
     _m("m2po_second_moment_{before,after}", _RS, "M2PO: mean `l²` over the step's trained tokens before / after its "
        "mask, nats²", "correction/m2po.py"),
     _m("m2po_masked_fraction", _RS, "M2PO: tokens it masks, over the step's valid tokens", "correction/m2po.py"),
-    _m("m2po_masked_tokens", _RS, "M2PO: the count of tokens it masks", "correction/m2po.py"),
     _m("len_{lo}_{hi}/{kl,k3_kl}", _LEN, "`kl` / `k3_kl` over the rows whose valid-token count is in `[lo, hi)`",
        "correction/diagnostics.py"),
     _m("len_{lo}_{hi}/num_seqs", _LEN, "rows in the slice", "correction/diagnostics.py"),

@@ -151,7 +151,8 @@ class M2Selection:
     def metrics(self) -> dict[str, float]:
         """``rollout_corr/m2po_*``: the second moment (mean ``l^2``, nats^2) before and after, the masked fraction
         and count (of the step's valid tokens). A mean or fraction over no token is absent, never 0 (``after`` when
-        every valid token is masked; all but the count without a valid token)."""
+        every valid token is masked; all but the count without a valid token). The trainer logs the first three only
+        (``modes.decoupled``: sums over the log window); the count is this function's alone."""
         kept = self.n_valid - self.n_masked
         out = {}
         if self.n_valid:
