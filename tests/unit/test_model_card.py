@@ -87,6 +87,27 @@ def test_rollout_engine_record_per_source(tmp_path):
                       "rollout_logprobs_mode": "as returned by the rollout_func"}
 
 
+def test_rollout_engine_record_of_the_asynchronous_transformers_engine(tmp_path):
+    """``rollout_async_depth >= 1`` without vLLM: mu comes from ``engines.async_pipeline.TransformersProcessEngine``
+    (a child process, weights reloaded in float32, no autocast, ``log_softmax(logits / temperature)`` of the full
+    vocabulary), not from the trainer's ``transformers.generate`` in its dtype and autocast. The records build the
+    record at construction, before ``trainer.rollout_async`` exists: the config field decides."""
+    import torch
+    import transformers
+
+    trainer = _trainer(tmp_path)
+    trainer.args.rollout_async_depth, trainer.args.bf16 = 2, True
+    trainer.model = trainer.model.to(torch.bfloat16)
+    assert model_card.rollout_engine_record(trainer) == {
+        "rollout_engine": "transformers, asynchronous child process (rollout_async_depth=2)",
+        "rollout_engine_version": transformers.__version__, "rollout_dtype": "float32",
+        "rollout_logprobs_mode": "processed (log_softmax of logits / temperature, full vocabulary)"}
+    vllm = _trainer(tmp_path, use_vllm=True)
+    vllm.args.rollout_async_depth = 1  # TRL's vLLM server through TRL's client: described by TRL's path
+    assert model_card.rollout_engine_record(vllm) == {
+        "rollout_engine": "trl_vllm_colocate", "rollout_logprobs_mode": "processed_logprobs"}
+
+
 def test_card_records_and_summary_describe_the_engine_with_one_function(tmp_path):
     """Issue 48: the model card, the rollout records' run.json and the recipe's run summary name the engine through
     ``model_card.rollout_engine_record`` alone (the records once had a second describer that named a plain function
