@@ -58,15 +58,15 @@ def rollout_engine_record(trainer: Any) -> dict[str, Any]:
     (``engines.vllm_cpu_rollout.VLLMCPURollout``: ``vllm_cpu``) describes itself; another ``rollout_func`` is named
     by its ``__qualname__``; otherwise TRL's vLLM path (``use_vllm``: the backend's ``describe()``, see
     ``trl_compat.colocate_generation_class``, ``trl_vllm_colocate`` / ``trl_vllm_server``, processed log-probs),
-    TRL's continuous batching (``continuous_batching_record``), the asynchronous transformers engine
-    (``rollout_async_depth >= 1`` without vLLM: ``engines.async_pipeline.TransformersProcessEngine``, a child process
-    sampling ``softmax(logits / temperature)`` in float32, no autocast) or the plain ``transformers.generate`` path:
-    its transformers version, the dtype it samples in (``rollout_generate_dtype`` when set, else the weights' dtype;
-    `` (bf16 autocast)`` appended with ``bf16=True``) and the processed log-probs.
+    the asynchronous transformers engine (``rollout_async_depth >= 1`` without vLLM: it generates every training batch,
+    ``engines.async_pipeline.TransformersProcessEngine``, a child process sampling ``softmax(logits / temperature)``
+    in float32, no autocast), TRL's continuous batching (``continuous_batching_record``) or the plain
+    ``transformers.generate`` path: its transformers version, the dtype it samples in (``rollout_generate_dtype``
+    when set, else the weights' dtype; `` (bf16 autocast)`` appended with ``bf16=True``) and the processed log-probs.
 
     Args:
         trainer: a ``GRPOTrainer`` (reads ``rollout_func``, ``use_vllm``, ``vllm_generation``,
-            ``use_transformers_continuous_batching``, ``args``, ``model``).
+            ``use_transformers_continuous_batching``, ``args`` (``rollout_async_depth`` too), ``model``).
 
     Returns:
         ``{"rollout_engine": ..., ...}``, string values (plus whatever an engine's ``describe()`` returns).
@@ -84,8 +84,6 @@ def rollout_engine_record(trainer: Any) -> dict[str, Any]:
         if callable(describe):  # trl_compat.colocate_generation_class()
             return dict(describe())
         return {"rollout_engine": f"trl_vllm_{args.vllm_mode}", "rollout_logprobs_mode": "processed_logprobs"}
-    if getattr(trainer, "use_transformers_continuous_batching", False):
-        return continuous_batching_record(trainer)
     import transformers
 
     depth = getattr(args, "rollout_async_depth", 0) or 0
@@ -93,6 +91,8 @@ def rollout_engine_record(trainer: Any) -> dict[str, Any]:
         return {"rollout_engine": f"transformers, asynchronous child process (rollout_async_depth={depth})",
                 "rollout_engine_version": transformers.__version__, "rollout_dtype": "float32",
                 "rollout_logprobs_mode": "processed (log_softmax of logits / temperature, full vocabulary)"}
+    if getattr(trainer, "use_transformers_continuous_batching", False):
+        return continuous_batching_record(trainer)
     dtype = args.rollout_generate_dtype or str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
     return {"rollout_engine": "transformers.generate", "rollout_engine_version": transformers.__version__,
             "rollout_dtype": f"{dtype}{' (bf16 autocast)' if args.bf16 else ''}",

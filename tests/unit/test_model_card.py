@@ -102,6 +102,9 @@ def test_rollout_engine_record_of_the_asynchronous_transformers_engine(tmp_path)
         "rollout_engine": "transformers, asynchronous child process (rollout_async_depth=2)",
         "rollout_engine_version": transformers.__version__, "rollout_dtype": "float32",
         "rollout_logprobs_mode": "processed (log_softmax of logits / temperature, full vocabulary)"}
+    trainer.use_transformers_continuous_batching = True  # the engine generates every training batch all the same
+    assert model_card.rollout_engine_record(trainer)["rollout_engine"] == (
+        "transformers, asynchronous child process (rollout_async_depth=2)")
     vllm = _trainer(tmp_path, use_vllm=True)
     vllm.args.rollout_async_depth = 1  # TRL's vLLM server through TRL's client: described by TRL's path
     assert model_card.rollout_engine_record(vllm) == {
