@@ -88,3 +88,25 @@ def test_a_feature_without_state_refuses_state():
     plain.load_state_dict({})
     with pytest.raises(ValueError, match=r"plain: the checkpoint holds state \['x'\] for a feature that keeps none"):
         plain.load_state_dict({"x": 1})
+
+
+def test_a_checkpoint_with_the_files_of_some_ranks_only_is_refused_on_every_rank(tmp_path):
+    """A checkpoint holding rank 0's file but not rank 1's (e.g. copied from one node of a run without a shared
+    filesystem): rank 0 would restore, rank 1 start fresh, and the features' collectives would then differ across
+    ranks (the split's held versions, support matching's one-time measurement: a hang). Both ranks refuse at once."""
+    from thread_ranks import run_ranks
+
+    checkpoint_state.save(_trainer([_Plain(), _Counter(4)], rank=0, world=2), tmp_path)
+
+    def resume(rank, reducers):
+        trainer = _trainer([_Plain(), _Counter()], rank=rank, world=2)
+        trainer.rollout_corr_reducers = reducers
+        try:
+            checkpoint_state.load(trainer, tmp_path)
+        except ValueError as e:
+            return str(e)
+        return "resumed"
+
+    messages = run_ranks(2, resume)
+    assert messages[0] == messages[1] and messages[0].startswith(
+        f"{tmp_path}: 1 of 2 processes have their rollout_corr_features.rank-<r>.pt")
