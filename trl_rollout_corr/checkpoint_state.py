@@ -9,8 +9,9 @@ or this rank's shards of them), so each rank reads back its own file. The file h
 A run resumed from a checkpoint (``RolloutCorrGRPOTrainer.train(resume_from_checkpoint=...)``, resolved as the Trainer
 resolves it: ``trl_compat.resume_checkpoint``) restores every feature's state at ``on_train_begin``: after the
 Trainer loaded the model, the optimizer and ``TrainerState``, before the first step. It refuses, naming the fix, a
-file of another world size, step or format; a checkpoint without the file (plain TRL's, an older version's) or of
-other features than the run's starts the missing features fresh, with one warning (``load``).
+file of another world size, step or format, and (on every rank) a checkpoint holding the files of some ranks only;
+a checkpoint without the file (plain TRL's, an older version's) or of other features than the run's starts the
+missing features fresh, with one warning (``load``).
 
 The coupling to transformers' Trainer (the checkpoint folder, the resolution of ``resume_from_checkpoint``, the
 order of saving, loading and the callbacks) is in ``trl_compat.trainer_state``, pinned in
@@ -74,11 +75,13 @@ def load(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | str) -> list[s
 
     Raises:
         ValueError: a file of another format, world size or step than the resumed ``TrainerState``'s (a file copied
-            between checkpoints or a resume on another number of processes; the message names the fix).
+            between checkpoints or a resume on another number of processes; the message names the fix); on every
+            rank, a checkpoint holding the files of some ranks only (``_same_on_every_rank``).
     """
     rank, world = int(trainer.accelerator.process_index), int(trainer.accelerator.num_processes)
     path = state_file(folder, rank)
     ours = [f.name for f in trainer.rollout_corr_features]
+    _same_on_every_rank(trainer, folder, path.is_file())
     payload = torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
     step = int(trainer.state.global_step)
     if payload is not None and (payload.get("format") != FORMAT or payload.get("world_size") != world
@@ -102,6 +105,27 @@ def load(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | str) -> list[s
         if feature.name in saved:
             feature.load_state_dict(saved[feature.name])
     return fresh
+
+
+def _same_on_every_rank(trainer: "RolloutCorrGRPOTrainer", folder, has_file: bool) -> None:
+    """Refuse, on every rank, a checkpoint in which some ranks find their file and others do not (one sum
+    all-reduce, before anything else can raise): those ranks would restore their features' state and the others
+    start fresh, after which the features' collectives differ across ranks (the lag split's held versions, support
+    matching's one-time measurement) and training hangs. One process, or no ``rollout_corr_reducers``: nothing.
+
+    Raises:
+        ValueError: ``0 < ranks with their file < world size``, naming the fix.
+    """
+    reducers = getattr(trainer, "rollout_corr_reducers", None)
+    if reducers is None or reducers.world_size <= 1:
+        return
+    flag = torch.tensor([int(has_file)], dtype=torch.long, device=getattr(trainer.accelerator, "device", None))
+    count, world = int(reducers.sum(flag)[0]), int(reducers.world_size)
+    if 0 < count < world:
+        raise ValueError(
+            f"{folder}: {count} of {world} processes have their {FILE.replace('{rank:05d}', '<r>')}: the checkpoint "
+            "holds the feature state of some ranks only (copied from some nodes of a run without a shared "
+            "filesystem?). Copy every rank's file into it, or resume from a checkpoint that holds them all.")
 
 
 def callback(trainer: "RolloutCorrGRPOTrainer"):
