@@ -124,8 +124,9 @@ def _same_on_every_rank(trainer: "RolloutCorrGRPOTrainer", folder, has_file: boo
     if 0 < count < world:
         raise ValueError(
             f"{folder}: {count} of {world} processes have their {FILE.replace('{rank:05d}', '<r>')}: the checkpoint "
-            "holds the feature state of some ranks only (copied from some nodes of a run without a shared "
-            "filesystem?). Copy every rank's file into it, or resume from a checkpoint that holds them all.")
+            "holds the feature state of some ranks only (saved by a run on fewer processes, or copied from some "
+            "nodes of a run without a shared filesystem). Resume on the checkpoint's number of processes with "
+            "every rank's file in it.")
 
 
 def callback(trainer: "RolloutCorrGRPOTrainer"):
