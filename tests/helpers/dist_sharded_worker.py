@@ -37,7 +37,7 @@ import zlib
 
 import torch
 
-from dist_teardown import run_and_tear_down  # tests/ is on sys.path: this file runs as a script from there
+from dist_teardown import run_and_tear_down  # tests/helpers/ is on sys.path: this file runs as a script from there
 from tiny_model import prompt_dataset, reward_len
 from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 
