@@ -42,7 +42,7 @@ test-fast: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "unit and not slow"
 
 ## A fresh venv per extra ($(EXTRAS_CHECK)): install `.[extra]` alone with the constraints, import the trainer, train
-## one tiny step (tests/extras_smoke.py). What a user gets from `pip install ".[peft]"`; CI runs it (.ci/run).
+## one tiny step (tests/helpers/extras_smoke.py). What a user gets from `pip install ".[peft]"`; CI runs it (.ci/run).
 EXTRAS_CHECK ?= cpu trl,test deepspeed peft
 EXTRAS_DIR ?= .venv-extras
 test-extras:
@@ -52,7 +52,7 @@ test-extras:
 	  rm -rf "$$venv"; $(PY) -m venv "$$venv"; \
 	  "$$venv/bin/python" -m pip install -q -c $(CONSTRAINTS) torch; \
 	  DS_BUILD_OPS=0 "$$venv/bin/python" -m pip install -q -c $(CONSTRAINTS) ".[$$extra]"; \
-	  "$$venv/bin/python" tests/extras_smoke.py "$$extra"; \
+	  "$$venv/bin/python" tests/helpers/extras_smoke.py "$$extra"; \
 	  rm -rf "$$venv"; \
 	done
 

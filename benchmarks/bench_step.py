@@ -140,7 +140,7 @@ PARTS = ("forward (grad)", "forward (no grad)", "backward", "optimizer", "suppor
 
 # ---------------------------------------------------------------------------------------------- the workload
 def _setup_paths() -> None:
-    for sub in ("tests", "recipes"):
+    for sub in ("tests/helpers", "recipes"):
         path = str(ROOT / sub)
         if path not in sys.path:
             sys.path.insert(0, path)

@@ -1,10 +1,10 @@
 """``policy_lag_split``'s memory per kept version on 2 CPU ranks: DeepSpeed ZeRO-3 and FSDP2 (each version kept as
 the rank's own shards, ``version_store.RankShards``) against 1 rank (a whole copy, ``FullCopies``).
 
-Runs ``tests/dist_sharded_worker.py`` (the tiny Llama, parameters really sharded, stale rows on rank 0 only, 3 steps)
-with the ``policy_lag_split`` case under torchrun and prints a Markdown table: per backend and rank the bytes held per
-kept version at the end of training, the rank's live shard bytes and the full parameters' bytes. About 2 minutes on
-2 cores::
+Runs ``tests/helpers/dist_sharded_worker.py`` (the tiny Llama, parameters really sharded, stale rows on rank 0 only, 3
+steps) with the ``policy_lag_split`` case under torchrun and prints a Markdown table: per backend and rank the bytes
+held per kept version at the end of training, the rank's live shard bytes and the full parameters' bytes. About 2
+minutes on 2 cores::
 
     PYTHONPATH=$PWD python benchmarks/lag_split_shard_memory.py [--out DIR]
 """
@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = os.path.join(ROOT, "tests")
+TESTS = os.path.join(ROOT, "tests", "helpers")
 
 
 def launch(nproc: int, backend: str, out_dir: str, model_dir: str) -> list[dict]:

@@ -108,7 +108,7 @@ def real(dump_dir: str) -> None:
 def tiny_trainer_ab(rounds: int = 4, steps: int = 8) -> None:
     """Worst case: the tiny random Llama of the tests (steps of ~0.1 s CPU), the same run with and without
     rollout_dump_dir, interleaved, process CPU seconds per optimizer step (median over rounds)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
     from tiny_model import make_tiny_model_dir, prompt_dataset, reward_len
     from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
 

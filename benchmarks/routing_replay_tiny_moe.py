@@ -13,8 +13,8 @@ Part 2, training: ``RolloutCorrGRPOTrainer`` for a few steps in decoupled (token
   k3 RS) mode, routing_replay off vs r3, bf16 rollouts (``rollout_generate_dtype``), float32 trainer: per-step
   ``rollout_corr/kl``, ESS and ``routing_mismatch_fraction``, router gradient norms (hooks), CPU seconds.
 
-Models (random, built locally like tests/tiny_model.py, head_dim 32): "small" = the test models (2 layers, 8 experts,
-top-2; Mixtral 4 experts), and "deep" = 8 layers, hidden 128, 4 heads, 64 experts, top-8 (Qwen3-30B-A3B's
+Models (random, built locally like tests/helpers/tiny_model.py, head_dim 32): "small" = the test models (2 layers, 8
+experts, top-2; Mixtral 4 experts), and "deep" = 8 layers, hidden 128, 4 heads, 64 experts, top-8 (Qwen3-30B-A3B's
 64-experts-per-8 shape in miniature: more near-ties and more layers to compound them).
 
 Usage: python benchmarks/routing_replay_tiny_moe.py [--families qwen3_moe olmoe mixtral] [--steps 6] [--json F]
@@ -32,7 +32,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "helpers"))
 
 from tiny_model import make_tiny_model, make_tokenizer, prompt_dataset, reward_len  # noqa: E402
 from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction  # noqa: E402
@@ -70,7 +70,7 @@ def deep_model(family: str, seed: int):
     else:
         raise ValueError(family)
     with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)  # as tests/tiny_model.py: sampled text with some structure
+        model.lm_head.weight.mul_(20.0)  # as tests/helpers/tiny_model.py: sampled text with some structure
     return model.float(), tok
 
 

@@ -2,7 +2,7 @@
 
 vLLM >= 0.32 returns each completion's routed experts when the engine is started with
 ``enable_return_routed_experts=True`` (Model Runner V2, ``VLLM_USE_V2_MODEL_RUNNER=1``; vLLM CPU refuses both, see
-``tests/test_vllm_cpu.py``). This script, on a tiny random Qwen3-MoE (8 layers, 64 experts, top-8, head_dim 32,
+``tests/e2e/test_vllm_cpu.py``). This script, on a tiny random Qwen3-MoE (8 layers, 64 experts, top-8, head_dim 32,
 saved locally; nothing downloaded):
 
 1. samples 64 completions of 32 tokens from vLLM in bf16 with processed log-probs and routed experts;
@@ -29,7 +29,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "helpers"))
 
 from routing_replay_tiny_moe import IS_CFG, deep_model, score, selection_mismatch  # noqa: E402
 

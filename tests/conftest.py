@@ -1,7 +1,14 @@
-"""Shared fixtures: tiny local models (no Hub access) and the trainer factories used by the trainer tests.
+"""Shared fixtures: tiny local models (no Hub access) and the trainer factories used by the trainer tests; the tiers.
 
-Markers registered here: ``unit`` marks the fast component tests (pure math, config, losses, TRL formulas, the
-accumulator, the generate engine on a tiny model; no training run), so ``pytest -m unit`` selects them.
+The tiers are directories (issue 48): a test file sits in ``tests/unit/``, ``tests/features/``, ``tests/trainer/`` or
+``tests/e2e/`` (``TIERS``), and every test in it gets that directory's marker here (``pytest_collection_modifyitems``),
+so ``pytest -m trainer`` selects ``tests/trainer/``. No file sets a tier marker itself; ``tests/unit/test_layout.py``
+fails when a test file sits outside a tier directory or a marker contradicts its directory. ``unit`` marks the fast
+component tests (pure math, config, losses, TRL formulas, the accumulator, the generate engine on a tiny model; no
+training run), so ``pytest -m unit`` selects them: all of ``tests/unit/``, and the tests marked ``unit`` by hand in
+the few files of other tiers that ``test_layout.UNIT_MARKED_ELSEWHERE`` lists. ``slow`` and ``vllm`` are not tiers:
+a test or a file sets them. Helper modules and subprocess workers are in ``tests/helpers/`` (on ``sys.path``:
+``pythonpath`` in pyproject.toml), data files in ``tests/data/``.
 """
 
 from __future__ import annotations
@@ -9,6 +16,7 @@ from __future__ import annotations
 import getpass
 import os
 import tempfile
+from pathlib import Path
 
 # ATen's kernels are chosen by CPU capability, and AVX-512 kernels round float32 reductions differently from AVX2 in
 # the last bits (measured on an AVX-512 AMD EPYC: a golden run's grad norm 27.046466 against 27.046468). The golden
@@ -29,10 +37,36 @@ from tiny_model import make_tiny_model_dir, prompt_dataset, reward_len
 torch.set_num_threads(1)  # the test machine's cores are shared; every test runs single-threaded
 
 
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "unit: fast component tests (no training run, seconds in all); `pytest -m unit`"
-    )
+TESTS_DIR = Path(__file__).resolve().parent
+# tests/<tier>/ -> the marker every test in it gets (pyproject.toml registers them)
+TIERS = ("unit", "features", "trainer", "e2e")
+
+
+def tier_of(path) -> str | None:
+    """The tier of a test file: the first directory under ``tests/`` (``None`` outside a tier directory)."""
+    parts = Path(path).resolve().relative_to(TESTS_DIR).parts
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects (pytest's mark plugin, in this same hook)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = tier_of(item.path)
+        if tier is not None:
+            item.add_marker(tier)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE (8 experts, top-2; no router aux loss; seed 0; ``tiny_model``), built once per module."""
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_qwen3_moe")), "qwen3_moe", seed=0)
+
+
+@pytest.fixture
+def _silence_trl_experimental(monkeypatch):
+    """TRL warns that ``rollout_func`` (and tools/environments) are experimental; a file that uses them opts in with
+    ``pytestmark = pytest.mark.usefixtures("_silence_trl_experimental")``."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
 @pytest.fixture(scope="session")

@@ -4,23 +4,31 @@
 ``docs/reference/configuration.md``,
 rendered from ``config.CORRECTION_FIELD_TABLE`` (the same table that defines the fields of
 ``RolloutCorrectionConfig`` and ``RolloutCorrectionArguments`` and their ``--help`` texts).
-``--hook-table`` prints the hook table of ``docs/explanation/architecture.md``: for each hook of the protocol
+``--hook-table`` prints the hook list of ``docs/explanation/architecture.md``: for each hook of the protocol
 (``hooks.py``),
 the features (``features.FEATURES``) that implement it, read from the classes (a feature lists a hook if and only if
 it overrides it), so the table cannot drift. ``--batch-key-table`` and ``--role-table`` print the batch keys and
 the forward roles of ``docs/explanation/architecture.md`` from their one declaration (``hooks.BATCH_KEYS``,
 ``hooks.FORWARD_ROLES``). ``--cli`` prints ``docs/reference/cli.md``'s body: the ``--help`` of ``trl-rollout-corr``
-and of each sub-command, from ``cli.build_parser`` (at 100 columns, whatever the terminal). ``tests/test_docs.py``
+and of each sub-command, from ``cli.build_parser`` (at 100 columns, whatever the terminal). ``tests/unit/test_docs.py``
 checks that the pages hold them all.
+
+Whole pages (``docgen_pages.GENERATED_PAGES``: the trainer fields, the presets, the metrics, the recorded trainer
+fields of the rollout records): ``--write`` writes every one of them into the repository (run from its root),
+``--page PATH`` prints one; ``tests/unit/test_docs.py`` fails when a committed page differs from what ``--write``
+writes.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import textwrap
+from pathlib import Path
 from typing import Optional
 
 from .config import markdown_table
+from .docgen_pages import GENERATED_PAGES
 
 # the hooks in TRL's call order, with the TRL method each runs in
 _HOOKS = (
@@ -39,39 +47,41 @@ _HOOKS = (
 )
 
 
+def _item(text: str) -> str:
+    """One Markdown list item, wrapped at 120 columns (continuation lines indented by two)."""
+    return "\n".join(textwrap.wrap(text, 120, initial_indent="* ", subsequent_indent="  ", break_long_words=False,
+                                   break_on_hyphens=False))
+
+
 def hook_table() -> str:
-    """The Markdown table of hooks x features, from the classes of ``features.FEATURES``."""
+    """The hooks x features list (one item per hook: kind, where it runs in TRL, the implementing features), from the
+    classes of ``features.FEATURES``."""
     from .features import FEATURES
     from .hooks import Feature
 
-    lines = ["| hook | kind | runs in (TRL) | features, in call order |", "|---|---|---|---|"]
+    lines = []
     for hook, kind, where in _HOOKS:
         implementers = [f.__name__ for f in FEATURES if getattr(f, hook) is not getattr(Feature, hook)]
         if kind == "after":
             implementers.reverse()
-        lines.append(f"| `{hook}` | {kind} | {where} | {', '.join(implementers) or '-'} |")
+        lines.append(_item(f"`{hook}` ({kind}; runs in {where}): {', '.join(implementers) or '-'}"))
     return "\n".join(lines)
 
 
 def batch_key_table() -> str:
-    """The Markdown table of the batch keys, from ``hooks.BATCH_KEYS`` (declaration order)."""
+    """The batch keys as a Markdown list, from ``hooks.BATCH_KEYS`` (declaration order)."""
     from .hooks import BATCH_KEYS
 
-    lines = ["| key | shape | written by | read by | when |", "|---|---|---|---|---|"]
-    for key in BATCH_KEYS:
-        lines.append(f"| `{key.name}` | {key.shape} | {', '.join(key.writers)} | {key.readers} | {key.note or '-'} |")
-    return "\n".join(lines)
+    return "\n".join(_item(f"`{key.name}`, {key.shape}: written by {', '.join(key.writers)}; read by {key.readers}; "
+                           f"when: {key.note or '-'}") for key in BATCH_KEYS)
 
 
 def role_table() -> str:
-    """The Markdown table of the forward roles, from ``hooks.FORWARD_ROLES``."""
+    """The forward roles as a Markdown list, from ``hooks.FORWARD_ROLES``."""
     from .hooks import FORWARD_ROLES
 
-    lines = ["| role | started by | grad | routing replay | support scoring | counts as pi_theta |",
-             "|---|---|---|---|---|---|"]
-    for r in FORWARD_ROLES:
-        lines.append(f"| `{r.name}` | {r.started_by} | {r.grad} | {r.replay} | {r.support} | {r.pi_theta} |")
-    return "\n".join(lines)
+    return "\n".join(_item(f"`{r.name}`: started by {r.started_by}; grad: {r.grad}; routing replay: {r.replay}; "
+                           f"support scoring: {r.support}; counts as pi_theta: {r.pi_theta}") for r in FORWARD_ROLES)
 
 
 def cli_reference() -> str:
@@ -103,10 +113,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--batch-key-table", action="store_true", help="the architecture page's batch keys (Markdown)")
     parser.add_argument("--role-table", action="store_true", help="the architecture page's forward roles (Markdown)")
     parser.add_argument("--cli", action="store_true", help="docs/reference/cli.md's body: every --help (Markdown)")
+    parser.add_argument("--page", choices=tuple(GENERATED_PAGES), help="print one generated page (Markdown)")
+    parser.add_argument("--write", action="store_true",
+                        help="write every generated page (docgen_pages.GENERATED_PAGES) under the current directory, "
+                        "the repository root")
     args = parser.parse_args(argv)
+    if args.write:
+        root = Path.cwd()
+        if not (root / "trl_rollout_corr" / "docgen.py").is_file():
+            parser.error(f"--write writes into the repository: run it from the repository root, not {root}")
+        for rel, render in GENERATED_PAGES.items():
+            (root / rel).write_text(render())
+            print(f"wrote {rel}")
+        return 0
+    if args.page:
+        print(GENERATED_PAGES[args.page](), end="")
+        return 0
     chosen = [name for name in _TABLES if getattr(args, name)]
     if not chosen:
-        parser.error("nothing to print: pass --config-table, --hook-table, --batch-key-table, --role-table or --cli")
+        parser.error("nothing to print: pass --config-table, --hook-table, --batch-key-table, --role-table, --cli, "
+                     "--page PATH or --write")
     print("\n\n".join(_TABLES[name]() for name in chosen))
     return 0
 

@@ -6,7 +6,8 @@ through the per-call objects below and through the batch keys declared once at t
 (``BATCH_KEYS``: writers, readers, shape; ``FORWARD_ROLES``: each forward role's traits), from which
 ``docs/explanation/architecture.md``'s tables are generated (``docgen``).
 
-The ordering rules (written once, here and in ``features.FEATURES``; tested in ``tests/test_features_order.py``):
+The ordering rules (written once, here and in ``features.FEATURES``; tested in
+``tests/features/test_features_order.py``):
 
 1. Around hooks (``generation``, ``plain_generate``, ``forward``) nest in list order: entered in ``FEATURES`` order,
    exited in reverse, so an earlier feature encloses every later one.
@@ -189,7 +190,8 @@ class Feature:
 
     Every hook has a no-op default, so a feature overrides only the hooks it needs. A subclass is built from the
     config (``wanted(args)``; ``__init__(trainer)`` after ``GRPOTrainer.__init__``) and listed once in
-    ``features.FEATURES``.
+    ``features.FEATURES``. What it carries across optimizer steps it returns from ``state_dict`` and takes back in
+    ``load_state_dict``: every checkpoint saves it, a resumed run restores it (``checkpoint_state``).
 
     Attributes:
         name: the feature's name (docs, errors).
@@ -260,6 +262,24 @@ class Feature:
 
     def after_log(self, trainer, record: Mapping[str, Any]) -> None:
         """After TRL's ``log``: ``record`` is ``state.log_history[-1]``."""
+
+    # checkpoints (``checkpoint_state``: one file per rank in each checkpoint folder, keyed by ``name``)
+    def state_dict(self) -> dict:
+        """What a run resumed from a checkpoint needs to continue as the uninterrupted run would: this rank's state
+        at the checkpoint (ints, floats, strings, tensors, and dicts / lists of them: ``torch.load(weights_only=True)``
+        reads it back). Default: {} (a feature whose hooks carry nothing from one optimizer step to the next)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()``'s value from the checkpoint a run resumes from, before its first step (the
+        Trainer has loaded the model, the optimizer and ``TrainerState``).
+
+        Raises:
+            ValueError: a state this feature cannot take (the default: a non-empty one), naming the fix.
+        """
+        if state:
+            raise ValueError(f"{self.name}: the checkpoint holds state {sorted(state)} for a feature that keeps "
+                             "none; it was saved by another version of trl_rollout_corr. Resume with that version.")
 
 
 class CorrectionMode:
@@ -404,8 +424,8 @@ class BatchKey:
 
     Attributes:
         name: the key. shape: its shape (B: local rows, T: completion length, P: prompt length, F: reward functions).
-        writers: the parts that write it (class names; ``"TRL"``). ``tests/test_batch_schema.py`` fails when a part
-            writes a key not declared here, or a key it is not declared a writer of.
+        writers: the parts that write it (class names; ``"TRL"``). ``tests/trainer/test_batch_schema.py`` fails when a
+            part writes a key not declared here, or a key it is not declared a writer of.
         readers: who reads it (docs).
         forward_input: a policy forward over some of the rows takes it with them (``LagSplit``'s version forward;
             a tensor by its rows, a list by the rows' indices).

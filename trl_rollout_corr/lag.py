@@ -23,6 +23,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .correction.mask_pipeline import MaskContext, lag_rows
+
 # Fixed lag buckets (optimizer steps), logged as rollout_corr/policy_lag_fraction_<name>: the same names on every
 # rank and every step, as the accumulator's cross-rank fraction reduction needs.
 LAG_BUCKETS: tuple[tuple[str, int, Optional[int]], ...] = (
@@ -182,12 +184,30 @@ def lag_keep(lags: torch.Tensor, max_policy_lag: Optional[int]) -> torch.Tensor:
     return lags <= int(max_policy_lag)
 
 
+def stale_row_keep(versions: Optional[torch.Tensor], current_step: int,
+                   max_policy_lag: Optional[int]) -> Optional[torch.Tensor]:
+    """``max_policy_lag``'s row rule at ``current_step``: the ``MaskContext.row_keep`` of the ``lag_rows`` mask step
+    (``correction.mask_pipeline``) for the rows of ``versions``.
+
+    Args:
+        versions: (B,) int the rows' policy versions (``rollout_policy_version``), or None.
+        current_step: the trainer's optimizer step now; a row's lag is ``current_step`` minus its version.
+        max_policy_lag: the bound in optimizer steps; None: no filter.
+
+    Returns:
+        (B,) bool, rows whose lag is at most the bound; None without a bound or versions (every row kept).
+    """
+    if versions is None or max_policy_lag is None:
+        return None
+    return lag_keep(policy_lag(versions, current_step), max_policy_lag)
+
+
 def drop_stale_rows(
     batch: Mapping[str, Any], loss_mask: torch.Tensor, current_step: int, max_policy_lag: Optional[int],
 ) -> tuple[Mapping[str, Any], Optional[torch.Tensor]]:
-    """``max_policy_lag``'s filter of one micro-batch: the one rule that ``features.policy_lag.PolicyLag.before_loss``
-    applies to the micro-batch it trains and the bypass batch-normalisation window (``modes.bypass``) to each
-    micro-batch of the step it scores, so the window's mean is over the rows the loss keeps.
+    """``max_policy_lag``'s filter of one micro-batch (``features.policy_lag.PolicyLag.before_loss``): the rows over
+    the bound out of its loss mask, by the ``lag_rows`` step of the mask pipeline (``correction.mask_pipeline``) with
+    ``stale_row_keep``'s rule, the one the bypass loss and its batch-normalisation window (``modes.bypass``) run too.
 
     Args:
         batch: the micro-batch's keys: ``rollout_policy_version`` (B,) int (none: nothing to filter), and
@@ -201,18 +221,15 @@ def drop_stale_rows(
         out of the loss (decoupled: times the RS mask; bypass: ``tool_mask`` := ``loss_mask`` times the keep mask);
         ``keep`` (B,) bool, or None without a bound or versions.
     """
-    versions = batch.get("rollout_policy_version")
-    if versions is None or max_policy_lag is None:
-        return batch, None
-    keep = lag_keep(policy_lag(versions, current_step), max_policy_lag)
-    if bool(keep.all()):
+    keep = stale_row_keep(batch.get("rollout_policy_version"), current_step, max_policy_lag)
+    if keep is None or bool(keep.all()):
         return batch, keep
-    rows = keep[:, None].to(loss_mask.device)
+    ctx = MaskContext(row_keep=keep)
     out = dict(batch)
     if "rollout_rs_mask" in out:
-        out["rollout_rs_mask"] = out["rollout_rs_mask"] * rows.to(out["rollout_rs_mask"].dtype)
+        out["rollout_rs_mask"] = lag_rows(out["rollout_rs_mask"], ctx)
     else:
-        out["tool_mask"] = loss_mask * rows.to(loss_mask.dtype)
+        out["tool_mask"] = lag_rows(loss_mask, ctx)
     return out, keep
 
 

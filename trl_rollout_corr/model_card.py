@@ -50,16 +50,24 @@ def correction_record(args: Any) -> dict[str, Any]:
 
 
 def rollout_engine_record(trainer: Any) -> dict[str, Any]:
-    """What produced mu in this trainer, for the card.
+    """What produced mu in this trainer: the one description of the rollout engine.
 
-    The one description of the engine (model card, rollout records, the recipe's run summary): a ``rollout_func``
-    with a ``describe()`` method (``engines.vllm_cpu_rollout.VLLMCPURollout``: ``vllm_cpu``) describes itself;
-    another ``rollout_func`` is named; otherwise TRL's vLLM path (``use_vllm``: the backend's ``describe()``, see
-    ``trl_compat.colocate_generation_class``, ``trl_vllm_colocate`` / ``trl_vllm_server``, processed log-probs) or
-    the plain ``transformers.generate`` path (processed scores; ``rollout_generate_dtype`` when set).
+    The model card (``write_section``), the rollout records' ``run.json`` (``features.rollout_records``) and the
+    recipe's run summary (``results.json``, ``log.jsonl``, ``summary.md``) all call this function, so the three
+    name the engine with the same keys and values. A ``rollout_func`` with a ``describe()`` method
+    (``engines.vllm_cpu_rollout.VLLMCPURollout``: ``vllm_cpu``) describes itself; another ``rollout_func`` is named
+    by its ``__qualname__``; otherwise TRL's vLLM path (``use_vllm``: the backend's ``describe()``, see
+    ``trl_compat.colocate_generation_class``, ``trl_vllm_colocate`` / ``trl_vllm_server``, processed log-probs),
+    TRL's continuous batching (``continuous_batching_record``) or the plain ``transformers.generate`` path: its
+    transformers version, the dtype it samples in (``rollout_generate_dtype`` when set, else the weights' dtype;
+    `` (bf16 autocast)`` appended with ``bf16=True``) and the processed log-probs.
 
     Args:
-        trainer: a ``GRPOTrainer`` (reads ``rollout_func``, ``use_vllm``, ``args``, ``model``).
+        trainer: a ``GRPOTrainer`` (reads ``rollout_func``, ``use_vllm``, ``vllm_generation``,
+            ``use_transformers_continuous_batching``, ``args``, ``model``).
+
+    Returns:
+        ``{"rollout_engine": ..., ...}``, string values (plus whatever an engine's ``describe()`` returns).
     """
     rollout_func = getattr(trainer, "rollout_func", None)
     if rollout_func is not None:
@@ -76,11 +84,12 @@ def rollout_engine_record(trainer: Any) -> dict[str, Any]:
         return {"rollout_engine": f"trl_vllm_{args.vllm_mode}", "rollout_logprobs_mode": "processed_logprobs"}
     if getattr(trainer, "use_transformers_continuous_batching", False):
         return continuous_batching_record(trainer)
-    dtype = getattr(args, "rollout_generate_dtype", None)
-    if dtype is None:
-        dtype = "bfloat16 (autocast)" if args.bf16 else str(next(trainer.model.parameters()).dtype).split(".")[-1]
-    return {"rollout_engine": "transformers.generate", "rollout_dtype": dtype,
-            "rollout_logprobs_mode": "processed scores (after logits processors)"}
+    import transformers
+
+    dtype = args.rollout_generate_dtype or str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
+    return {"rollout_engine": "transformers.generate", "rollout_engine_version": transformers.__version__,
+            "rollout_dtype": f"{dtype}{' (bf16 autocast)' if args.bf16 else ''}",
+            "rollout_logprobs_mode": "processed (log_softmax of the final processed scores)"}
 
 
 def continuous_batching_record(trainer: Any) -> dict[str, Any]:
@@ -114,7 +123,7 @@ def render_section(correction: Mapping[str, Any], engine: Mapping[str, Any],
     return "\n".join([*lines, END]) + "\n"
 
 
-# What TRL 1.16's template renders with base_model=None / hub_model_id=None (pinned in tests/test_model_card.py).
+# What TRL 1.16's template renders with base_model=None / hub_model_id=None (pinned in tests/unit/test_model_card.py).
 TRL_NO_BASE_MODEL = "[None](https://huggingface.co/None)"
 TRL_NO_HUB_ID = 'model="None"'
 

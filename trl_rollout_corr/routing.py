@@ -31,7 +31,7 @@ Replay (``RouteReplayer``):
     expert receives the token. Tokens without a route keep the trainer's own choice. Before substituting, the hook
     counts the selections where the trainer's own top-k differs from the recorded one (``routing_mismatch_*``).
     What each family couples to in transformers is isolated in ``ROUTER_FAMILIES`` and pinned by
-    ``tests/test_routing.py`` (replaying a router's own choice must reproduce its own output bit for bit).
+    ``tests/unit/test_routing.py`` (replaying a router's own choice must reproduce its own output bit for bit).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class RouterFamily:
 
         Returns:
             (N, k) weights, in the dtype the family returns; bit-identical to the router's own output when
-            ``expert_ids`` is its own top-k (pinned in ``tests/test_routing.py``).
+            ``expert_ids`` is its own top-k (pinned in ``tests/unit/test_routing.py``).
         """
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         weights = probs.gather(-1, expert_ids)
@@ -111,8 +111,8 @@ def _family(model_type: str, router_class: str, **kw: Any) -> RouterFamily:
     return RouterFamily(model_type, f"transformers.models.{model_type}.modeling_{model_type}", router_class, **kw)
 
 
-# The one table of the transformers coupling (transformers 5.19; see tests/test_routing.py's pins). Adding a family
-# whose router follows the RouterFamily contract is one line; a family with another rule (group-limited top-k,
+# The one table of the transformers coupling (transformers 5.19; see tests/unit/test_routing.py's pins). Adding a
+# family whose router follows the RouterFamily contract is one line; a family with another rule (group-limited top-k,
 # sigmoid scores with a bias, sparsemixer, ...) needs its own gate_weights first.
 ROUTER_FAMILIES: dict[str, RouterFamily] = {
     f.model_type: f

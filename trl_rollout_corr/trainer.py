@@ -23,7 +23,7 @@ TRL's private state (``_metrics``, ``_logs``, ``_buffered_inputs``, ``_step``). 
 
 ``docs/explanation/architecture.md`` gives the protocol, the ordering rules, the forward roles and the batch keys. Who
 knows TRL
-1.16's internals: this file and ``trl_compat.py``, both pinned by ``tests/test_trl_compat.py``.
+1.16's internals: this file and the ``trl_compat`` package, both pinned by ``tests/trainer/test_trl_compat.py``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from trl import GRPOTrainer
 from trl.trainer.grpo_trainer import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id
 
-from . import model_card, trl_compat
+from . import checkpoint_state, model_card, trl_compat
 from .accumulator import Reducers, RolloutCorrAccumulator
 from .async_generation import AsyncGeneration, LookAheadLoader
 from .config import CORRECTION_FIELDS, RolloutCorrectionConfig
@@ -179,6 +179,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self._warned: set = set()
         self.rollout_corr_mode = build_mode(self)
         self.rollout_corr_features = build_features(self)
+        self.rollout_corr_resume_from: Optional[str] = None  # the checkpoint train() resumes from (checkpoint_state)
+        self.add_callback(checkpoint_state.callback(self))  # every feature's state saved and restored
         self._skip_trl_old = self.rollout_corr_mode.replaces_trl_old_forward or any(
             f.replaces_trl_old_forward for f in self.rollout_corr_features)
         # compact scoring only with a correction configured: on some shapes the LM head's matmul over fewer rows
@@ -227,9 +229,15 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         With ``rollout_async_depth``, a resume restarts the pipeline at the checkpoint's step R (``async_generation``:
         the first d steps train batches generated with the weights of step R).
 
+        Resumed from a checkpoint, every feature's state is restored from it when training begins
+        (``checkpoint_state``).
+
         Raises:
-            ValueError: a resume the pipeline cannot restart exactly (``AsyncGeneration.resume_micro_step``).
+            ValueError: a resume the pipeline cannot restart exactly (``AsyncGeneration.resume_micro_step``); a
+                checkpoint without this trainer's feature state or of other features (``checkpoint_state.load``).
         """
+        bound = inspect.signature(GRPOTrainer.train).bind(self, *args, **kwargs).arguments
+        self.rollout_corr_resume_from = trl_compat.resume_checkpoint(self.args, bound.get("resume_from_checkpoint"))
         if self.rollout_async is None:
             return super().train(*args, **kwargs)
         try:
@@ -302,8 +310,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
     def _trl_forward_call(self, model) -> ForwardCall:
         """The role of a forward TRL itself starts: in a loss step ``loss`` (the mode's ``forward`` may make it
         ``old``); in a generation batch, the first no-grad policy forward is ``trl_old`` when TRL 1.16's rule runs
-        one (pinned in ``tests/test_trl_compat.py``) and every other is ``ref`` (a PEFT reference forward runs on the
-        policy with its adapter off); else ``other``."""
+        one (pinned in ``tests/trainer/test_trl_compat.py``) and every other is ``ref`` (a PEFT reference forward runs
+        on the policy with its adapter off); else ``other``."""
         step = self._loss
         if step is not None:
             return ForwardCall("loss", model, batch=step.inputs)

@@ -2,11 +2,11 @@
 
 Each part checks its own fields (``Feature.check_config``, ``CorrectionMode.check_config``); the checks run in one
 fixed order (``RolloutCorrGRPOConfig.__post_init__``), so that a config with two faults reports the same first error
-whatever part owns each check (``tests/test_config_parts.py``): ``rollout_corr_old_forward``'s value, the correction
-fields (``resolve``), TRL's own vLLM IS, ``GRPOConfig.__post_init__``; every feature's check in ``features.FEATURES``
-order, present or not; the config's one mode (``modes.mode_class``: TRL's options against a configured correction,
-then the mode's own); last the checks that span parts or concern the engines (TRL's vLLM colocate fields, asynchronous
-generation, ``rs_keep_rejected_in_baseline``) and the CPU-autocast warning.
+whatever part owns each check (``tests/unit/test_config_parts.py``): ``rollout_corr_old_forward``'s value, the
+correction fields (``resolve``), TRL's own vLLM IS, ``GRPOConfig.__post_init__``; every feature's check in
+``features.FEATURES`` order, present or not; the config's one mode (``modes.mode_class``: TRL's options against a
+configured correction, then the mode's own); last the checks that span parts or concern the engines (TRL's vLLM
+colocate fields, asynchronous generation, ``rs_keep_rejected_in_baseline``) and the CPU-autocast warning.
 ``trl_rollout_corr.trainer`` re-exports the class (its public import path).
 """
 

@@ -221,7 +221,7 @@ class Recomputer:
         rejected = has_tokens & ((out.response_mask != 0).sum(1) == 0)
         if has_tokens.numel() % num_generations:
             return  # an incomplete generation batch (skipped by the check)
-        from ..trl_compat import lone_survivors
+        from ..trl_compat.advantages import lone_survivors
 
         lone = lone_survivors(rejected, has_tokens, num_generations)
         part.fractions["rs_lone_survivor_fraction"] = [int(lone.sum()), int(has_tokens.sum())]

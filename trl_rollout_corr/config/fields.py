@@ -19,9 +19,8 @@ class CorrectionField:
         flag_type: ``str`` or ``bool``: the type of the flat, Optional field of ``RolloutCorrectionArguments``
             (``TrlParser``/``HfArgumentParser`` flags and YAML keys).
         default: the default in ``RolloutCorrectionConfig``.
-        values: the allowed values, in Markdown (the "values" column of ``docs/reference/configuration.md``).
-        help: what it means, in Markdown (the ``--help`` text, the "meaning" column of
-        ``docs/reference/configuration.md``).
+        values: the allowed values, in Markdown (the "values" of ``docs/reference/configuration.md``).
+        help: what it means, in Markdown (the ``--help`` text, the meaning in ``docs/reference/configuration.md``).
     """
 
     name: str
@@ -143,10 +142,14 @@ def _with_correction_fields(*, optional: bool, frozen: bool = False):
 
 # ---------------------------------------------------------------------------------------------- documentation
 def markdown_table(table: tuple[CorrectionField, ...] = CORRECTION_FIELD_TABLE) -> str:
-    """The configuration table of ``docs/reference/configuration.md`` (field, default, values, meaning), from the
-    field table."""
-    lines = ["| field | default | values | meaning |", "|---|---|---|---|"]
+    """The configuration list of ``docs/reference/configuration.md``, from the field table: one item per field (its
+    default, values and meaning), wrapped at the docs' 120 columns (continuation lines indented by two)."""
+    import textwrap
+
+    lines = []
     for f in table:
         default = "`None`" if f.default is None else f"`{f.default!r}`".replace("'", '"')
-        lines.append(f"| `{f.name}` | {default} | {f.values} | {f.help} |")
+        lines += textwrap.wrap(f"`{f.name}` (default {default}; values: {f.values}): {f.help}", 120,
+                               initial_indent="* ", subsequent_indent="  ", break_long_words=False,
+                               break_on_hyphens=False)
     return "\n".join(lines)

@@ -7,7 +7,7 @@ the trainer's generation settings and returns the sampled tokens' processed log-
 for token with ``completion_ids``) and the version of the weights it generated with as ``policy_version``.
 
 This is the module of the engine that knows TRL. What it relies on, all in TRL 1.16 and pinned by
-``tests/test_vllm_cpu.py``: the ``rollout_func(prompts, trainer)`` contract of ``GRPOTrainer._generate`` (returns
+``tests/e2e/test_vllm_cpu.py``: the ``rollout_func(prompts, trainer)`` contract of ``GRPOTrainer._generate`` (returns
 ``prompt_ids``, ``completion_ids``, ``logprobs``); ``GRPOTrainer._tokenize_prompts(prompts) -> (prompt_ids, images,
 multimodal_fields)``, so that prompts are tokenised exactly as TRL's own paths do (``tokenize``); public trainer
 attributes (``state.global_step``, ``accelerator``, ``model``, ``args.generation_kwargs``, ``temperature``,
@@ -63,7 +63,7 @@ class VLLMCPURollout:
 
     Build it BEFORE the trainer: in-process vLLM re-seeds Python's, NumPy's and torch's global RNGs with
     ``seed`` while it starts; ``Trainer.__init__`` seeds them again with ``args.seed`` afterwards (measured in
-    ``tests/test_e2e_vllm_cpu.py``). Single process per engine: with several ranks each builds its own
+    ``tests/e2e/test_e2e_vllm_cpu.py``). Single process per engine: with several ranks each builds its own
     (DDP / ZeRO-1/2 work: the unwrapped module holds full weights); ZeRO-3 / FSDP are refused at sync time.
 
     Asynchronous mode (``async_depth = d >= 1``, docs/how-to/policy-lag.md): the trainer's weights are *published*
@@ -363,7 +363,7 @@ class VLLMCPURollout:
         TRL hands a ``rollout_func`` untokenised prompts and leaves "chat templating at the backend boundary" to it
         (``GRPOTrainer._generate``). Rather than copy TRL's tokenisation (chat template, tools per environment, the
         trainer's ``chat_template`` and ``chat_template_kwargs``, a transformers 5.3 padding workaround), this calls
-        the trainer's own method, whose signature and three-value return are pinned in ``tests/test_vllm_cpu.py``.
+        the trainer's own method, whose signature and three-value return are pinned in ``tests/e2e/test_vllm_cpu.py``.
 
         Raises:
             TypeError: ``trainer`` has no ``_tokenize_prompts`` (not a TRL 1.16 ``GRPOTrainer``).
@@ -441,7 +441,7 @@ def log_trl_metric(trainer: Any, key: str, value: float) -> None:
 
     The one place that writes into a TRL internal: ``GRPOTrainer._metrics``, set in ``__init__`` as
     ``{"train": defaultdict(list), "eval": defaultdict(list)}``; ``GRPOTrainer.log`` averages each list (NaNs
-    dropped), prefixes ``eval_`` in evaluation and clears it (TRL 1.16; pinned in ``tests/test_vllm_cpu.py``).
+    dropped), prefixes ``eval_`` in evaluation and clears it (TRL 1.16; pinned in ``tests/e2e/test_vllm_cpu.py``).
     The mode is chosen as TRL's own ``_generate`` does (``model.training``). A trainer without ``_metrics`` (not a
     ``GRPOTrainer``) is skipped silently: the timings are also kept on ``VLLMCPURollout``.
 

@@ -46,8 +46,8 @@ class LagSplit(Feature):
         NotImplementedError: at construction, on FSDP1 or a ZeRO-3 setting whose shards it cannot keep
             (``version_store.store_for``).
         ValueError: (``after_score``, on every rank) a row's version, on any rank, is one whose weights this
-            trainer never held (a version that is not a step at which it generated or trained, or one before the
-            checkpoint it resumed from) or no longer holds (versions going backwards).
+            trainer never held (a version that is not a step at which it generated or trained) or no longer holds
+            (versions going backwards). A resumed trainer holds the versions its checkpoint held (``state_dict``).
     """
 
     name = "lag_split"
@@ -75,6 +75,7 @@ class LagSplit(Feature):
         self.store = store_for(trainer)
         self.weights: dict[int, object] = {}
         self._oldest: Optional[int] = None  # the oldest row version over all ranks of the training batch last scored
+        self._restored: Optional[dict] = None  # load_state_dict's kept weights (CPU), placed at the next keep
 
     @property
     def model(self) -> Optional[torch.nn.Module]:
@@ -85,9 +86,44 @@ class LagSplit(Feature):
         """Bytes this rank holds per kept version (a whole copy, or this rank's shards)."""
         return {version: self.store.kept_bytes(kept) for version, kept in self.weights.items()}
 
+    def state_dict(self) -> dict:
+        """The versions held at the checkpoint (``weights``: version -> this rank's kept copy or shards) and the
+        oldest row version of the last training batch (``oldest``, the pruning bound): a resumed run scores the rows
+        of versions before its checkpoint as the uninterrupted run does. The checkpoint grows by ``kept_bytes()``
+        per rank."""
+        weights = self.weights if self._restored is None else {**self._restored, **self.weights}
+        return {"weights": dict(weights), "oldest": self._oldest}
+
+    def load_state_dict(self, state) -> None:
+        """Take back ``state_dict()``'s versions (placed like the live weights at the next ``_keep_current``)."""
+        self._restored = {int(v): kept for v, kept in state["weights"].items()}
+        self._oldest = None if state["oldest"] is None else int(state["oldest"])
+
+    def _place_restored(self, trainer) -> None:
+        """The restored versions, each copied into a ``store.keep`` of the live weights (their device, dtype and
+        layout: this rank's shards on a sharded model).
+
+        Raises:
+            ValueError: a restored version whose tensors do not match the live weights' (another model or world).
+        """
+        restored, self._restored = self._restored, None
+        for version, kept in sorted(restored.items()):
+            like = self.store.keep(trainer)
+            same = set(like) == set(kept) if isinstance(like, dict) else len(like) == len(kept)
+            pairs = [(like[k], kept[k]) for k in like] if isinstance(like, dict) and same else list(zip(like, kept))
+            if not same or any(a.shape != b.shape or a.dtype != b.dtype for a, b in pairs):
+                raise ValueError(f"policy_lag_split: the checkpoint's weights of version {version} do not match this "
+                                 "model's (another model or number of processes); resume with the checkpoint's.")
+            for live, saved in pairs:
+                live.copy_(saved)
+            self.weights.setdefault(version, like)
+
     def _keep_current(self, trainer) -> None:
         """Training: keep the policy's weights as version ``global_step`` (the weights any engine syncing or
-        publishing now would receive; pruned in ``after_score``), once per optimizer step."""
+        publishing now would receive; pruned in ``after_score``), once per optimizer step; first the versions a
+        resume restored (``load_state_dict``)."""
+        if self._restored is not None:
+            self._place_restored(trainer)
         step = trainer.state.global_step
         if trainer.metrics_mode == "train" and step not in self.weights:
             self.weights[step] = self.store.keep(trainer)
@@ -139,10 +175,9 @@ class LagSplit(Feature):
             raise ValueError(
                 f"policy_lag_split: {where}, but the trainer holds no weights of that "
                 f"version (held: {held}); versions must be optimizer steps at which this trainer "
-                "generated or trained, never going backwards. A trainer resumed from a checkpoint holds no "
-                "weights of the steps before the resume (the checkpoint has the current ones only): restart "
-                "the engine with the trainer, or resume from a checkpoint at one of its weight syncs. Else "
-                "unset policy_lag_split."
+                "generated or trained, never going backwards (a trainer resumed from a checkpoint holds the "
+                "versions the checkpoint held: an engine kept through the restart must not publish versions older "
+                "than those). Restart the engine with the trainer, or unset policy_lag_split."
             )
         return [(v, chunks) for v, chunks in zip(held, flags[:-2].tolist()) if chunks > 0]
 

@@ -9,6 +9,9 @@ on) the same way; ``after_loss`` hands each trained micro-batch (as TRL passed i
 pi_theta (``LossStep.policy_log_probs``) to the writer; ``after_log`` closes the window of the logged step, after TRL's
 ``log`` added its own values (the Trainer's copy in ``log_history``, which callbacks cannot change).
 
+Its state at a checkpoint (``state_dict``: the generation batches tagged and the writer's counts) is saved with the
+checkpoint's other feature state (``checkpoint_state``); a resumed run numbers on from it.
+
 Last in ``features.FEATURES``: nothing is written before every other part accepted the setup.
 """
 
@@ -21,6 +24,7 @@ import torch
 
 from ..correction import DEFAULT_LENGTH_BUCKETS
 from ..hooks import Feature, GenerationBatch, LossStep, refuse_config
+from ..model_card import rollout_engine_record  # the one description of the engine (card, records, summary)
 
 if TYPE_CHECKING:
     from ..records import MicroBatch, RolloutRecordWriter
@@ -139,6 +143,18 @@ class RolloutRecords(Feature):
         if trainer.metrics_mode == "train":
             self.writer.end_window(trainer.state.global_step, record)
 
+    def state_dict(self) -> dict:
+        """This rank's counts at the checkpoint: generation batches tagged (``batches``) and the writer's
+        (``RolloutRecordWriter.state_dict``: windows, micro-batches, bytes and rows written). The rows of a window
+        still open at the checkpoint are in the dump (``open-window/``, written by this feature's ``on_save``)."""
+        return {"batches": self.batches, "writer": self.writer.state_dict()}
+
+    def load_state_dict(self, state) -> None:
+        """Continue ``state_dict()``'s counts: the resumed run's generation batches and micro-batches are numbered
+        on from the checkpoint's, as the uninterrupted run's are (also across windows ``rollout_dump_every`` skips)."""
+        self.batches = int(state["batches"])
+        self.writer.load_state_dict(state["writer"])
+
 
 def _support_keys(batch: dict, score) -> None:
     """``batch["rollout_record_support_{log_mass,size,miss}"]``: (B, T) of a ``support.SupportScore``."""
@@ -197,29 +213,6 @@ def micro_batch(step: int, inputs: dict, log_probs: Optional[torch.Tensor], *, t
         ),
         routes=inputs.get("routed_experts") if num_experts is not None else None, num_experts=num_experts,
     )
-
-
-def rollout_engine_record(trainer) -> dict:
-    """What produced mu: the ``rollout_func``'s own ``describe()`` when it has one, else TRL's path."""
-    describe = getattr(trainer.rollout_func, "describe", None)
-    if callable(describe):
-        return dict(describe())
-    if trainer.use_vllm:
-        from ..model_card import rollout_engine_record as describe_engine  # the one description of TRL's vLLM path
-
-        return describe_engine(trainer)
-    if trainer.rollout_func is not None:
-        return dict(rollout_engine=f"rollout_func {type(trainer.rollout_func).__name__}")
-    if trainer.use_transformers_continuous_batching:
-        from ..model_card import continuous_batching_record
-
-        return continuous_batching_record(trainer)
-    import transformers
-
-    dtype = trainer.args.rollout_generate_dtype or str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
-    return dict(rollout_engine="transformers.generate", rollout_engine_version=transformers.__version__,
-                rollout_dtype=f"{dtype}{' (bf16 autocast)' if trainer.args.bf16 else ''}",
-                rollout_logprobs_mode="processed (log_softmax of the final processed scores)")
 
 
 def generation_config_dict(model) -> Optional[dict]:

@@ -221,6 +221,20 @@ class SupportMatching(Feature):
         if miss_key and self.scorer is not None:
             batch["rollout_support_miss"] = matched.miss
 
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The one-time events already done: the kept-mass measurement (``measure_due``), its warning
+        (``warn_due``) and the processors warning (``processors_warned``): a resumed run neither measures nor warns
+        again (its logged keys are the uninterrupted run's)."""
+        return {"measure_due": self.measure_due, "warn_due": self.warn_due,
+                "processors_warned": self.processors_warned}
+
+    def load_state_dict(self, state) -> None:
+        """Restore ``state_dict()``'s flags (a one-time event stays done; one not due in this run stays not due)."""
+        self.measure_due = self.measure_due and bool(state["measure_due"])
+        self.warn_due = self.warn_due and bool(state["warn_due"])
+        self.processors_warned = bool(state["processors_warned"])
+
     # ------------------------------------------------------------------ logging
     def on_log(self, trainer, logs: dict) -> None:
         """Matching off, truncation on: one warning with the measured mean log kept mass (first logged step)."""

@@ -20,9 +20,9 @@ from trl.trainer.grpo_trainer import disable_gradient_checkpointing
 
 from .. import support, trl_compat
 from ..baseline import rows_out_of_baseline
-from ..correction import make_correction_fn
+from ..correction import make_correction_fn, mask_pipeline
 from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep, refuse_config
-from ..lag import drop_stale_rows
+from ..lag import stale_row_keep
 from ..losses import DEFAULT_DUAL_CLIP, PPOClip, bypass_policy_loss
 from .common import GRPO_DEFAULTS, attach_mu, check_correction_config, require_mu, trained_token_count
 
@@ -67,6 +67,9 @@ class BypassMode(CorrectionMode):
         # with gradient accumulation: (optimizer step, global (sum, count)) of the step's rows, from its first
         # micro-batch
         self._window: Optional[tuple] = None
+        # the loss mask: rows over max_policy_lag out, then the correction's (``correction.mask_pipeline``); its
+        # ``rows`` part is what both the loss and the batch-normalisation window hand to the correction
+        self.masks = mask_pipeline.MaskPipeline(mask_pipeline.lag_rows, mask_pipeline.correction)
 
     def score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
         """Rows over ``max_policy_lag`` at generation (``gen.keep_rows``) out of their group's baseline, then mu into
@@ -93,7 +96,7 @@ class BypassMode(CorrectionMode):
         dual_clip = args.delta if args.delta is not None else DEFAULT_DUAL_CLIP
         out = bypass_policy_loss(
             per_token_logps, support.invalidate_misses(inputs["rollout_log_probs"], call.miss), inputs["advantages"],
-            trl_compat.loss_mask(inputs), trainer.rollout_correction, correction_fn=self.correction_fn,
+            self.trained_mask(trainer, inputs), trainer.rollout_correction, correction_fn=self.correction_fn,
             clip=PPOClip(trainer.epsilon_low, trainer.epsilon_high, clip_ratio_c=dual_clip),
             all_reduce=self._batch_norm_sum(trainer, model),
         )
@@ -142,13 +145,10 @@ class BypassMode(CorrectionMode):
 
     def _window_total(self, trainer, model) -> torch.Tensor:
         """The global (sum of weights, count) over every row of the optimizer step now starting that its loss keeps:
-        the step's micro-batches (``trainer.step_micro_batches()``, the rows over ``max_policy_lag`` out of their mask
-        as ``lag.drop_stale_rows`` takes them out of the loss) scored with no grad, the correction run on all of them
-        at once (its statistics are discarded; only the batch-normalisation total is kept)."""
-        step, bound = trainer.state.global_step, trainer.args.max_policy_lag
-        # each micro-batch as its loss will train it: max_policy_lag's dropped rows out (PolicyLag.before_loss's rule)
-        chunks = [drop_stale_rows(chunk, trl_compat.loss_mask(chunk), step, bound)[0]
-                  for chunk in trainer.step_micro_batches()]
+        the step's micro-batches (``trainer.step_micro_batches()``, each masked by ``trained_mask`` as the loss masks
+        it: the same pipeline steps) scored with no grad, the correction run on all of them at once (its statistics
+        are discarded; only the batch-normalisation total is kept)."""
+        chunks = trainer.step_micro_batches()
         log_probs, rollout, masks = [], [], []
         trainer.rollout_corr_forward_counts["batch_norm_window"] += 1
         no_checkpointing = disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs)
@@ -159,7 +159,7 @@ class BypassMode(CorrectionMode):
                 lp, _, _ = trainer.policy_forward(call, fwd, **fwd.multimodal)
                 log_probs.append(lp.float())
                 rollout.append(support.invalidate_misses(chunk["rollout_log_probs"], call.miss))
-                masks.append(trl_compat.loss_mask(chunk))
+                masks.append(self.trained_mask(trainer, chunk))
         captured = []
         cross_rank = trainer.rollout_corr_reducers.all_reduce
 
@@ -169,6 +169,15 @@ class BypassMode(CorrectionMode):
 
         self.correction_fn(torch.cat(log_probs), torch.cat(rollout), torch.cat(masks), all_reduce=capture)
         return captured[-1]
+
+    def trained_mask(self, trainer, batch: dict) -> torch.Tensor:
+        """(B, T) the tokens of a micro-batch the correction sees: TRL's loss mask through the ``rows`` part of the
+        mode's mask pipeline (``lag_rows``: rows over ``max_policy_lag`` now out, ``lag.stale_row_keep``). The loss
+        runs it on its micro-batch (already filtered by ``PolicyLag.before_loss``: the step is idempotent) and the
+        window on each raw micro-batch of the step, so both hand the correction the same tokens."""
+        keep = stale_row_keep(batch.get("rollout_policy_version"), trainer.state.global_step,
+                              trainer.args.max_policy_lag)
+        return self.masks.rows(trl_compat.loss_mask(batch), mask_pipeline.MaskContext(row_keep=keep))
 
     @staticmethod
     def _accumulation_steps(trainer) -> float:

@@ -17,13 +17,14 @@ in TRL's shuffled order (``rollout_generation_row`` maps them back for the group
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
 from .. import old_forward, support, trl_compat
 from ..baseline import rows_out_of_baseline
-from ..correction import make_correction_fn
+from ..correction import make_correction_fn, mask_pipeline
 from ..hooks import CorrectionMode, ForwardCall, GenerationBatch, LossStep, refuse_config
 from .common import attach_mu, check_correction_config, require_mu, trained_token_count, trl_loss_with_ratios
 from .m2po_window import m2po_step_mask
@@ -72,6 +73,11 @@ class DecoupledMode(CorrectionMode):
         correction = trainer.rollout_correction
         self.rs_on_engine = correction.rs_enabled and getattr(correction, "rollout_rs_on", "direct") == "engine"
         self.m2_threshold = correction.rollout_m2_threshold
+        # the mask of the loss (the RS mask): rows over max_policy_lag at generation out, then the correction's
+        # mask, then M2PO's (``correction.mask_pipeline``)
+        self.masks = mask_pipeline.MaskPipeline(
+            mask_pipeline.lag_rows, mask_pipeline.correction,
+            *((mask_pipeline.m2po,) if self.m2_threshold is not None else ()))
 
     def score(self, trainer, gen: GenerationBatch, batch: dict) -> None:
         attach_mu(trainer, gen, batch, require_mu(batch))
@@ -128,17 +134,23 @@ class DecoupledMode(CorrectionMode):
         old_log_probs = batch.get("old_per_token_logps")
         if old_log_probs is None:
             old_log_probs = batch["old_per_token_logps"] = trainer.old_log_probs(batch)
-        kept = mask if keep_rows is None else mask * keep_rows[:, None].to(mask.dtype)
         miss = batch.get("rollout_support_miss")
         old_log_probs = support.invalidate_misses(old_log_probs, miss)
         extra = {"rs_log_probs": support.invalidate_misses(_engine_log_probs(version_log_probs, batch), miss)} \
             if self.rs_on_engine else {}
-        correction = self.correction_fn(old_log_probs, batch["rollout_log_probs"], kept,
-                                        all_reduce=trainer.rollout_corr_reducers.all_reduce, **extra)
-        trainer.rollout_corr_metrics.add_stats(trainer.metrics_mode, correction.stats)
-        new_mask = correction.response_mask
-        if self.m2_threshold is not None:
-            new_mask = self._m2po(trainer, old_log_probs, batch["rollout_log_probs"], new_mask, rows)
+        outputs = []
+
+        def correct(kept: torch.Tensor) -> torch.Tensor:
+            out = self.correction_fn(old_log_probs, batch["rollout_log_probs"], kept,
+                                     all_reduce=trainer.rollout_corr_reducers.all_reduce, **extra)
+            trainer.rollout_corr_metrics.add_stats(trainer.metrics_mode, out.stats)
+            outputs.append(out)
+            return out.response_mask
+
+        m2po_keep = functools.partial(self._m2po_keep, trainer, old_log_probs, batch["rollout_log_probs"], rows=rows)
+        ctx = mask_pipeline.MaskContext(row_keep=keep_rows, correct=correct, m2po_keep=m2po_keep)
+        new_mask = self.masks(mask, ctx)
+        correction = outputs[0]
         batch["rollout_rs_mask"] = new_mask
         if correction.weights is not None:
             batch["rollout_is_weights"] = correction.weights
@@ -152,11 +164,12 @@ class DecoupledMode(CorrectionMode):
         advantages = rows_out_of_baseline(trainer, advantages, gather(rejected), gather(has), rewards)
         batch["advantages"] = advantages if rows is None else advantages[rows]
 
-    def _m2po(self, trainer, old_log_probs, rollout_log_probs, mask, rows) -> torch.Tensor:
-        """``mask`` with M2PO's step-global mask applied (``modes.m2po_window``), its metrics recorded: the second
-        moment of ``l = log pi_old - log mu`` (nats^2) before / after over the step's trained tokens, and the
-        fraction of them masked (all exact over the log window: sums and counts, already global). ``l`` is the whole
-        ratio also with ``rollout_rs_on="engine"`` (by design: M2PO bounds staleness, not only engine numerics)."""
+    def _m2po_keep(self, trainer, old_log_probs, rollout_log_probs, mask, rows) -> torch.Tensor:
+        """M2PO's step-global keep mask of ``mask``'s tokens (``modes.m2po_window``; the ``m2po`` mask step multiplies
+        it in), its metrics recorded: the second moment of ``l = log pi_old - log mu`` (nats^2) before / after over
+        the step's trained tokens, and the fraction of them masked (all exact over the log window: sums and counts,
+        already global). ``l`` is the whole ratio also with ``rollout_rs_on="engine"`` (by design: M2PO bounds
+        staleness, not only engine numerics)."""
         log_ratio = old_log_probs.double() - rollout_log_probs.double()
         keep, sel = m2po_step_mask(log_ratio, mask, self.m2_threshold, trainer.rollout_corr_reducers,
                                    trainer.accelerator.process_index, rows)
@@ -164,7 +177,7 @@ class DecoupledMode(CorrectionMode):
         metrics.add_global_ratio(mode, "m2po_second_moment_before", sel.sum_sq_before, sel.n_valid)
         metrics.add_global_ratio(mode, "m2po_second_moment_after", sel.sum_sq_after, sel.n_valid - sel.n_masked)
         metrics.add_global_ratio(mode, "m2po_masked_fraction", sel.n_masked, sel.n_valid)
-        return mask * keep.to(mask.dtype)
+        return keep
 
     def loss(self, trainer, model, step: LossStep, trl_loss) -> torch.Tensor:
         """TRL's loss with the RS mask as loss mask/normaliser and the IS weights after the clip."""

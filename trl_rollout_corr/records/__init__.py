@@ -36,10 +36,10 @@ the rows it holds to ``open-window/checkpoint-<k>.rank-<r>.parquet`` (removed on
 resume at k the windows logged after k (the interrupted run's steps after the checkpoint, trained again now) are
 moved to ``superseded/resume-at-<k>/`` (never deleted; ``resume.rank-<r>.json`` counts the rows), the rows of the
 window open at k are taken back (from that open-window file, or the interrupted run's later file of the window), and
-window, micro-batch and generation batch numbers continue after the kept ones, so the dump is the uninterrupted
-run's and no step is in it twice; where those rows are in no file the resume is refused, naming the fix. A run from
-step 0 into a folder with a dump, or a different run's settings, is refused. ``docs/how-to/rollout-records.md``,
-"Resuming from a checkpoint".
+window, micro-batch and generation batch numbers continue from the checkpoint's counts (``load_state_dict``; else
+after the kept rows), so the dump is the uninterrupted run's and no step is in it twice; where those rows are in no
+file the resume is refused, naming the fix. A run from step 0 into a folder with a dump, or a different run's
+settings, is refused. ``docs/how-to/rollout-records.md``, "Resuming from a checkpoint".
 
 Reading validates everything (schema version, Parquet integrity, column types, per-token lengths) before
 any result is produced. Needs ``pyarrow`` (installed with ``datasets``: the ``trl`` extra).

@@ -8,11 +8,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
+from .files import _free_name, _rank_files, _write_new
 from .metadata import _json_safe
 from .reader import _read_json
 from .routes import ROUTES_FIELD_META, pack_routes, routes_encoding, routes_layout
@@ -35,11 +36,6 @@ from .schema import (
     arrow_type,
     termination_of,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-
-    pass
-
 
 
 # ---------------------------------------------------------------------------------------------- the writer
@@ -182,6 +178,7 @@ class RolloutRecordWriter:
         self._begun = False  # the first trained step decides: 0 a new dump, k > 0 a resumed run's continuation
         self._batch_offset = 0  # resumed: generation batches numbered after the kept ones
         self._resumed_at: Optional[int] = None
+        self._restored: Optional[dict] = None  # the counts of the checkpoint resumed from (load_state_dict)
         (self.dump_dir / STEPS_DIR).mkdir(parents=True, exist_ok=True)
         self._batches: list = []
         self._routes_layout: Optional[dict] = None  # routes_packed's layout (the first batch with routes)
@@ -254,8 +251,9 @@ class RolloutRecordWriter:
         "Resuming"): the windows logged after ``k`` and this rank's step files and open-window files after ``k`` move
         to ``superseded/resume-at-<k>/``; the rows of the window still open at ``k`` (steps ``previous + 1..k``,
         trained before the checkpoint) are taken back into the buffer from the first file of the interrupted run
-        that holds them (``open-window/checkpoint-<k>``, else the later step or open-window file); the window, row
-        and micro-batch counts continue after the kept ones. What moved and what was taken back is counted in
+        that holds them (``open-window/checkpoint-<k>``, else the later step or open-window file); the window, batch
+        and micro-batch counts continue from the checkpoint's (``load_state_dict``), else after the kept rows
+        (``_dump_counts``). What moved and what was taken back is counted in
         ``resume.rank-<r>.json`` there.
 
         Raises:
@@ -281,6 +279,8 @@ class RolloutRecordWriter:
             else:
                 later.append(line)
         self._windows = sum(1 for line in keep if line.strip())
+        if self._restored is not None:  # the counts at the checkpoint (load_state_dict), else from the dump
+            self._windows = int(self._restored["windows"])
         kept_files, later_files = _rank_files(self.dump_dir / STEPS_DIR, _STEP_FILE, self.rank, k)
         open_files = _rank_files(self.dump_dir / OPEN_WINDOW_DIR, _OPEN_WINDOW_FILE, self.rank, k - 1)[1]
         # the open window's rows (step column previous..k-1): the open-window file of checkpoint k, else the first
@@ -302,21 +302,16 @@ class RolloutRecordWriter:
                 "the interrupted run stopped before writing them. Resume from a checkpoint at a logged step "
                 "(save_steps a multiple of logging_steps), or continue into a new rollout_dump_dir."
             )
-        kept_batches, kept_micro = [], []
-        for _, path in kept_files:
-            columns = pq.read_table(path, columns=["generation_batch", "micro_step"])
-            kept_batches.extend(columns.column("generation_batch").to_pylist())
-            kept_micro.extend(columns.column("micro_step").to_pylist())
         report = {"resumed_at_step": k, "open_window_first_step": previous + 1, "restored_rows": 0,
                   "restored_from": None, "superseded_rows": 0, "moved": []}
         if restored is not None and restored.num_rows:
             self._batches = restored.to_batches()
             self._routes_layout = routes_layout(restored)
-            kept_batches.extend(restored.column("generation_batch").to_pylist())
-            kept_micro.extend(restored.column("micro_step").to_pylist())
             report["restored_rows"] = restored.num_rows
-        self._batch_offset = max((b for b in kept_batches if b is not None), default=-1) + 1
-        self._micro_step = max((m for m in kept_micro if m is not None), default=-1) + 1
+        if self._restored is not None:
+            self._batch_offset, self._micro_step = (int(self._restored[n]) for n in ("batch_offset", "micro_step"))
+        else:
+            self._batch_offset, self._micro_step = _dump_counts(kept_files, restored)
         last_written = max((step for step, _ in later_files), default=0)
         for folder, files in (("", later_files), (OPEN_WINDOW_DIR, [f for f in open_files if f[0] > k])):
             for step, path in files:  # trained again by this run: the interrupted run's rows move aside
@@ -349,6 +344,22 @@ class RolloutRecordWriter:
             os.replace(tmp, logs)
 
     # ------------------------------------------------------------------ every checkpoint
+    def state_dict(self) -> dict:
+        """This rank's counts at a checkpoint (``RolloutRecords.state_dict``): windows closed, micro-batches
+        recorded, the generation-batch offset, bytes / rows written and the writer's seconds. A run resumed from it
+        continues them (``load_state_dict``) instead of recounting the dump's kept files (``_continue_at``), which
+        miss what ``rollout_dump_every`` did not keep."""
+        return {"windows": self._windows, "micro_step": self._micro_step, "batch_offset": self._batch_offset,
+                "bytes_written": self.bytes_written, "rows_written": self.rows_written, "seconds": self.seconds,
+                "cpu_seconds": self.cpu_seconds}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue ``state_dict()``'s counts: the totals at once, the window, micro-batch and generation-batch
+        counts when the dump continues (``_continue_at``, at the resumed run's first trained step)."""
+        self._restored = dict(state)
+        self.bytes_written, self.rows_written = int(state["bytes_written"]), int(state["rows_written"])
+        self.seconds, self.cpu_seconds = float(state["seconds"]), float(state["cpu_seconds"])
+
     def save_open_window(self, step: int) -> Optional[Path]:
         """At checkpoint ``step`` (the Trainer saved ``checkpoint-<step>``; called on every rank): write this rank's
         rows buffered since the last logged step (a window still open: ``save_steps`` not a multiple of
@@ -547,15 +558,17 @@ class RolloutRecordWriter:
         return path
 
 
-def _rank_files(folder: Path, pattern, rank: int, k: int) -> tuple[list, list]:
-    """``rank``'s files in ``folder`` whose names match ``pattern`` (step number, rank), as sorted (step, path) lists:
-    those at or before step ``k`` and those after it."""
-    at_or_before, after = [], []
-    for p in sorted(folder.iterdir()) if folder.is_dir() else ():
-        match = pattern.match(p.name)
-        if match and int(match.group(2)) == rank:
-            (at_or_before if int(match.group(1)) <= k else after).append((int(match.group(1)), p))
-    return at_or_before, after
+def _dump_counts(kept_files: list, restored) -> tuple[int, int]:
+    """(generation-batch offset, micro-step) after the rows of the kept step files ``kept_files`` ((step, path)) and
+    the open window's ``restored`` table: each one past the largest in them (what a writer without the checkpoint's
+    counts continues from)."""
+    import pyarrow.parquet as pq
+
+    tables = [pq.read_table(path, columns=["generation_batch", "micro_step"]) for _, path in kept_files]
+    tables += [restored] if restored is not None and restored.num_rows else []
+    batches = [b for t in tables for b in t.column("generation_batch").to_pylist() if b is not None]
+    micro = [m for t in tables for m in t.column("micro_step").to_pylist() if m is not None]
+    return max(batches, default=-1) + 1, max(micro, default=-1) + 1
 
 
 def _column_order(columns: Mapping[str, Any]) -> list[str]:
@@ -601,21 +614,3 @@ def _first_difference(a: Any, b: Any, where: str = "") -> str:
             if a.get(key) != b.get(key):
                 return _first_difference(a.get(key), b.get(key), f"{where}.{key}" if where else str(key))
     return f"{where + ': ' if where else ''}stored {a!r}, this run {b!r}"
-
-
-def _free_name(path: Path) -> Path:
-    """``path``, or ``path.1``, ``path.2``, ... where it exists (a second resume at the same step)."""
-    n, out = 0, path
-    while out.exists():
-        n += 1
-        out = path.with_name(f"{path.name}.{n}")
-    return out
-
-
-def _write_new(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file; refuse to replace an existing file."""
-    if path.exists():
-        raise RecordsError(f"{path} already exists; records are never overwritten. Choose another rollout_dump_dir.")
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

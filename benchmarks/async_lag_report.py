@@ -1,0 +1,152 @@
+"""The asynchronous-depth grid's report (issue 47; ``benchmarks/async_lag_grid.py``): the calibration per candidate
+with its rule, then per arm the mean against the start and against on-policy, and every arm paired by seed against
+plain TRL at the same depth, each with its 95 % Student-t interval over seeds (n - 1 df; "not established" where the
+interval spans zero). Written into benchmarks/RESULTS.md between its own markers (``results_md.replace_section``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import async_lag_grid as g
+import policy_lag_stats as stats
+from results_md import replace_section
+
+BEGIN = "<!-- BEGIN async_lag_grid.py output -->"
+END = "<!-- END async_lag_grid.py output -->"
+
+
+def established(iv: stats.Interval) -> str:
+    """``established`` when the 95 % interval lies clear of zero, ``not established`` when it spans zero, and
+    ``n = 1: no interval`` for one seed."""
+    if iv.n < 2 or math.isnan(iv.lo):
+        return "n = 1: no interval"
+    return "established" if iv.lo > 0 or iv.hi < 0 else "not established"
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> list[float]:
+    """a - b over the seeds both have ({seed: accuracy}), in seed order."""
+    return [a[s] - b[s] for s in sorted(a) if s in b]
+
+
+def arm_rows(finals: dict[tuple[str, int], dict[int, float]], start: float,
+             on_policy: tuple[str, int] = ("trl", 0)) -> list[str]:
+    """One table row per arm ((method, d) -> {seed: final accuracy}): seeds, mean final %, minus ``start`` over seeds
+    [95 % CI], p, and minus the on-policy arm paired by seed [95 % CI] (n seeds). Points are percentage points."""
+    rows = []
+    ref = finals.get(on_policy, {})
+    for (method, d), by_seed in sorted(finals.items(), key=lambda x: (x[0][1], x[0][0])):
+        accs = [by_seed[s] for s in sorted(by_seed)]
+        vs_start = stats.fmt_interval(stats.t_interval([a - start for a in accs]), p=True)
+        diffs = paired(by_seed, ref)
+        if (method, d) == on_policy:
+            vs_on = "—"
+        elif diffs:
+            iv = stats.t_interval(diffs)
+            vs_on = f"{stats.fmt_interval(iv)} ({len(diffs)}; {established(iv)})"
+        else:
+            vs_on = "no paired seed yet"
+        rows.append(f"| {method}_d{d} | {len(accs)} | {100 * statistics.fmean(accs):.1f} | {vs_start} | {vs_on} |")
+    return ["| arm (d = async depth, emulated) | seeds | final % mean | minus start [95 % CI], p "
+            "| minus on-policy, paired by seed [95 % CI] (seeds; verdict) |", "|---|---|---|---|---|", *rows]
+
+
+def pair_rows(finals: dict[tuple[str, int], dict[int, float]], depth: int) -> list[str]:
+    """Each arm at ``depth`` and the on-policy arm minus plain TRL at ``depth``, paired by seed: mean [95 % CI], p,
+    seeds (df), how many seeds A ended above B, and the verdict (``established``)."""
+    ref = finals.get(("trl", depth))
+    rows = []
+    for arm in sorted(a for a in finals if a != ("trl", depth) and a[1] in (0, depth)):
+        diffs = paired(finals[arm], ref or {})
+        if not diffs:
+            rows.append(f"| {arm[0]}_d{arm[1]} - trl_d{depth} | 0 | no paired seed yet | — | — |")
+            continue
+        iv = stats.t_interval(diffs)
+        rows.append(f"| {arm[0]}_d{arm[1]} - trl_d{depth} | {iv.n} ({iv.df}) | {stats.fmt_interval(iv, p=True)} "
+                    f"| {sum(x > 0 for x in diffs)}/{len(diffs)} | {established(iv)} |")
+    return ["| A - B (paired by seed) | seeds (df) | final, points [95 % CI], p | A above B | verdict |",
+            "|---|---|---|---|---|", *rows]
+
+
+def calibration_rows(results: Path, main_grid: Path = g.MAIN_GRID) -> list[str]:
+    """Per candidate, in cost order: design, committed on-policy seeds, start, on-policy mean, the gain's mean, s.e.
+    and 95 % t-interval, the rule's verdict (``async_lag_grid.calibration_verdict``) and one cell's core-hours."""
+    rows = ["| candidate | start | steps x prompts | seeds (reused) | start % | on-policy % | gain ± s.e., points "
+            "| gain [95 % CI] | >= 3 s.e.? verdict | core-h a cell |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for cand in g.CANDIDATES:
+        gains = g.on_policy_gains(cand, results, main_grid)
+        v = g.calibration_verdict(list(gains.values()), cand.max_seeds)
+        start = statistics.fmean(g.start_scores(cand, main_grid))
+        reused = [f"s{s}: {rel}" for s, rel in cand.reuse if s in gains]
+        on = f"{100 * (start + v.mean):.1f}" if v.n else "—"
+        gain = f"{100 * v.mean:+.1f} ± {100 * v.se:.1f}" if v.n > 1 else ("—" if not v.n else f"{100 * v.mean:+.1f}")
+        ci = stats.fmt_interval(v.interval) if v.interval else "—"
+        rows.append(f"| {cand.name} | {cand.start} | {cand.steps} x {cand.prompts} | {v.n}"
+                    f"{' (' + '; '.join(reused) + ')' if reused else ''} | {100 * start:.1f} | {on} | {gain} | {ci} "
+                    f"| {v.status}: {v.reason} | {cand.cell_h:.2f} |")
+    return rows
+
+
+def grid_finals(cand: g.Candidate, results: Path, depth_set: set[int], engine_kl_max: float = 0.03
+                ) -> tuple[dict[tuple[str, int], dict[int, float]], list[str]]:
+    """``cand``'s committed cells at the depths in ``depth_set``: (method, d) -> {seed: final accuracy}, leaving out
+    the cells that fail their check (``async_lag_grid.cell_problems``: the lag check recomputed from their
+    ``log.jsonl``, which must hold every step, and ``cell_meta.json``'s ``starts_at_start``, the step-0 check); those
+    are listed in the second value."""
+    finals: dict[tuple[str, int], dict[int, float]] = {}
+    failed = []
+    names = {p.name for p in (results / cand.name).glob("*_d*_s*") if (p / "eval.json").exists()}
+    names |= {f"trl_d0_s{s}" for s, _ in cand.reuse}
+    for name in sorted(names):
+        method, d, seed = g.parse_cell(name)
+        folder = g.cell_folder(cand, name, results)
+        acc = g.final_accuracy(folder)
+        if d not in depth_set or acc is None:
+            continue
+        problems = g.cell_problems(cand, name, results, engine_kl_max)  # our own cells' check (none for reused)
+        if problems:
+            failed.append(f"{name} ({'; '.join(problems[:2])})")
+            continue
+        finals.setdefault((method, d), {})[seed] = acc
+    return finals, failed
+
+
+def report(results: Path, depth: int = g.DEPTH, followup: int = 1, min_seeds: int = g.MIN_GRID_SEEDS,
+           main_grid: Path = g.MAIN_GRID) -> str:
+    """The markdown section (between ``BEGIN`` and ``END``) from the committed cells under ``results``."""
+    lines = [BEGIN, "", f"### Asynchronous depth d = {depth}, emulated (`benchmarks/async_lag_grid.py`, issue 47)", "",
+             " ".join(f"""Every cell is the policy-lag main job with the engine's weights d optimizer steps behind the
+             learner: EMULATED (`VLLMCPURollout(async_depth=d)` through the recipe's `--rollout_async_depth`: step s's
+             batch from the weights of step s - d exactly, one process, one torch thread, nothing overlapped; the
+             engine's one sampling stream), not the real pipeline. d = 0 is on-policy. Calibration first: on-policy
+             plain TRL minus the start must be at least {g.RULE_SE:g} s.e. over seeds (n >= {g.MIN_CALIBRATION_SEEDS};
+             candidates in cost order, committed cells reused where they ran the same recipe). Then the arms at
+             d = {depth} for max({min_seeds}, the calibration's) paired seeds; plain TRL and bypass at
+             d = {followup} only if plain TRL's d = {depth} lag effect is established. Mean [95 % Student-t
+             interval, n - 1 df] over seeds, in points of held-out accuracy (512 items); "not established" where
+             the interval spans zero.""".split()), "", "Calibration:", "", *calibration_rows(results, main_grid)]
+    chosen = next((c for c in g.CANDIDATES if g.verdict_of(c, results, main_grid).status == g.MEASURABLE), None)
+    shown = [c for c in g.CANDIDATES if c is chosen or any((results / c.name).glob(f"*_d{depth}_s*"))]
+    if not shown:
+        lines += ["", "No candidate is calibrated yet: the grid has not started."]
+    for cand in shown:
+        finals, failed = grid_finals(cand, results, {0, depth, followup})
+        start = statistics.fmean(g.start_scores(cand, main_grid))
+        lines += ["", f"Grid in design `{cand.name}` ({cand.start}, {cand.steps} steps x {cand.prompts} prompts; "
+                  f"start {100 * start:.1f} %):", "", *arm_rows(finals, start), "", *pair_rows(finals, depth)]
+        if failed:
+            lines += ["", "Left out (lag check failed): " + "; ".join(failed) + "."]
+        if cand is chosen:
+            n = g.grid_seeds(g.verdict_of(cand, results, main_grid), min_seeds)
+            missing = [c for c in g.grid_cells(n, depth) if not g.committed(g.cell_folder(cand, c, results))]
+            if missing:
+                lines += ["", f"Not run yet ({len(missing)} of the grid's cells): {', '.join(missing)}."]
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def write(text: str, path: Path = Path(__file__).resolve().parent / "RESULTS.md") -> None:
+    """Replace (or append) the section in ``path``."""
+    replace_section(text, BEGIN, END, path)

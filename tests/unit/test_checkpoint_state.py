@@ -1,0 +1,90 @@
+"""``checkpoint_state``: every feature's ``state_dict`` in one file per rank of each checkpoint, read back on resume;
+its refusals. On stand-in trainers (the real ones: ``tests/features/test_resume_features.py``)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from trl_rollout_corr import checkpoint_state
+from trl_rollout_corr.hooks import Feature
+
+
+class _Counter(Feature):
+    name = "counter"
+
+    def __init__(self, count=0, weights=None):
+        self.count, self.weights = count, weights
+
+    def state_dict(self):
+        return {"count": self.count, "weights": self.weights}
+
+    def load_state_dict(self, state):
+        self.count, self.weights = state["count"], state["weights"]
+
+
+class _Plain(Feature):
+    name = "plain"
+
+    def __init__(self):
+        super().__init__(None)
+
+
+def _trainer(features, step=5, rank=0, world=1):
+    return types.SimpleNamespace(rollout_corr_features=features, state=types.SimpleNamespace(global_step=step),
+                                 accelerator=types.SimpleNamespace(process_index=rank, num_processes=world))
+
+
+def test_every_feature_state_round_trips_in_one_file_per_rank(tmp_path):
+    weights = {0: {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, 3: {"w": torch.full((2, 3), 0.5)}}
+    path = checkpoint_state.save(_trainer([_Plain(), _Counter(7, weights)], rank=1, world=2), tmp_path / "ck")
+    assert path == tmp_path / "ck" / "rollout_corr_features.rank-00001.pt"
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temporary file left
+    saved = torch.load(path, weights_only=True)
+    assert {k: saved[k] for k in ("format", "global_step", "rank", "world_size", "features")} == {
+        "format": 1, "global_step": 5, "rank": 1, "world_size": 2, "features": ["plain", "counter"]}
+    assert saved["state"]["plain"] == {}
+    back = _Counter()
+    checkpoint_state.load(_trainer([_Plain(), back], rank=1, world=2), tmp_path / "ck")
+    assert back.count == 7 and sorted(back.weights) == [0, 3]
+    assert torch.equal(back.weights[0]["w"], weights[0]["w"]) and torch.equal(back.weights[3]["w"], weights[3]["w"])
+
+
+def test_a_file_of_another_step_or_world_size_is_refused_naming_the_fix(tmp_path):
+    checkpoint_state.save(_trainer([_Plain(), _Counter(1)]), tmp_path)
+    with pytest.raises(ValueError, match=r"format 1, 1 processes, step 5; this run resumes at step 6 on 1 processes"):
+        checkpoint_state.load(_trainer([_Plain(), _Counter()], step=6), tmp_path)
+    with pytest.raises(ValueError, match=r"format 1, 1 processes, step 5; this run resumes at step 5 on 2 processes"):
+        checkpoint_state.load(_trainer([_Plain(), _Counter()], world=2), tmp_path)
+
+
+def test_missing_state_starts_those_features_fresh_with_one_warning(tmp_path, caplog):
+    """No file (plain TRL's checkpoint, an older version's): every feature starts fresh; a stateful one is named in
+    the warning, a stateless one is not. Other features than the checkpoint's: the common ones are restored."""
+    caplog.set_level("WARNING", logger="trl_rollout_corr.checkpoint_state")
+    fresh = _Counter(9)
+    assert checkpoint_state.load(_trainer([_Plain(), fresh], rank=1, world=2), tmp_path) == ["plain", "counter"]
+    assert fresh.count == 9  # untouched: it starts from what __init__ gave it
+    assert len(caplog.records) == 1 and "it has no rollout_corr_features.rank-00001.pt" in caplog.text
+    assert "start fresh: ['counter']; saved state left unused: []" in caplog.text
+    caplog.clear()
+    assert checkpoint_state.load(_trainer([_Plain()]), tmp_path) == ["plain"]  # nothing stateful: no warning
+    assert not caplog.records
+
+    checkpoint_state.save(_trainer([_Plain(), _Counter(1)]), tmp_path)
+    assert checkpoint_state.load(_trainer([_Plain()]), tmp_path) == []
+    assert "start fresh: []; saved state left unused: ['counter']" in caplog.text
+    caplog.clear()
+    back = _Counter()
+    assert checkpoint_state.load(_trainer([back]), tmp_path) == []  # "plain" (stateless) dropped: no warning
+    assert back.count == 1 and not caplog.records
+
+
+def test_a_feature_without_state_refuses_state():
+    plain = _Plain()
+    assert plain.state_dict() == {}
+    plain.load_state_dict({})
+    with pytest.raises(ValueError, match=r"plain: the checkpoint holds state \['x'\] for a feature that keeps none"):
+        plain.load_state_dict({"x": 1})

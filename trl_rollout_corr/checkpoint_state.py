@@ -1,0 +1,122 @@
+"""The features' resume state in the checkpoint: every ``hooks.Feature.state_dict`` saved with each checkpoint,
+restored when training resumes from it (the one checkpoint mechanism of the features).
+
+Every rank writes ``rollout_corr_features.rank-<r>.pt`` (``torch.save``) into ``checkpoint-<global_step>`` when the
+Trainer has saved it (``on_save``): the state is per rank (the rollout records' counters, the lag split's kept weights
+or this rank's shards of them), so each rank reads back its own file. The file holds ``{"format", "global_step",
+"rank", "world_size", "features": [names in FEATURES order], "state": {name: state_dict}}``.
+
+A run resumed from a checkpoint (``RolloutCorrGRPOTrainer.train(resume_from_checkpoint=...)``, resolved as the Trainer
+resolves it: ``trl_compat.resume_checkpoint``) restores every feature's state at ``on_train_begin``: after the
+Trainer loaded the model, the optimizer and ``TrainerState``, before the first step. It refuses, naming the fix, a
+file of another world size, step or format; a checkpoint without the file (plain TRL's, an older version's) or of
+other features than the run's starts the missing features fresh, with one warning (``load``).
+
+The coupling to transformers' Trainer (the checkpoint folder, the resolution of ``resume_from_checkpoint``, the
+order of saving, loading and the callbacks) is in ``trl_compat.trainer_state``, pinned in
+``tests/trainer/test_trl_compat.py``. Hyperparameter search (a trial's own output folder) is not supported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import trl_compat
+from .hooks import Feature
+
+if TYPE_CHECKING:
+    from .trainer import RolloutCorrGRPOTrainer
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+FILE = "rollout_corr_features.rank-{rank:05d}.pt"
+# the config fields that add or remove a feature (named in the refusal of a checkpoint of other features)
+FEATURE_FIELDS = "policy_lag_split, routing_replay, skip_empty_steps, rollout_dump_dir"
+
+
+def state_file(folder: os.PathLike | str, rank: int) -> Path:
+    """This rank's feature-state file in checkpoint ``folder``."""
+    return Path(folder) / FILE.format(rank=int(rank))
+
+
+def save(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | str) -> Path:
+    """Write this rank's file of every feature's ``state_dict()`` into checkpoint ``folder`` (through a temporary
+    file). Returns its path."""
+    features = list(trainer.rollout_corr_features)
+    payload = {"format": FORMAT, "global_step": int(trainer.state.global_step),
+               "rank": int(trainer.accelerator.process_index), "world_size": int(trainer.accelerator.num_processes),
+               "features": [f.name for f in features], "state": {f.name: f.state_dict() for f in features}}
+    path = state_file(folder, payload["rank"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | str) -> list[str]:
+    """Restore every feature's state from this rank's file in checkpoint ``folder``.
+
+    A feature of this run with no saved state starts fresh (the neutral treatment of a checkpoint written by plain
+    TRL's ``GRPOTrainer``, by an older ``trl_rollout_corr``, or by a run whose config had fewer features): support
+    matching measures its kept mass again, the records recount the dump's files (``RolloutRecordWriter``), and the
+    lag split holds only the resumed weights (it refuses, naming the fix, rows of an older version it does not hold).
+    Saved state of a feature this run does not have is left unused. Both are logged in one warning.
+
+    Returns:
+        The names of this run's features that started fresh (empty when every feature was restored).
+
+    Raises:
+        ValueError: a file of another format, world size or step than the resumed ``TrainerState``'s (a file copied
+            between checkpoints or a resume on another number of processes; the message names the fix).
+    """
+    rank, world = int(trainer.accelerator.process_index), int(trainer.accelerator.num_processes)
+    path = state_file(folder, rank)
+    ours = [f.name for f in trainer.rollout_corr_features]
+    payload = torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
+    step = int(trainer.state.global_step)
+    if payload is not None and (payload.get("format") != FORMAT or payload.get("world_size") != world
+                                or payload.get("global_step") != step):
+        raise ValueError(
+            f"{path}: format {payload.get('format')}, {payload.get('world_size')} processes, step "
+            f"{payload.get('global_step')}; this run resumes at step {step} on {world} processes with format "
+            f"{FORMAT}. Resume with the checkpoint's number of processes and trl_rollout_corr version, from the "
+            "checkpoint folder the file was saved in.")
+    saved = dict(payload["state"]) if payload is not None else {}
+    fresh = [name for name in ours if name not in saved]
+    unused = [name for name, state in saved.items() if name not in ours and state]
+    stateful = [f.name for f in trainer.rollout_corr_features if type(f).state_dict is not Feature.state_dict]
+    if [name for name in fresh if name in stateful] or unused:
+        where = f"it has no {path.name}" if payload is None else f"it was saved with the features {list(saved)}"
+        logger.warning(
+            "Resuming from %s: %s. These features of this run start fresh: %s; saved state left unused: %s (the "
+            "features follow the config: %s). To continue every feature's state, resume with the checkpoint's "
+            "settings of these fields.", folder, where, [n for n in fresh if n in stateful], unused, FEATURE_FIELDS)
+    for feature in trainer.rollout_corr_features:
+        if feature.name in saved:
+            feature.load_state_dict(saved[feature.name])
+    return fresh
+
+
+def callback(trainer: "RolloutCorrGRPOTrainer"):
+    """The ``TrainerCallback`` of the mechanism: ``on_save`` writes this rank's file into the checkpoint just saved
+    (``trl_compat.checkpoint_folder``), ``on_train_begin`` restores it from ``trainer.rollout_corr_resume_from``
+    (set by ``RolloutCorrGRPOTrainer.train``; consumed)."""
+    from transformers import TrainerCallback
+
+    class FeatureState(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            save(trainer, trl_compat.checkpoint_folder(args, state.global_step))
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            folder, trainer.rollout_corr_resume_from = trainer.rollout_corr_resume_from, None
+            if folder is not None:
+                load(trainer, folder)
+
+    return FeatureState()

@@ -1,0 +1,171 @@
+"""The catalogue of the ``rollout_corr/*`` metrics: one entry per family of keys, the source of
+``docs/reference/metrics.md`` (``python -m trl_rollout_corr.docgen --write``).
+
+The keys themselves are built where they are computed (``correction/``, ``accumulator.py``, ``lag.py``,
+``support/stats.py``, ...), often from parts (an RS option, a length slice, a layer); this module declares what they
+can be. ``MetricFamily.pattern`` is the key after ``rollout_corr/`` with ``{a,b,c}`` for one of the listed words and
+``{option}`` (an RS option, ``correction.rejection.RS_OPTIONS``), ``{lo}_{hi}`` (a length slice: ``lo`` an edge,
+``hi`` the next edge or ``inf``) and ``{i}`` (a layer index) for the variable parts.
+``tests/unit/test_metric_catalog.py`` checks that every key the correction, M2PO and the golden trainer runs log
+matches exactly one family, and that every family is seen.
+
+Nothing here imports torch or TRL.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+PREFIX = "rollout_corr/"
+
+_SIDES = "{mean,std,max,min,fraction_high,fraction_low}"
+_ROW_SIDES = "{mean,std,max,min,max_deviation,fraction_high,fraction_low}"
+
+
+@dataclass(frozen=True)
+class MetricFamily:
+    """One family of ``rollout_corr/*`` keys.
+
+    Attributes:
+        pattern: the keys after ``PREFIX`` (module docstring for the placeholders).
+        family: the heading it is listed under (``docs/reference/metrics.md``).
+        meaning: what the value is, with units (Markdown).
+        source: the file that computes it.
+    """
+
+    pattern: str
+    family: str
+    meaning: str
+    source: str
+
+    @functools.cached_property
+    def regex(self) -> re.Pattern:
+        """The full-match regex of the keys after ``PREFIX``."""
+        from .correction.rejection import RS_OPTIONS
+
+        named = {"option": "(?:" + "|".join(map(re.escape, RS_OPTIONS)) + ")", "lo": r"\d+", "hi": r"(?:\d+|inf)",
+                 "i": r"\d+"}
+        parts = []
+        for literal, placeholder in re.findall(r"([^{]*)(?:\{([^}]*)\})?", self.pattern):
+            parts.append(re.escape(literal))
+            if placeholder and "," in placeholder:
+                parts.append("(?:" + "|".join(map(re.escape, placeholder.split(","))) + ")")
+            elif placeholder:
+                parts.append(named[placeholder])
+        return re.compile("".join(parts))
+
+    def matches(self, key: str) -> bool:
+        """Whether ``key`` (with or without ``PREFIX``) is one of this family's keys."""
+        return bool(self.regex.fullmatch(key.removeprefix(PREFIX)))
+
+
+def _m(pattern: str, family: str, meaning: str, source: str) -> MetricFamily:
+    return MetricFamily(pattern, family, meaning, source)
+
+
+_OFF = "Off-policy diagnostics"
+_IS = "Importance-sampling weights"
+_RS = "Rejection sampling"
+_LEN = "Length slices"
+_RATIO = "Ratio decomposition and policy lag"
+_TRAINER = "Trainer features"
+
+METRICS: tuple[MetricFamily, ...] = (
+    _m("kl", _OFF, "mean over valid tokens of `log mu - log pi_train`, nats: k1 estimate of KL(mu ‖ pi_train)",
+       "correction/diagnostics.py"),
+    _m("k3_kl", _OFF, "mean over valid tokens of `exp(x) - 1 - x`, `x = log pi_train - log mu`: non-negative, "
+       "lower-variance KL estimate, nats", "correction/diagnostics.py"),
+    _m("{training,rollout}_ppl", _OFF, "mean over rows of `exp(-mean_t log p)` under pi_train / mu",
+       "correction/diagnostics.py"),
+    _m("{training,rollout}_log_ppl", _OFF, "mean over rows of `-mean_t log p` under pi_train / mu, nats",
+       "correction/diagnostics.py"),
+    _m("log_ppl_diff", _OFF, "mean over rows of `mean_t(log mu - log pi_train)`, nats (> 0: the trainer finds the "
+       "samples less likely than the sampler did)", "correction/diagnostics.py"),
+    _m("log_ppl_abs_diff", _OFF, "mean over rows of the absolute per-row `log_ppl_diff`, nats",
+       "correction/diagnostics.py"),
+    _m("log_ppl_diff_{max,min}", _OFF, "the largest / smallest per-row `log_ppl_diff`, nats",
+       "correction/diagnostics.py"),
+    _m("ppl_ratio", _OFF, "mean over rows of `exp(log_ppl_diff_i)`: training PPL / rollout PPL",
+       "correction/diagnostics.py"),
+    _m("chi2_{token,seq}", _OFF, "`E[R²] - 1` per token / per row (R clamped at e^±20): chi-square divergence, which "
+       "drives the IS variance", "correction/diagnostics.py"),
+    _m("num_valid_{tokens,seqs}", _OFF, "counts of valid tokens / rows the correction saw (always logged)",
+       "correction/counts.py"),
+    _m("invalid_token_fraction", _OFF, "masked tokens with a NaN/inf log-prob, over masked tokens (dropped, never "
+       "trained on)", "correction/counts.py"),
+    _m("rollout_is_{mean,std}", _IS, "mean / population std over valid tokens of the applied weights W (before batch "
+       "normalisation)", "correction/weights.py"),
+    _m("rollout_is_{max,min}", _IS, "token IS: max / min of W over valid tokens; sequence IS: `exp(max/min over rows "
+       "of Σ_t l)`, the raw sequence ratio (max capped at e^20)", "correction/weights.py"),
+    _m("rollout_is_eff_sample_size", _IS, "Kish `(ΣW)² / (N ΣW²)` over valid tokens, in (0, 1]",
+       "correction/weights.py"),
+    _m("rollout_is_eff_sample_size_raw", _IS, "the same on the untruncated ratios R", "correction/weights.py"),
+    _m("rollout_is_ratio_fraction_{high,low}", _IS, "fraction of tokens (token IS) or rows (sequence IS) with R above "
+       "U / below L (L = 1/U for TIS)", "correction/weights.py"),
+    _m("rollout_is_seq_{mean,std,max,min,max_deviation}", _IS, "over rows of the row mean of W (std unbiased; "
+       "deviation: max `|x - 1|`)", "correction/weights.py"),
+    _m("rollout_is_seq_fraction_{high,low}", _IS, "rows whose mean raw ratio is above U / below L",
+       "correction/weights.py"),
+    _m("rollout_is_batch_norm_factor", _IS, "the mean of W the weights were divided by (`rollout_is_batch_normalize`)",
+       "correction/weights.py"),
+    _m("rollout_is_oob_ratio", _IS, "fraction of valid tokens whose R is outside the IcePop band (IcePop only)",
+       "correction/weights.py"),
+    _m("rollout_rs_{option}_" + _SIDES, _RS, "one RS option's statistic over valid tokens (sequence options: "
+       "token-weighted); k1's `fraction_high` counts ratios below L", "correction/rejection.py"),
+    _m("rollout_rs_{option}_seq_" + _ROW_SIDES, _RS, "the option's per-row value (token options: the row mean) "
+       "over rows", "correction/rejection.py"),
+    _m("rollout_rs_{option}_{masked_fraction,seq_masked_fraction}", _RS, "tokens / rows this option rejects on its "
+       "own", "correction/rejection.py"),
+    _m("rollout_rs_{masked_fraction,seq_masked_fraction}", _RS, "tokens / rows rejected by all options together",
+       "correction/rejection.py"),
+    _m("rollout_rs_engine_{option}_" + _SIDES, _RS, "as `rollout_rs_{option}_*`, judged on the engine factor "
+       "pi_train@v / mu (`rollout_rs_on: engine`)", "correction/rejection.py"),
+    _m("rollout_rs_engine_{option}_seq_" + _ROW_SIDES, _RS, "as `rollout_rs_{option}_seq_*`, on the engine factor",
+       "correction/rejection.py"),
+    _m("rollout_rs_engine_{option}_{masked_fraction,seq_masked_fraction}", _RS, "as "
+       "`rollout_rs_{option}_masked_fraction` / `_seq_masked_fraction`, on the engine factor",
+       "correction/rejection.py"),
+    _m("rollout_rs_engine_{masked_fraction,seq_masked_fraction}", _RS, "tokens / rows rejected on the engine factor "
+       "by all options together", "correction/rejection.py"),
+    _m("m2po_second_moment_{before,after}", _RS, "M2PO: mean `l²` over the step's trained tokens before / after its "
+       "mask, nats²", "correction/m2po.py"),
+    _m("m2po_masked_fraction", _RS, "M2PO: tokens it masks, over the step's valid tokens", "correction/m2po.py"),
+    _m("m2po_masked_tokens", _RS, "M2PO: the count of tokens it masks", "correction/m2po.py"),
+    _m("len_{lo}_{hi}/{kl,k3_kl}", _LEN, "`kl` / `k3_kl` over the rows whose valid-token count is in `[lo, hi)`",
+       "correction/diagnostics.py"),
+    _m("len_{lo}_{hi}/num_seqs", _LEN, "rows in the slice", "correction/diagnostics.py"),
+    _m("len_{lo}_{hi}/{rs_masked_fraction,rs_engine_masked_fraction}", _LEN, "tokens of the slice that RS rejects "
+       "(`rs_engine_`: judged on the engine factor)", "correction/rejection.py"),
+    _m("len_{lo}_{hi}/is_eff_sample_size", _LEN, "`rollout_is_eff_sample_size` over the slice",
+       "correction/weights.py"),
+    _m("{engine,update,lag,direct}_ratio_{mean,p01,p50,p99,max}", _RATIO, "order statistics over the logged "
+       "window's trained tokens of pi_old / mu (engine; with `policy_lag_split`: pi_train@v / mu), pi_theta / pi_old "
+       "(update), pi_old / pi_train@v (lag, `policy_lag_split` only) and pi_theta / mu (direct; bypass: direct "
+       "only)", "accumulator.py"),
+    _m("policy_lag_{mean,max}", _RATIO, "optimizer steps between a row's generation and its use, over rows",
+       "lag.py"),
+    _m("policy_lag_token_mean", _RATIO, "the same, weighted by the rows' completion tokens", "lag.py"),
+    _m("policy_lag_fraction_{0,1,2_3,4_7,8_plus}", _RATIO, "rows whose lag is in the bucket, over rows", "lag.py"),
+    _m("policy_lag_dropped_{fraction,token_fraction}", _RATIO, "rows / tokens `max_policy_lag` drops", "lag.py"),
+    _m("support_log_mass_mean", _TRAINER, "mean log of the probability mass the engine's support keeps, nats "
+       "(`rollout_support_matching`)", "support/stats.py"),
+    _m("support_size_{mean,p50,p99}", _TRAINER, "kept-set sizes (tokens) of the recomputed support",
+       "support/stats.py"),
+    _m("support_{singleton_fraction,miss_fraction}", _TRAINER, "one-token supports / sampled tokens outside the "
+       "recomputed support, over scored tokens", "support/stats.py"),
+    _m("rs_lone_survivor_fraction", _TRAINER, "rows RS kept while rejecting every other row of their group, over "
+       "rows (their advantage is 0)", "trl_compat/advantages.py"),
+    _m("routing_mismatch_fraction", _TRAINER, "MoE selections where the trainer's own top-k differs from the "
+       "replayed route (`routing_replay: r3`)", "routing.py"),
+    _m("routing_mismatch_fraction/layer_{i}", _TRAINER, "the same for MoE layer `i`", "routing.py"),
+    _m("routing_token_mismatch_fraction", _TRAINER, "tokens with at least one differing selection", "routing.py"),
+    _m("skipped_step_fraction", _TRAINER, "1 on an optimizer step `skip_empty_steps` skipped, else 0",
+       "features/empty_steps.py"),
+)
+
+
+def family_of(key: str) -> list[MetricFamily]:
+    """The families ``key`` (with or without ``PREFIX``) belongs to (one for a catalogued key, none otherwise)."""
+    return [m for m in METRICS if m.matches(key)]
