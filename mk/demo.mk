@@ -52,7 +52,7 @@ demo-model: demo-install
 	@echo ">>> [model] $(SMOLLM2_DIR)"
 	$(VLLM_PY) recipes/convert_smollm2.py --output $(SMOLLM2_DIR)
 
-## The main job: real GRPO + rollout correction with real vLLM CPU rollouts (about 10 min on 2 cores).
+## The main job: real GRPO + rollout correction with real vLLM CPU rollouts (23-24 min on a shared 2-core machine).
 demo: demo-model
 	@echo ">>> [demo] $(DEMO_CONFIG) -> $(DEMO_OUT)"
 	$(VLLM_PY) recipes/grpo_rollout_corr.py --config $(DEMO_CONFIG) --model_name_or_path $(SMOLLM2_DIR) --output_dir $(DEMO_OUT) $(DEMO_ARGS)

@@ -75,8 +75,8 @@ class ScriptArguments:
     instruction: str = ru.DEFAULT_INSTRUCTION
     rollout_engine: str = field(
         default="vllm_cpu",
-        metadata={"help": "vllm_cpu (in-process vLLM CPU via rollout_func), trl_vllm (TRL's use_vllm path, GPU), "
-                  "transformers (TRL's generate path)."},
+        metadata={"help": "vllm_cpu (in-process vLLM CPU via rollout_func), trl_vllm (TRL's use_vllm path: colocate "
+                  "or server, vLLM CPU or GPU), transformers (TRL's generate path)."},
     )
     rollout_dtype: str = field(
         default="bfloat16",

@@ -179,7 +179,7 @@ def metrics_page() -> str:
     for m in METRICS:
         if m.family != family:
             family = m.family
-            lines += [f"## {family}", ""]
+            lines += [*([""] if lines[-1] else []), f"## {family}", ""]  # a blank line after the previous list
         lines += [*_wrap(f"`{m.pattern}`: {m.meaning} ({m.source})", "* ", "  ")]
     return "\n".join(lines).rstrip() + "\n"
 
