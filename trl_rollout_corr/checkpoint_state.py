@@ -68,65 +68,68 @@ def load(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | str) -> list[s
     TRL's ``GRPOTrainer``, by an older ``trl_rollout_corr``, or by a run whose config had fewer features): support
     matching measures its kept mass again, the records recount the dump's files (``RolloutRecordWriter``), and the
     lag split holds only the resumed weights (it refuses, naming the fix, rows of an older version it does not hold).
-    Saved state of a feature this run does not have is left unused. Both are logged in one warning.
+    Saved state of a feature this run does not have is left unused. Every feature starts fresh on every rank when
+    the checkpoint's state is per rank of another layout: saved by another number of processes (as plain TRL resumes
+    there), or holding the files of some ranks only (copied from some nodes of a run without a shared filesystem).
+    The decision is the same on every rank (one all-reduce before anything can raise), so no rank restores while
+    another starts fresh (their features' collectives would then differ: a hang). One warning says what started
+    fresh and why.
 
     Returns:
         The names of this run's features that started fresh (empty when every feature was restored).
 
     Raises:
-        ValueError: a file of another format, world size or step than the resumed ``TrainerState``'s (a file copied
-            between checkpoints or a resume on another number of processes; the message names the fix); on every
-            rank, a checkpoint holding the files of some ranks only (``_same_on_every_rank``).
+        ValueError: on every rank, when some rank's file is of another format or step than the resumed
+            ``TrainerState``'s (a file copied between checkpoints or versions; the message names the fix).
     """
     rank, world = int(trainer.accelerator.process_index), int(trainer.accelerator.num_processes)
     path = state_file(folder, rank)
     ours = [f.name for f in trainer.rollout_corr_features]
-    _same_on_every_rank(trainer, folder, path.is_file())
     payload = torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else None
     step = int(trainer.state.global_step)
-    if payload is not None and (payload.get("format") != FORMAT or payload.get("world_size") != world
-                                or payload.get("global_step") != step):
+    wrong = payload is not None and (payload.get("format") != FORMAT or payload.get("global_step") != step)
+    with_file, any_wrong = _on_every_rank(trainer, payload is not None, wrong)
+    if any_wrong:
         raise ValueError(
-            f"{path}: format {payload.get('format')}, {payload.get('world_size')} processes, step "
-            f"{payload.get('global_step')}; this run resumes at step {step} on {world} processes with format "
-            f"{FORMAT}. Resume with the checkpoint's number of processes and trl_rollout_corr version, from the "
-            "checkpoint folder the file was saved in.")
-    saved = dict(payload["state"]) if payload is not None else {}
+            f"{folder}: a feature-state file ({FILE.replace('{rank:05d}', '<r>')}) of another format or step than "
+            f"this run resumes at (step {step}, format {FORMAT}): a file copied between checkpoints or from another "
+            "trl_rollout_corr version. Resume from the checkpoint folder the files were saved in, with the version "
+            "that saved them, or delete the files to start the features fresh.")
+    reason = None
+    if with_file == 0:
+        reason = f"it has no {path.name}"
+    elif with_file < world:
+        reason = f"{with_file} of {world} processes have their {FILE.replace('{rank:05d}', '<r>')}"
+    elif payload.get("world_size") != world:
+        reason = f"its feature state was saved by {payload.get('world_size')} processes, this run has {world}"
+    saved = dict(payload["state"]) if payload is not None and reason is None else {}
     fresh = [name for name in ours if name not in saved]
     unused = [name for name, state in saved.items() if name not in ours and state]
     stateful = [f.name for f in trainer.rollout_corr_features if type(f).state_dict is not Feature.state_dict]
     if [name for name in fresh if name in stateful] or unused:
-        where = f"it has no {path.name}" if payload is None else f"it was saved with the features {list(saved)}"
+        where = reason or f"it was saved with the features {list(saved)}"
         logger.warning(
             "Resuming from %s: %s. These features of this run start fresh: %s; saved state left unused: %s (the "
-            "features follow the config: %s). To continue every feature's state, resume with the checkpoint's "
-            "settings of these fields.", folder, where, [n for n in fresh if n in stateful], unused, FEATURE_FIELDS)
+            "features follow the config: %s). To continue every feature's state, resume on the checkpoint's number "
+            "of processes with the checkpoint's settings of these fields.", folder, where,
+            [n for n in fresh if n in stateful], unused, FEATURE_FIELDS)
     for feature in trainer.rollout_corr_features:
         if feature.name in saved:
             feature.load_state_dict(saved[feature.name])
     return fresh
 
 
-def _same_on_every_rank(trainer: "RolloutCorrGRPOTrainer", folder, has_file: bool) -> None:
-    """Refuse, on every rank, a checkpoint in which some ranks find their file and others do not (one sum
-    all-reduce, before anything else can raise): those ranks would restore their features' state and the others
-    start fresh, after which the features' collectives differ across ranks (the lag split's held versions, support
-    matching's one-time measurement) and training hangs. One process, or no ``rollout_corr_reducers``: nothing.
-
-    Raises:
-        ValueError: ``0 < ranks with their file < world size``, naming the fix.
-    """
+def _on_every_rank(trainer: "RolloutCorrGRPOTrainer", has_file: bool, wrong: bool) -> tuple[int, bool]:
+    """(ranks holding their file, whether any rank's file is of another format or step): one sum all-reduce
+    (``rollout_corr_reducers``), so every rank decides alike; one process (or no reducers): every rank taken to be
+    like this one."""
     reducers = getattr(trainer, "rollout_corr_reducers", None)
     if reducers is None or reducers.world_size <= 1:
-        return
-    flag = torch.tensor([int(has_file)], dtype=torch.long, device=getattr(trainer.accelerator, "device", None))
-    count, world = int(reducers.sum(flag)[0]), int(reducers.world_size)
-    if 0 < count < world:
-        raise ValueError(
-            f"{folder}: {count} of {world} processes have their {FILE.replace('{rank:05d}', '<r>')}: the checkpoint "
-            "holds the feature state of some ranks only (saved by a run on fewer processes, or copied from some "
-            "nodes of a run without a shared filesystem). Resume on the checkpoint's number of processes with "
-            "every rank's file in it.")
+        return int(trainer.accelerator.num_processes) if has_file else 0, bool(wrong)
+    flags = torch.tensor([int(has_file), int(wrong)], dtype=torch.long,
+                         device=getattr(trainer.accelerator, "device", None))
+    total = reducers.sum(flags).cpu()
+    return int(total[0]), bool(total[1])
 
 
 def callback(trainer: "RolloutCorrGRPOTrainer"):

@@ -52,12 +52,16 @@ def test_every_feature_state_round_trips_in_one_file_per_rank(tmp_path):
     assert torch.equal(back.weights[0]["w"], weights[0]["w"]) and torch.equal(back.weights[3]["w"], weights[3]["w"])
 
 
-def test_a_file_of_another_step_or_world_size_is_refused_naming_the_fix(tmp_path):
+def test_a_file_of_another_step_is_refused_and_another_world_size_starts_fresh(tmp_path, caplog):
     checkpoint_state.save(_trainer([_Plain(), _Counter(1)]), tmp_path)
-    with pytest.raises(ValueError, match=r"format 1, 1 processes, step 5; this run resumes at step 6 on 1 processes"):
+    with pytest.raises(ValueError, match=r"of another format or step than this run resumes at \(step 6, format 1\)"):
         checkpoint_state.load(_trainer([_Plain(), _Counter()], step=6), tmp_path)
-    with pytest.raises(ValueError, match=r"format 1, 1 processes, step 5; this run resumes at step 5 on 2 processes"):
-        checkpoint_state.load(_trainer([_Plain(), _Counter()], world=2), tmp_path)
+    caplog.set_level("WARNING", logger="trl_rollout_corr.checkpoint_state")
+    back = _Counter(3)  # saved by 1 process, resumed on 2: every feature starts fresh (plain TRL resumes there too)
+    trainer = _trainer([_Plain(), back])
+    trainer.accelerator.num_processes = 2
+    assert checkpoint_state.load(trainer, tmp_path) == ["plain", "counter"] and back.count == 3
+    assert "its feature state was saved by 1 processes, this run has 2" in caplog.text
 
 
 def test_missing_state_starts_those_features_fresh_with_one_warning(tmp_path, caplog):
@@ -90,23 +94,25 @@ def test_a_feature_without_state_refuses_state():
         plain.load_state_dict({"x": 1})
 
 
-def test_a_checkpoint_with_the_files_of_some_ranks_only_is_refused_on_every_rank(tmp_path):
-    """A checkpoint holding rank 0's file but not rank 1's (e.g. copied from one node of a run without a shared
-    filesystem): rank 0 would restore, rank 1 start fresh, and the features' collectives would then differ across
-    ranks (the split's held versions, support matching's one-time measurement: a hang). Both ranks refuse at once."""
+def test_a_checkpoint_with_the_files_of_some_ranks_only_starts_fresh_on_every_rank(tmp_path):
+    """A checkpoint holding rank 0's file but not rank 1's (saved on 1 process, or copied from one node of a run
+    without a shared filesystem): if rank 0 restored and rank 1 started fresh, the features' collectives would differ
+    across ranks (the split's held versions, support matching's one-time measurement: a hang). Both start fresh; a
+    file of another step on one rank only is refused on both."""
     from thread_ranks import run_ranks
 
     checkpoint_state.save(_trainer([_Plain(), _Counter(4)], rank=0, world=2), tmp_path)
 
-    def resume(rank, reducers):
-        trainer = _trainer([_Plain(), _Counter()], rank=rank, world=2)
+    def resume(rank, reducers, step=5):
+        counter = _Counter(-1)
+        trainer = _trainer([_Plain(), counter], rank=rank, world=2, step=step)
         trainer.rollout_corr_reducers = reducers
         try:
-            checkpoint_state.load(trainer, tmp_path)
+            return checkpoint_state.load(trainer, tmp_path), counter.count
         except ValueError as e:
             return str(e)
-        return "resumed"
 
+    assert run_ranks(2, resume) == [(["plain", "counter"], -1), (["plain", "counter"], -1)]
+    checkpoint_state.save(_trainer([_Plain(), _Counter(4)], rank=1, world=2, step=4), tmp_path)  # rank 1: step 4
     messages = run_ranks(2, resume)
-    assert messages[0] == messages[1] and messages[0].startswith(
-        f"{tmp_path}: 1 of 2 processes have their rollout_corr_features.rank-<r>.pt")
+    assert messages[0] == messages[1] and "of another format or step than this run resumes at (step 5" in messages[0]
