@@ -400,3 +400,25 @@ def test_close_never_writes_into_a_request_still_being_written(tmp_path):
     assert process.returncode == -signal.SIGKILL
     writer.join(10)
     assert not writer.is_alive() and len(failed) == 1  # its write failed once the socket closed
+
+
+def test_a_write_cut_by_close_is_an_engine_error(tmp_path, monkeypatch):
+    """``close`` closes the socket; a write still looping in ``Connection._send`` then calls ``write(None, ...)``:
+    a TypeError (seen under load: the writer's partial write returned after the child was killed). The caller gets
+    the EngineError of a stopping pipeline, not a TypeError; while the engine is open a TypeError stays one."""
+    from trl_rollout_corr.engines import async_pipeline
+    from trl_rollout_corr.engines.async_pipeline import EngineError, TransformersProcessEngine
+
+    engine = TransformersProcessEngine(str(tmp_path), temperature=1.0, max_tokens=4, eos_token_ids=[0],
+                                       log_path=str(tmp_path / "engine.log"))
+
+    def cut(conn, obj):
+        raise TypeError("'NoneType' object cannot be interpreted as an integer")
+
+    monkeypatch.setattr(async_pipeline, "_send", cut)
+    engine.process = object()  # open: the TypeError is a bug, re-raised as is
+    with pytest.raises(TypeError):
+        engine._call(("load", 1, {}), "load of version 1")
+    engine.process = None  # closed (close() sets it first)
+    with pytest.raises(EngineError, match=r"was closed \(the pipeline is stopping\) during its load of version 1"):
+        engine._call(("load", 1, {}), "load of version 1")

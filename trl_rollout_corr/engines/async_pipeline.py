@@ -250,6 +250,11 @@ class TransformersProcessEngine:
         except OSError as err:
             raise EngineError(f"the rollout engine (pid {self.pid}) {self._gone()} before its {what}.\n"
                               f"{self.log_tail()}") from err
+        except (TypeError, ValueError) as err:  # ``close`` closed the socket under a write (its handle is None)
+            if self.process is not None:
+                raise
+            raise EngineError(f"the rollout engine (pid {self.pid}) was closed (the pipeline is stopping) during "
+                              f"its {what}.") from err
         return self._answer(what)
 
     def _gone(self) -> str:
@@ -318,6 +323,8 @@ class TransformersProcessEngine:
                 break
             except subprocess.TimeoutExpired:
                 continue
+        if not polite and self._sending.acquire(timeout=grace_s):  # a write blocked in the socket fails now that
+            self._sending.release()  # the child is gone (EPIPE): let it, before its socket is closed under it
         self._conn.close()
 
 
