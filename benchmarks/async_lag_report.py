@@ -89,6 +89,34 @@ def calibration_rows(results: Path, main_grid: Path = g.MAIN_GRID) -> list[str]:
     return rows
 
 
+def calibration_left_out(results: Path, main_grid: Path = g.MAIN_GRID) -> list[str]:
+    """Per candidate with on-policy cells left out (``cell_problems``): each with its final accuracy and why, and the
+    gain with them counted ("both ways": leaving out a seed that failed a check can select the seeds that learned).
+    Empty when none is left out."""
+    out = []
+    for cand in g.CANDIDATES:
+        start = statistics.fmean(g.start_scores(cand, main_grid))
+        every, left = {}, []
+        for seed in sorted(g.on_policy_seeds(cand, results)):
+            name = f"trl_d0_s{seed}"
+            acc = g.final_accuracy(g.cell_folder(cand, name, results))
+            if acc is None:
+                continue
+            every[seed] = acc - start
+            problems = g.cell_problems(cand, name, results)
+            if problems:
+                more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+                left.append(f"`{name}` {100 * acc:.1f} % ({problems[0]}{more})")
+        if not left:
+            continue
+        v = g.calibration_verdict(list(every.values()), cand.max_seeds)
+        gain = (f"{stats.fmt_interval(v.interval)} points (95 % CI; s.e. {100 * v.se:.1f})" if v.interval
+                else f"{100 * v.mean:+.1f} points")
+        out.append(f"* {cand.name}: left out of the table above: {', '.join(left)}. Counted, the gain over "
+                   f"{v.n} seeds is {gain}: {v.status} ({v.reason}).")
+    return out
+
+
 def grid_finals(cand: g.Candidate, results: Path, depth_set: set[int], engine_kl_max: float = 0.03
                 ) -> tuple[dict[tuple[str, int], dict[int, float]], list[str]]:
     """``cand``'s committed cells at the depths in ``depth_set``: (method, d) -> {seed: final accuracy}, leaving out
@@ -127,6 +155,10 @@ def report(results: Path, depth: int = g.DEPTH, followup: int = 1, min_seeds: in
              d = {followup} only if plain TRL's d = {depth} lag effect is established. Mean [95 % Student-t
              interval, n - 1 df] over seeds, in points of held-out accuracy (512 items); "not established" where
              the interval spans zero.""".split()), "", "Calibration:", "", *calibration_rows(results, main_grid)]
+    left_out = calibration_left_out(results, main_grid)
+    if left_out:
+        lines += ["", "On-policy cells left out (a failed check), and the calibration with them counted:", "",
+                  *left_out]
     chosen = next((c for c in g.CANDIDATES if g.verdict_of(c, results, main_grid).status == g.MEASURABLE), None)
     shown = [c for c in g.CANDIDATES if c is chosen or any((results / c.name).glob(f"*_d{depth}_s*"))]
     if not shown:

@@ -209,3 +209,23 @@ def test_calibration_leaves_out_the_cells_the_report_leaves_out(g, rep, tmp_path
     finals, failed = rep.grid_finals(cand, res, {0, 2})
     assert finals == {("trl", 0): {1: 0.75, 2: 0.70}} and failed[0].startswith("trl_d0_s3 (step 1: lag 0 but k3_kl")
     assert g.passing_accuracy(cand, "trl_d0_s3", res) is None and g.passing_accuracy(cand, "trl_d0_s2", res) == 0.70
+
+
+def test_the_report_shows_the_calibration_both_ways(g, rep, tmp_path, monkeypatch):
+    """A failed on-policy cell is left out of the calibration table but listed with its accuracy and reason, and the
+    gain is shown with it counted (leaving out a seed that failed can select the seeds that learned)."""
+    monkeypatch.setattr(g, "RESULTS", tmp_path)
+    main = tmp_path / "policy_lag"
+    _cell(main / "warmstart", 0.75, [1, 1, 1, 0], depth=0)
+    (main / "warmstart" / "eval.json").write_text(json.dumps({"before": {"accuracy": 0.25, "scores": [1, 0, 0, 0]},
+                                                              "after": {"accuracy": 0.75, "scores": [1, 1, 1, 0]}}))
+    cand, res = g.candidate("base_16x4"), tmp_path / "async_lag"
+    _cell(res / cand.name / "trl_d0_s1", 0.45, [1, 1, 0, 0], depth=0)
+    _cell(res / cand.name / "trl_d0_s2", 0.55, [1, 1, 0, 0], depth=0)
+    _cell(res / cand.name / "trl_d0_s3", 0.15, [1, 0, 0, 0], depth=0, kl=0.05)
+    assert rep.calibration_left_out(res, main_grid=main) == [
+        # gains 0.20, 0.30, -0.10: mean 0.1333, sd 0.2082, s.e. 0.1202, t(2) 4.303: +-51.7; (3 sd / mean)^2 = 22
+        "* base_16x4: left out of the table above: `trl_d0_s3` 15.0 % (step 1: lag 0 but k3_kl 0.05 (bound 0.03) and "
+        "15 more). Counted, the gain over 3 seeds is +13.3 [-38.4, +65.0] points (95 % CI; s.e. 12.0): not "
+        "measurable (mean +13.3 < 3 x s.e. 12.0 points; 22 seeds needed, over the 8 allowed)."]
+    assert rep.calibration_left_out(res / "none", main_grid=main) == []
