@@ -31,6 +31,7 @@ the generated RESULTS.md section (``async_lag_report``); ``--plan`` prints the c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -392,9 +393,31 @@ def run_cell(cand: Candidate, name: str, args: argparse.Namespace) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- the driver
+def counted_gains(cand: Candidate, results: Path, main_grid: Path = MAIN_GRID) -> dict[int, float]:
+    """{seed: on-policy accuracy minus the start's} over every committed ``trl_d0`` cell with a final score, those
+    that failed their check included."""
+    start = statistics.fmean(start_scores(cand, main_grid))
+    out = {}
+    for seed in sorted(on_policy_seeds(cand, results)):
+        acc = final_accuracy(cell_folder(cand, f"trl_d0_s{seed}", results))
+        if acc is not None:
+            out[seed] = acc - start
+    return out
+
+
 def verdict_of(cand: Candidate, results: Path, main_grid: Path = MAIN_GRID) -> Verdict:
-    """``calibration_verdict`` on ``cand``'s committed on-policy cells."""
-    return calibration_verdict(list(on_policy_gains(cand, results, main_grid).values()), cand.max_seeds)
+    """``calibration_verdict`` on ``cand``'s committed on-policy cells that pass their check, unless a cell left out
+    (a failed check) would change "measurable": leaving out a seed can select the seeds that learned, so a design
+    calibrates only when it does both ways; otherwise the verdict with every seed counted, its reason saying so."""
+    passing = calibration_verdict(list(on_policy_gains(cand, results, main_grid).values()), cand.max_seeds)
+    counted = counted_gains(cand, results, main_grid)
+    if passing.status != MEASURABLE or len(counted) == passing.n:
+        return passing
+    both = calibration_verdict(list(counted.values()), cand.max_seeds)
+    if both.status == MEASURABLE:
+        return passing
+    return dataclasses.replace(both, reason=f"{both.reason}, with the {len(counted) - passing.n} seed(s) that failed "
+                                            f"their check counted (left out: {passing.status}, {passing.reason})")
 
 
 def calibrate(args: argparse.Namespace) -> tuple[Candidate, Verdict] | None:

@@ -72,20 +72,22 @@ def pair_rows(finals: dict[tuple[str, int], dict[int, float]], depth: int) -> li
 
 def calibration_rows(results: Path, main_grid: Path = g.MAIN_GRID) -> list[str]:
     """Per candidate, in cost order: design, committed on-policy seeds, start, on-policy mean, the gain's mean, s.e.
-    and 95 % t-interval, the rule's verdict (``async_lag_grid.calibration_verdict``) and one cell's core-hours."""
+    and 95 % t-interval over the cells that pass their check, the design's verdict (``async_lag_grid.verdict_of``:
+    with its failed seeds counted where they change "measurable") and one cell's core-hours."""
     rows = ["| candidate | start | steps x prompts | seeds (reused) | start % | on-policy % | gain ± s.e., points "
             "| gain [95 % CI] | >= 3 s.e.? verdict | core-h a cell |", "|---|---|---|---|---|---|---|---|---|---|"]
     for cand in g.CANDIDATES:
         gains = g.on_policy_gains(cand, results, main_grid)
         v = g.calibration_verdict(list(gains.values()), cand.max_seeds)
-        start = statistics.fmean(g.start_scores(cand, main_grid))
+        final = g.verdict_of(cand, results, main_grid)  # the design's verdict: its failed seeds counted where they
+        start = statistics.fmean(g.start_scores(cand, main_grid))  # would change "measurable"
         reused = [f"s{s}: {rel}" for s, rel in cand.reuse if s in gains]
         on = f"{100 * (start + v.mean):.1f}" if v.n else "—"
         gain = f"{100 * v.mean:+.1f} ± {100 * v.se:.1f}" if v.n > 1 else ("—" if not v.n else f"{100 * v.mean:+.1f}")
         ci = stats.fmt_interval(v.interval) if v.interval else "—"
         rows.append(f"| {cand.name} | {cand.start} | {cand.steps} x {cand.prompts} | {v.n}"
                     f"{' (' + '; '.join(reused) + ')' if reused else ''} | {100 * start:.1f} | {on} | {gain} | {ci} "
-                    f"| {v.status}: {v.reason} | {cand.cell_h:.2f} |")
+                    f"| {final.status}: {final.reason} | {cand.cell_h:.2f} |")
     return rows
 
 

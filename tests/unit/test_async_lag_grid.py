@@ -229,3 +229,25 @@ def test_the_report_shows_the_calibration_both_ways(g, rep, tmp_path, monkeypatc
         "15 more). Counted, the gain over 3 seeds is +13.3 [-38.4, +65.0] points (95 % CI; s.e. 12.0): not "
         "measurable (mean +13.3 < 3 x s.e. 12.0 points; 22 seeds needed, over the 8 allowed)."]
     assert rep.calibration_left_out(res / "none", main_grid=main) == []
+
+
+def test_a_design_calibrates_only_when_it_does_with_its_failed_seeds_counted(g, tmp_path, monkeypatch):
+    """Seeds 1, 2, 4 pass their check and meet the rule (gains 0.20, 0.25, 0.30: 8.7 s.e.); seed 3 failed its check
+    (lag-0 k3_kl 0.05) at gain -0.10. Counted: mean 0.1625, sd 0.1797, s.e. 0.0899 (1.8 s.e.), (3 sd / mean)^2 = 11.0
+    -> 12 seeds, over base_16x4's 8: not measurable, so the design does not calibrate (it would by leaving out the
+    seed that did not learn)."""
+    monkeypatch.setattr(g, "RESULTS", tmp_path)
+    main = tmp_path / "policy_lag"
+    _cell(main / "warmstart", 0.75, [1, 1, 1, 0], depth=0)
+    (main / "warmstart" / "eval.json").write_text(json.dumps({"before": {"accuracy": 0.25, "scores": [1, 0, 0, 0]},
+                                                              "after": {"accuracy": 0.75, "scores": [1, 1, 1, 0]}}))
+    cand, res = g.candidate("base_16x4"), tmp_path / "async_lag"
+    for seed, acc in ((1, 0.45), (2, 0.50), (4, 0.55)):
+        _cell(res / cand.name / f"trl_d0_s{seed}", acc, [1, 1, 0, 0], depth=0)
+    assert g.verdict_of(cand, res, main).status == g.MEASURABLE  # no failed cell yet
+    _cell(res / cand.name / "trl_d0_s3", 0.15, [1, 0, 0, 0], depth=0, kl=0.05)
+    v = g.verdict_of(cand, res, main)
+    assert v.status == g.NOT_MEASURABLE and v.n == 4 and v.mean == pytest.approx(0.1625)
+    assert v.seeds_needed == 12
+    assert v.reason.endswith("with the 1 seed(s) that failed their check counted (left out: measurable, mean +25.0 "
+                             ">= 3 x s.e. 2.9 points)")
