@@ -135,13 +135,19 @@ def _cell(folder, acc, scores, depth=None, steps=16, kl=0.001):
         (folder / "cell_meta.json").write_text(json.dumps({"starts_at_start": True}))
 
 
-def test_report_calibrates_base_16x4_and_shows_its_grid(g, rep, tmp_path, monkeypatch):
+def _main_grid(g, tmp_path, monkeypatch):
+    """A main grid whose warm start scores 3 of 4 and whose base model (its "before") 1 of 4, as committed."""
     monkeypatch.setattr(g, "RESULTS", tmp_path)
     main = tmp_path / "policy_lag"
-    # the base model scores 1 of 4 (the warm start's "before"); base_16x4's seeds 1-3 end at 0.75, 0.70, 0.80
     _cell(main / "warmstart", 0.75, [1, 1, 1, 0], depth=0)  # committed whole, as in the repository
     (main / "warmstart" / "eval.json").write_text(json.dumps({"before": {"accuracy": 0.25, "scores": [1, 0, 0, 0]},
                                                               "after": {"accuracy": 0.75, "scores": [1, 1, 1, 0]}}))
+    return main
+
+
+def test_report_calibrates_base_16x4_and_shows_its_grid(g, rep, tmp_path, monkeypatch):
+    # the base model scores 1 of 4 (the warm start's "before"); base_16x4's seeds 1-3 end at 0.75, 0.70, 0.80
+    main = _main_grid(g, tmp_path, monkeypatch)
     res = tmp_path / "async_lag"
     for s, acc in ((1, 0.75), (2, 0.70), (3, 0.80)):
         _cell(res / "base_16x4" / f"trl_d0_s{s}", acc, [1, 1, 0, 0], depth=0)
@@ -192,11 +198,7 @@ def test_a_partly_committed_cell_fails_its_check(g, rep, tmp_path):
 def test_calibration_leaves_out_the_cells_the_report_leaves_out(g, rep, tmp_path, monkeypatch):
     """An on-policy cell whose lag check fails (k3_kl 0.05 at lag 0, over the 0.03 bound) is left out of the
     calibration as the report's grid table leaves it out, and the next calibration seed is a fresh one."""
-    monkeypatch.setattr(g, "RESULTS", tmp_path)
-    main = tmp_path / "policy_lag"
-    _cell(main / "warmstart", 0.75, [1, 1, 1, 0], depth=0)  # committed whole, as in the repository
-    (main / "warmstart" / "eval.json").write_text(json.dumps({"before": {"accuracy": 0.25, "scores": [1, 0, 0, 0]},
-                                                              "after": {"accuracy": 0.75, "scores": [1, 1, 1, 0]}}))
+    main = _main_grid(g, tmp_path, monkeypatch)
     cand, res = g.candidate("base_16x4"), tmp_path / "async_lag"
     _cell(res / cand.name / "trl_d0_s1", 0.75, [1, 1, 0, 0], depth=0)
     _cell(res / cand.name / "trl_d0_s2", 0.70, [1, 1, 0, 0], depth=0)
@@ -214,11 +216,7 @@ def test_calibration_leaves_out_the_cells_the_report_leaves_out(g, rep, tmp_path
 def test_the_report_shows_the_calibration_both_ways(g, rep, tmp_path, monkeypatch):
     """A failed on-policy cell is left out of the calibration table but listed with its accuracy and reason, and the
     gain is shown with it counted (leaving out a seed that failed can select the seeds that learned)."""
-    monkeypatch.setattr(g, "RESULTS", tmp_path)
-    main = tmp_path / "policy_lag"
-    _cell(main / "warmstart", 0.75, [1, 1, 1, 0], depth=0)
-    (main / "warmstart" / "eval.json").write_text(json.dumps({"before": {"accuracy": 0.25, "scores": [1, 0, 0, 0]},
-                                                              "after": {"accuracy": 0.75, "scores": [1, 1, 1, 0]}}))
+    main = _main_grid(g, tmp_path, monkeypatch)
     cand, res = g.candidate("base_16x4"), tmp_path / "async_lag"
     _cell(res / cand.name / "trl_d0_s1", 0.45, [1, 1, 0, 0], depth=0)
     _cell(res / cand.name / "trl_d0_s2", 0.55, [1, 1, 0, 0], depth=0)
@@ -236,11 +234,7 @@ def test_a_design_calibrates_only_when_it_does_with_its_failed_seeds_counted(g, 
     (lag-0 k3_kl 0.05) at gain -0.10. Counted: mean 0.1625, sd 0.1797, s.e. 0.0899 (1.8 s.e.), (3 sd / mean)^2 = 11.0
     -> 12 seeds, over base_16x4's 8: not measurable, so the design does not calibrate (it would by leaving out the
     seed that did not learn)."""
-    monkeypatch.setattr(g, "RESULTS", tmp_path)
-    main = tmp_path / "policy_lag"
-    _cell(main / "warmstart", 0.75, [1, 1, 1, 0], depth=0)
-    (main / "warmstart" / "eval.json").write_text(json.dumps({"before": {"accuracy": 0.25, "scores": [1, 0, 0, 0]},
-                                                              "after": {"accuracy": 0.75, "scores": [1, 1, 1, 0]}}))
+    main = _main_grid(g, tmp_path, monkeypatch)
     cand, res = g.candidate("base_16x4"), tmp_path / "async_lag"
     for seed, acc in ((1, 0.45), (2, 0.50), (4, 0.55)):
         _cell(res / cand.name / f"trl_d0_s{seed}", acc, [1, 1, 0, 0], depth=0)
