@@ -98,17 +98,12 @@ def calibration_left_out(results: Path, main_grid: Path = g.MAIN_GRID) -> list[s
     out = []
     for cand in g.CANDIDATES:
         start = statistics.fmean(g.start_scores(cand, main_grid))
-        every, left = {}, []
-        for seed in sorted(g.on_policy_seeds(cand, results)):
-            name = f"trl_d0_s{seed}"
-            acc = g.final_accuracy(g.cell_folder(cand, name, results))
-            if acc is None:
-                continue
-            every[seed] = acc - start
-            problems = g.cell_problems(cand, name, results)
+        every, left = g.counted_gains(cand, results, main_grid), []
+        for seed, gain in every.items():
+            problems = g.cell_problems(cand, f"trl_d0_s{seed}", results)
             if problems:
                 more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
-                left.append(f"`{name}` {100 * acc:.1f} % ({problems[0]}{more})")
+                left.append(f"`trl_d0_s{seed}` {100 * (start + gain):.1f} % ({problems[0]}{more})")
         if not left:
             continue
         v = g.calibration_verdict(list(every.values()), cand.max_seeds)
