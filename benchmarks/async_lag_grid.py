@@ -290,7 +290,9 @@ def async_lag_check(steps: list[dict], depth: int, engine_kl_max: float,
     (when given: a missing or cut log.jsonl has nothing to check, so it fails), at logged step t (1-based, one
     generation per optimizer step) ``policy_lag_max`` and ``policy_lag_mean`` equal min(t - 1, depth) exactly (the
     emulated schedule), every lag-0 step logged a finite ``rollout_corr/k3_kl``, and the MEDIAN of k3_kl over the
-    lag-0 steps (``lag0_k3``; over the finite ones where some are missing) is <= ``engine_kl_max`` (nats/token).
+    lag-0 steps (``lag0_k3``; over the finite ones where some are missing) is <= ``engine_kl_max`` (nats/token), and
+    so is the median over the later half of them (a sync missed after the middle of a cell raises too few steps to
+    move the whole cell's median; base_16x4 ``trl_d0_s3``'s later half: 0.0105).
 
     Why the median, not every step (decided 2026-12-07, after base_16x4's seed 3 and before any base_32x8 cell ran:
     pre-registered for base_32x8 on; base_16x4's verdict, not measurable, is unchanged). The bound (0.03) was set from
@@ -314,9 +316,10 @@ def async_lag_check(steps: list[dict], depth: int, engine_kl_max: float,
         if want == 0 and (kl is None or not math.isfinite(kl)):
             problems.append(f"step {r.get('step', t)}: lag 0 but no finite k3_kl ({kl})")
     finite = [kl for _, kl in lag0_k3(steps, depth) if kl is not None and math.isfinite(kl)]
-    if finite and statistics.median(finite) > engine_kl_max:
-        problems.append(f"lag-0 k3_kl median {statistics.median(finite):.4g} over {len(finite)} lag-0 steps, above "
-                        f"the bound {engine_kl_max}")
+    late = finite[len(finite) // 2:]
+    if finite and max(statistics.median(finite), statistics.median(late)) > engine_kl_max:
+        problems.append(f"lag-0 k3_kl median {statistics.median(finite):.4g} over {len(finite)} lag-0 steps (later "
+                        f"half {statistics.median(late):.4g} over {len(late)}), above the bound {engine_kl_max}")
     return problems
 
 

@@ -95,7 +95,8 @@ def test_async_lag_check_follows_the_emulated_schedule(g):
     bad[3]["rollout_corr/policy_lag_mean"] = 1.5  # step 4 should be lag 2 on every row
     bad[0]["rollout_corr/k3_kl"] = 0.04  # above the engine-mismatch bound at the lag-0 step
     assert g.async_lag_check(bad, 2, 0.03) == ["step 4: policy lag max/mean (2.0, 1.5), expected 2",  # the one lag-0
-                                               "lag-0 k3_kl median 0.04 over 1 lag-0 steps, above the bound 0.03"]
+                                               "lag-0 k3_kl median 0.04 over 1 lag-0 steps (later half 0.04 over 1), "
+                                               "above the bound 0.03"]  # one lag-0 step: both medians are that step
     assert g.async_lag_check(good, 0, 0.03)[0] == "step 2: policy lag max/mean (1.0, 1.0), expected 0"
 
 
@@ -118,15 +119,28 @@ def test_a_few_lag0_spikes_pass_when_the_median_is_under_the_bound(g):
 def test_a_median_above_the_bound_fails(g):
     # 0.02, 0.04, 0.05, 0.01, 0.035 sort to 0.01, 0.02, 0.035, 0.04, 0.05: median 0.035 > 0.03 (one message, not three)
     steps = _on_policy([0.02, 0.04, 0.05, 0.01, 0.035])
-    assert g.async_lag_check(steps, 0, 0.03) == ["lag-0 k3_kl median 0.035 over 5 lag-0 steps, above the bound 0.03"]
+    # its later half (steps 3-5): 0.05, 0.01, 0.035, median 0.035 > 0.03 as well
+    assert g.async_lag_check(steps, 0, 0.03) == [
+        "lag-0 k3_kl median 0.035 over 5 lag-0 steps (later half 0.035 over 3), above the bound 0.03"]
     # six steps: 0.01, 0.02, 0.04, 0.05, 0.06, 0.07: median (0.04 + 0.05) / 2 = 0.045
     six = _on_policy([0.07, 0.01, 0.05, 0.02, 0.06, 0.04])
-    assert g.async_lag_check(six, 0, 0.03) == ["lag-0 k3_kl median 0.045 over 6 lag-0 steps, above the bound 0.03"]
+    # its later half (steps 4-6): 0.02, 0.06, 0.04, median 0.04
+    assert g.async_lag_check(six, 0, 0.03) == [
+        "lag-0 k3_kl median 0.045 over 6 lag-0 steps (later half 0.04 over 3), above the bound 0.03"]
     assert g.lag0_k3_above(six, 0, 0.03) == [(1, 0.07), (3, 0.05), (5, 0.06), (6, 0.04)]
     # at d = 2 only step 1 is at lag 0: its k3 alone is the median; the stale steps' k3 (lag in it) is not bounded
     lagged = [dict(r, **{"rollout_corr/policy_lag_max": min(t, 2), "rollout_corr/policy_lag_mean": min(t, 2)})
               for t, r in enumerate(_on_policy([0.001, 0.9, 0.9]))]
     assert g.async_lag_check(lagged, 2, 0.03) == [] and g.lag0_k3(lagged, 2) == [(1, 0.001)]
+
+
+def test_a_sync_missed_after_the_middle_fails_on_the_later_half(g):
+    """Ten steps at 0.005, then an engine left on old weights: 0.02, 0.04, 0.08, 0.15, 0.3, 0.6. The whole cell's
+    median is the 8th and 9th sorted values' mean, 0.005, under 0.03; its later half (steps 9-16: 0.005, 0.005,
+    0.02, 0.04, 0.08, 0.15, 0.3, 0.6) has median (0.04 + 0.08) / 2 = 0.06, over it: the cell fails."""
+    steps = _on_policy([0.005] * 10 + [0.02, 0.04, 0.08, 0.15, 0.3, 0.6])
+    assert g.async_lag_check(steps, 0, 0.03, expected_steps=16) == [
+        "lag-0 k3_kl median 0.005 over 16 lag-0 steps (later half 0.06 over 8), above the bound 0.03"]
 
 
 def test_a_lag0_step_without_a_finite_k3_fails(g):
@@ -148,11 +162,11 @@ def test_the_committed_cells_under_the_median_rule(g):
     assert g.async_lag_check(s3, 0, 0.03, expected_steps=16) == [] and g.cell_problems(base, "trl_d0_s3", res) == []
     assert [(s, round(kl, 3)) for s, kl in g.lag0_k3_above(s3, 0, 0.03)] == [
         (3, 0.032), (8, 0.042), (9, 0.050), (10, 0.062)]
-    for cell, median in (("trl_k32_s1", "0.9272"), ("bypass_k32_s1", "0.1593")):
+    for cell, median, late in (("trl_k32_s1", "0.9272", "1.632"), ("bypass_k32_s1", "0.1593", "0.1831")):
         k3 = [r["rollout_corr/k3_kl"] for r in g.cell_steps(g.MAIN_GRID / cell)]
         assert len(k3) == 32
         assert g.async_lag_check(_on_policy(k3), 0, 0.03) == [
-            f"lag-0 k3_kl median {median} over 32 lag-0 steps, above the bound 0.03"]
+            f"lag-0 k3_kl median {median} over 32 lag-0 steps (later half {late} over 16), above the bound 0.03"]
     # base_16x4 with seed 3 counted (it passes now): 135, 185, 80, 149 of 512 against the start's 99: +36, +86, -19,
     # +50 items, mean 38.25, sd sqrt(5700.75 / 3) = 43.59, s.e. 21.80 items = 4.3 points; (3 sd / mean)^2 = 11.7 -> 12
     # seeds, over the 8 allowed: still not measurable, with every seed counted
@@ -274,7 +288,8 @@ def test_calibration_leaves_out_the_cells_the_report_leaves_out(g, rep, tmp_path
     assert g.next_calibration_seed(cand, res) == 4  # seed 3 is committed (failed): never re-run, never counted
     finals, failed = rep.grid_finals(cand, res, {0, 2})
     assert finals == {("trl", 0): {1: 0.75, 2: 0.70}}
-    assert failed == ["trl_d0_s3 (lag-0 k3_kl median 0.05 over 16 lag-0 steps, above the bound 0.03)"]
+    assert failed == ["trl_d0_s3 (lag-0 k3_kl median 0.05 over 16 lag-0 steps (later half 0.05 over 8), above the "
+                      "bound 0.03)"]
     assert g.passing_accuracy(cand, "trl_d0_s3", res) is None and g.passing_accuracy(cand, "trl_d0_s2", res) == 0.70
 
 
@@ -288,9 +303,10 @@ def test_the_report_shows_the_calibration_both_ways(g, rep, tmp_path, monkeypatc
     _cell(res / cand.name / "trl_d0_s3", 0.15, [1, 0, 0, 0], depth=0, kl=0.05)
     assert rep.calibration_left_out(res, main_grid=main) == [
         # gains 0.20, 0.30, -0.10: mean 0.1333, sd 0.2082, s.e. 0.1202, t(2) 4.303: +-51.7; (3 sd / mean)^2 = 22
-        "* base_16x4: left out of the table above: `trl_d0_s3` 15.0 % (lag-0 k3_kl median 0.05 over 16 lag-0 steps, "
-        "above the bound 0.03). Counted, the gain over 3 seeds is +13.3 [-38.4, +65.0] points (95 % CI; s.e. 12.0): "
-        "not measurable (mean +13.3 < 3 x s.e. 12.0 points; 22 seeds needed, over the 8 allowed)."]
+        "* base_16x4: left out of the table above: `trl_d0_s3` 15.0 % (lag-0 k3_kl median 0.05 over 16 lag-0 steps "
+        "(later half 0.05 over 8), above the bound 0.03). Counted, the gain over 3 seeds is +13.3 [-38.4, +65.0] "
+        "points (95 % CI; s.e. 12.0): not measurable (mean +13.3 < 3 x s.e. 12.0 points; 22 seeds needed, over the "
+        "8 allowed)."]
     assert rep.calibration_left_out(res / "none", main_grid=main) == []
 
 
