@@ -15,9 +15,10 @@ trainer publishes a CPU copy of its weights after every optimizer step some batc
 ``on_step_end``), and each row carries the version the engine reports it held (``PolicyLag`` reads
 ``row_versions``), checked against the rule.
 
-Per-step metrics (averaged by TRL's ``log``): ``rollout_async/trainer_wait_s`` (the trainer waiting for its batch),
-``rollout_async/engine_idle_s`` (the engine waiting for the batch's weights), ``rollout_async/generate_s`` (the
-engine generating it), ``rollout_async/publish_s`` (the trainer copying weights), ``rollout_async/version``.
+Per-step metrics (averaged by TRL's ``log``; ``ASYNC_METRICS``, documented by ``metric_catalog``):
+``rollout_async/trainer_wait_s`` (the trainer waiting for its batch), ``rollout_async/engine_idle_s`` (the engine
+waiting for the batch's weights), ``rollout_async/generate_s`` (the engine generating it), ``rollout_async/publish_s``
+(the trainer copying weights), ``rollout_async/version``.
 
 Engines: ``use_vllm=False``: ``engines.async_pipeline.TransformersProcessEngine``, a child process sampling the
 temperature-scaled distribution; ``use_vllm=True, vllm_mode="server"``: TRL's vLLM server through TRL's client
@@ -52,7 +53,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncGeneration", "LookAheadLoader"]
+__all__ = ["ASYNC_METRICS", "AsyncGeneration", "LookAheadLoader"]
+
+# The keys this module logs through ``trl_metric``, the ones ``metric_catalog.METRICS`` must document
+# (``tests/unit/test_metric_catalog.py``): per batch taken (``AsyncGeneration.take``, in this order) and per publish.
+TAKE_METRICS = ("rollout_async/trainer_wait_s", "rollout_async/engine_idle_s", "rollout_async/generate_s",
+                "rollout_async/version")
+PUBLISH_METRIC = "rollout_async/publish_s"
+ASYNC_METRICS = (*TAKE_METRICS, PUBLISH_METRIC)
 
 
 def check_async_trainer(trainer: "RolloutCorrGRPOTrainer") -> None:
@@ -345,7 +353,7 @@ class AsyncGeneration:
             return
         started = time.perf_counter()
         self.pipeline.publish(version, self.engine.snapshot(self.trainer.accelerator.unwrap_model(self.trainer.model)))
-        self.trainer.trl_metric("rollout_async/publish_s", time.perf_counter() - started)
+        self.trainer.trl_metric(PUBLISH_METRIC, time.perf_counter() - started)
 
     def submit(self, items: list) -> None:
         """Tokenise a generation batch's prompts as TRL will and submit them with their per-row seeds; a batch at
@@ -391,9 +399,9 @@ class AsyncGeneration:
             raise RuntimeError(f"generation batch {batch} was generated at version {result.version}, not "
                                f"{self.batch_version(batch)}.")
         self.row_versions = [result.version] * len(prompt_ids)
-        for name, value in (("trainer_wait_s", result.trainer_wait_s), ("engine_idle_s", result.engine_idle_s),
-                            ("generate_s", result.generate_s), ("version", float(result.version))):
-            trainer.trl_metric(f"rollout_async/{name}", value)
+        values = (result.trainer_wait_s, result.engine_idle_s, result.generate_s, float(result.version))
+        for name, value in zip(TAKE_METRICS, values, strict=True):
+            trainer.trl_metric(name, value)
         return result.completion_ids, result.log_probs
 
     def take_row_versions(self) -> Optional[list[int]]:

@@ -21,8 +21,9 @@ import torch
 from transformers import TrainerCallback
 
 from trl_rollout_corr import trl_compat
-from trl_rollout_corr.async_generation import AsyncGeneration
+from trl_rollout_corr.async_generation import ASYNC_METRICS, AsyncGeneration
 from trl_rollout_corr.engines.async_pipeline import AsyncRolloutPipeline, EngineError, request_seed
+from trl_rollout_corr.metric_catalog import ASYNC_PREFIX, family_of
 
 ASYNC = dict(max_steps=4, rollout_async_timeout_s=60.0)
 TIMING = re.compile(r"^(rollout_async/(trainer_wait_s|engine_idle_s|generate_s|publish_s)|step_time|train_runtime|"
@@ -222,6 +223,11 @@ def test_versions_exact(case, llama_dir, tmp_path, make_trainer, step_logs, monk
     # past max_steps), and the trainer published exactly the versions they need
     assert sorted(record) == list(range(len(generated)))
     assert published == sorted(set(generated))
+    # the rollout_async/* keys the run logged are the ones async_generation declares (ASYNC_METRICS, which
+    # tests/unit/test_metric_catalog.py checks against the catalogue), each in exactly one catalogue family
+    logged = {k for h in trainer.state.log_history for k in h if k.startswith(ASYNC_PREFIX)}
+    assert sorted(logged) == sorted(ASYNC_METRICS)
+    assert all(len(family_of(k)) == 1 for k in logged)
 
 
 def test_repeat_bit_for_bit(llama_dir, tmp_path, make_trainer):
