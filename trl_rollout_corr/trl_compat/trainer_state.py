@@ -90,7 +90,8 @@ def micro_steps_trained(start_step: int, max_steps: Optional[int], gradient_accu
     before ``on_train_begin``, also from ``num_train_epochs``): ``DefaultFlowCallback.on_step_end`` stops training
     once ``global_step >= max_steps``, checked after a step, so a run resumed at or past ``max_steps`` inside an
     epoch still trains one step (counted: the bound is never short). ``max_steps`` None or <= 0: unknown, None.
-    Fewer are consumed when a callback stops training early or an iterable dataset runs out."""
+    Fewer are consumed when a callback stops training early or an iterable dataset yields nothing (a finite one is
+    iterated again each epoch: ``num_train_epochs = sys.maxsize``)."""
     if max_steps is None or int(max_steps) <= 0:
         return None
     last = max(int(max_steps), int(start_step) + 1)
