@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import async_cells as cells  # noqa: E402  (benchmarks/, next to this file: the settings, server, config, clock)
-from async_cells import SETTINGS  # noqa: E402,F401  (re-exported: {setting: (depth, trainer threads)})
+from async_cells import SETTINGS  # noqa: E402  ({setting: (depth, trainer threads)})
 
 
 def worker(setting: str, model: str, steps: int, out: Path, engine: str) -> None:
