@@ -102,7 +102,7 @@ class TrainingClock:
     """Training seconds on the wall clock, with excluded intervals (e.g. weight snapshots for the evaluation) taken
     out. Times are ``time.perf_counter()`` seconds passed in by the caller (hand values in the tests).
 
-    ``start(t)`` at ``train()``'s entry (before TRL builds its dataloader, where the asynchronous engine starts);
+    ``start(t)`` at ``train()``'s entry (before TRL builds its dataloader and the asynchronous engine starts);
     ``step_begin(t)`` / ``step_end(t)`` around each optimizer step; ``exclude(a, b)`` for a paused interval.
     ``step_s``: each step's seconds less the excluded time inside it; ``at_step_end``: training seconds from the
     start to each step's end, less every interval excluded before then; ``excluded_s``: their total.

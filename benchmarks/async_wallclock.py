@@ -23,7 +23,7 @@ nothing else running (the vLLM venv, with this package installed there).
 
 What each number means:
 
-* training seconds (the x axis): wall clock from ``train()``'s entry (before TRL builds its dataloader, where the
+* training seconds (the x axis): wall clock from ``train()``'s entry (before TRL builds its dataloader and the
   asynchronous engine starts) to each optimizer step's end, less the excluded time below. Everything the trainer
   does counts (generation, waits, weight syncs and publishes, logging, the asynchronous engine's start and its
   first batch); the server's launch and the model load before ``train()`` do not (the same for every setting;
@@ -154,6 +154,16 @@ def checkpoint_rows(at_step_end: list[float], evals: dict[int, dict], check_size
     return rows
 
 
+def code_revision() -> str:
+    """``policy_lag_experiment.code_revision`` (HEAD, ``+dirty`` for uncommitted package or recipe changes), also
+    ``+dirty`` for uncommitted changes to this experiment's own scripts."""
+    rev = pl.code_revision()
+    own = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "benchmarks/async_wallclock.py",
+                          "benchmarks/async_cells.py", "benchmarks/async_wallclock_report.py"],
+                         capture_output=True, text=True).stdout.strip()
+    return rev + ("+dirty" if own and not rev.endswith("+dirty") else "")
+
+
 # ----------------------------------------------------------------------------------------------- inside a cell
 def worker(setting: str, seed: int, args: argparse.Namespace, out: Path) -> None:
     """One cell in this process: train with weight copies at the checked steps, then evaluate them; writes
@@ -202,7 +212,7 @@ def worker(setting: str, seed: int, args: argparse.Namespace, out: Path) -> None
     for row, at in zip(rows, clock.at_step_end):
         row["clock_s"] = at
     record = {"cell": cell_name(setting, seed), "setting": setting, "seed": seed, "depth": depth, "threads": threads,
-              "design": design_of(args), "code": pl.code_revision(), "cpu": pl.cpu_fingerprint(),
+              "design": design_of(args), "code": code_revision(), "cpu": pl.cpu_fingerprint(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "server_start_s": server_start_s,
               "excluded_s": clock.excluded_s, "steps": rows,
               "checkpoints": checkpoint_rows(clock.at_step_end, evals, args.check_size),
@@ -297,7 +307,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--check-size", type=int, default=128)
     ap.add_argument("--eval-size", type=int, default=512)
     ap.add_argument("--eval-max-tokens", type=int, default=32, help="greedy budget (the training cap)")
-    ap.add_argument("--eval-threads", type=int, default=2, help="torch threads of the post-training evaluation")
+    ap.add_argument("--eval-threads", type=int, default=2,
+                    help="torch threads of the post-training evaluation (1 on a busy machine: 2 OpenMP threads on "
+                    "an oversubscribed CPU wait at every matmul's barrier)")
     ap.add_argument("--reach-points", type=float, default=5.0, help="time-to-reach target: start + this, points")
     ap.add_argument("--cells", help="comma list of cells to run (default: every pending cell, in run order)")
     ap.add_argument("--out", default=str(ROOT / "outputs" / "async_wallclock"), help="cell working folders")

@@ -30,6 +30,10 @@ BEGIN = "<!-- BEGIN async_wallclock.py output -->"
 END = "<!-- END async_wallclock.py output -->"
 FIGURE = ROOT / "benchmarks" / "async_wallclock.png"
 REFERENCE = "sync_t1"
+ENGINES = {"server": "TRL's vLLM server, float32; the asynchronous settings are the real pipeline, "
+                     "`rollout_async_depth` d",
+           "transformers": "a smoke path: TRL's `generate` in the synchronous trainer, the transformers engine "
+                           "process for the asynchronous settings: not the same generator"}
 WIDTH = 120  # RESULTS.md's line cap
 
 
@@ -135,7 +139,8 @@ def paired_rows(groups: dict[str, dict[int, dict]]) -> list[str]:
             seeds, diff, ratio = got
             lines.append(f"| {setting} | {', '.join(map(str, seeds))} | {stats.fmt_interval(diff)} | "
                          f"{_interval(ratio, scale=1.0, digits=3, signed=False)} |")
-    return lines
+    return lines if len(lines) > 2 else [f"No seed has both `{REFERENCE}` and another setting yet: no paired "
+                                         "difference."]
 
 
 def _interval(iv: stats.Interval, scale: float = 100.0, digits: int = 1, signed: bool = True) -> str:
@@ -154,8 +159,8 @@ def section(cells: dict[str, dict], expected: list[str], design: dict, reach_poi
             "(`benchmarks/async_wallclock.py`)", "",
             _para(f"Regime: the main job's chain_sum from the base model `{design['model']}`, {design['steps']} steps "
                   f"x {design['prompts']} prompts x 4 completions, lr {design['lr']:g}, preset `{design['preset']}` "
-                  f"in every setting, engine `{design['engine']}` (server: TRL's vLLM server, float32; the "
-                  "asynchronous settings are the real pipeline, `rollout_async_depth` d). Settings: `sync_t1` / "
+                  f"in every setting, engine `{design['engine']}` ({ENGINES.get(design['engine'], '?')}). "
+                  "Settings: `sync_t1` / "
                   "`sync_t2` synchronous at 1 / 2 torch threads, `async_d1` / `async_d2` at depth 1 / 2 (trainer 1 "
                   "thread, engine 1 thread). Training seconds: wall clock from `train()`'s entry, weight copies for "
                   "the evaluation excluded; greedy evaluation after training on those copies ("
@@ -196,7 +201,8 @@ def plot(cells: dict[str, dict], path: Path) -> None:
         ax.plot([t for t, _ in mean], [100 * a for _, a in mean], "o-", color=color, lw=2,
                 label=f"{setting} (n = {len(curves)})")
     ax.set_xlabel("training seconds (evaluation excluded)")
-    ax.set_ylabel("held-out greedy accuracy, % (128 items)")
+    n_items = sorted({c["total"] for cell in cells.values() for c in cell["checkpoints"]})
+    ax.set_ylabel(f"held-out greedy accuracy, % ({', '.join(map(str, n_items))} items)")
     ax.set_title("Synchronous vs asynchronous GRPO: accuracy against wall clock")
     ax.legend()
     ax.grid(alpha=0.3)

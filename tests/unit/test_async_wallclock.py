@@ -126,11 +126,16 @@ def _cell(setting, seed, steps, clock, final, curve):
                             for i, (t, c) in enumerate(curve)]}
 
 
+def _hand_cells():
+    """Two seeds of sync_t1 and async_d1 (the values the comments below work through)."""
+    return {"sync_t1_s1": _cell("sync_t1", 1, [30, 20, 22, 24], 1000.0, 100, [(0, 25), (500, 30), (1000, 40)]),
+            "sync_t1_s2": _cell("sync_t1", 2, [30, 18, 20, 19], 1100.0, 120, [(0, 25), (550, 28), (1100, 31)]),
+            "async_d1_s1": _cell("async_d1", 1, [25, 16, 16, 16], 800.0, 110, [(0, 25), (400, 35), (800, 36)]),
+            "async_d1_s2": _cell("async_d1", 2, [25, 15, 17, 16], 770.0, 140, [(0, 25), (385, 33), (770, 29)])}
+
+
 def test_the_report_on_hand_values(rep):
-    cells = {"sync_t1_s1": _cell("sync_t1", 1, [30, 20, 22, 24], 1000.0, 100, [(0, 25), (500, 30), (1000, 40)]),
-             "sync_t1_s2": _cell("sync_t1", 2, [30, 18, 20, 19], 1100.0, 120, [(0, 25), (550, 28), (1100, 31)]),
-             "async_d1_s1": _cell("async_d1", 1, [25, 16, 16, 16], 800.0, 110, [(0, 25), (400, 35), (800, 36)]),
-             "async_d1_s2": _cell("async_d1", 2, [25, 15, 17, 16], 770.0, 140, [(0, 25), (385, 33), (770, 29)])}
+    cells = _hand_cells()
     groups = rep.by_setting(cells)
     table = rep.setting_rows(groups, 5.0)
     # sync_t1: median steps 22 and 19 -> 20.50; 1050 s; 100 and 120 of 512 = 19.53 and 23.44 %, mean 21.48, s.e.
@@ -145,11 +150,25 @@ def test_the_report_on_hand_values(rep):
     # paired: 10 and 20 of 512 = 1.953 and 3.906 points, mean 2.93, s.e. 0.977 -> [-9.5, +15.3]; training s ratios
     # 0.8 and 0.7: 0.750, s.e. 0.05 -> [0.115, 1.385]
     assert rep.paired_rows(groups)[2] == "| async_d1 | 1, 2 | +2.9 [-9.5, +15.3] | 0.750 [0.115, 1.385] |"
+    assert rep.paired_rows({"async_d1": groups["async_d1"]}) == [
+        "No seed has both `sync_t1` and another setting yet: no paired difference."]
     text = rep.section(cells, [*cells, "sync_t2_s1"], {"model": "M", "steps": 32, "prompts": 8, "lr": 3e-5,
                                                        "preset": "p", "engine": "server", "check_size": 128,
                                                        "check_every": 8, "eval_size": 512}, 5.0)
     assert "Still to run (1): sync_t2_s1." in text and "Not run yet" not in text
     assert max(len(line) for line in text.splitlines()) <= 120
+
+
+def test_the_report_writes_its_figure_once_cells_exist(rep, tmp_path):
+    cells = _hand_cells()
+    for name, cell in cells.items():
+        (tmp_path / "results" / name).mkdir(parents=True)
+        (tmp_path / "results" / name / "cell.json").write_text(json.dumps(cell))
+    md = tmp_path / "RESULTS.md"
+    design = {"model": "M", "steps": 32, "prompts": 8, "lr": 3e-5, "preset": "p", "engine": "server",
+              "check_size": 128, "check_every": 8, "eval_size": 512}
+    text = rep.write(tmp_path / "results", list(cells), design, 5.0, results_md=md, figure=tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 0 and md.read_text() == f"\n\n{text}\n"
 
 
 def test_the_section_says_not_run_yet_without_numbers(rep, w, tmp_path):
