@@ -35,7 +35,7 @@ What each number means:
   point). It runs AFTER training, on copies of the weights taken at those steps' ends, with the server stopped and
   at ``--eval-threads`` (2) for every cell. Why after: evaluating inside the run would let the asynchronous engine
   generate ahead for the whole evaluation (minutes) and then hand over batches that synchronous runs must wait
-  for, and would share the cores with the engine. The copy (a ``state_dict`` clone, well under a second) is taken
+  for, and would share the cores with the engine. The copy (a ``state_dict`` clone, about a second or less) is taken
   at ``on_step_end`` after the step's stamp and after the trainer published the step's weights to the engine; its
   time is excluded from the clock for every setting (``excluded_s``). The asynchronous engine, a separate process,
   keeps generating during those copies (it cannot be paused without changing the pipeline): at most
