@@ -19,6 +19,15 @@ the real pipeline (``rollout_async_depth`` on a vLLM server), only its staleness
    d = 2 lag effect on plain TRL (``trl_d2`` minus ``trl_d0``, paired by seed) is established (95 % t-interval
    clear of zero).
 
+A cell counts only when it passes its lag check (``async_lag_check``, recomputed from its committed log): the
+emulated schedule's ``policy_lag_max``/``policy_lag_mean`` exact at every step, a finite ``rollout_corr/k3_kl`` at
+every lag-0 step, and the MEDIAN of those k3 values <= ``--engine-kl-max`` (0.03 nats/token, from the warm start's
+on-policy cells). The median, not every step: changed on 2026-12-07 after base_16x4's seed 3 and before any
+base_32x8 cell, pre-registered, without changing base_16x4's verdict (not measurable). A missed sync raises k3 at
+every later step (median 0.042-2.78 in the never-synced ``policy_lag/*_k32_*`` cells), a transient excursion of the
+policy through bf16-sensitive states a few (seed 3: 0.032-0.062 at 4 of 16 steps, median 0.011, schedule exact);
+the steps above the bound are listed by the report (``lag0_k3_above``), not counted as failures.
+
 Cells are ``<method>_d<d>_s<seed>`` (methods: ``policy_lag_experiment.METHODS``), committed per cell under
 ``--results/<candidate>/<cell>/`` (``--commit``); a committed cell is skipped (resumable). ``--report-only`` rewrites
 the generated RESULTS.md section (``async_lag_report``); ``--plan`` prints the cells in order with their core-hours.
@@ -261,12 +270,40 @@ def cell_flags(name: str, cand: Candidate, out: Path, args: argparse.Namespace) 
             "--output_dir", str(out), "--plots", "false", "--torch_threads", "1", "--eval_size", "0", *extra]
 
 
+def lag0_k3(steps: list[dict], depth: int) -> list[tuple[int, float | None]]:
+    """(logged step, ``rollout_corr/k3_kl`` in nats/token, None where the step logged none) of each step the emulated
+    schedule puts at lag 0: logged step t (1-based) is at lag min(t - 1, ``depth``), so step 1 alone for d >= 1 and
+    every step for d = 0."""
+    return [(r.get("step", t), r.get("rollout_corr/k3_kl")) for t, r in enumerate(steps, start=1)
+            if min(t - 1, depth) == 0]
+
+
+def lag0_k3_above(steps: list[dict], depth: int, engine_kl_max: float) -> list[tuple[int, float]]:
+    """(logged step, k3_kl) of the lag-0 steps above ``engine_kl_max``: informational, not a failure (the check bounds
+    their median, ``async_lag_check``); the report lists them per cell."""
+    return [(s, kl) for s, kl in lag0_k3(steps, depth) if kl is not None and kl > engine_kl_max]
+
+
 def async_lag_check(steps: list[dict], depth: int, engine_kl_max: float,
                     expected_steps: int | None = None) -> list[str]:
     """The lag-accounting violations of a finished cell (empty when it passes): ``expected_steps`` logged steps
     (when given: a missing or cut log.jsonl has nothing to check, so it fails), at logged step t (1-based, one
     generation per optimizer step) ``policy_lag_max`` and ``policy_lag_mean`` equal min(t - 1, depth) exactly (the
-    emulated schedule), and every lag-0 step has ``rollout_corr/k3_kl`` <= ``engine_kl_max`` (engine mismatch)."""
+    emulated schedule), every lag-0 step logged a finite ``rollout_corr/k3_kl``, and the MEDIAN of k3_kl over the
+    lag-0 steps (``lag0_k3``; over the finite ones where some are missing) is <= ``engine_kl_max`` (nats/token), and
+    so is the median over the later half of them (a sync missed after the middle of a cell raises too few steps to
+    move the whole cell's median; base_16x4 ``trl_d0_s3``'s later half: 0.0105).
+
+    Why the median, not every step (decided 2026-12-07, after base_16x4's seed 3 and before any base_32x8 cell ran:
+    pre-registered for base_32x8 on; base_16x4's verdict, not measurable, is unchanged). The bound (0.03) was set from
+    the warm start's on-policy cells (their max lag-0 k3 0.024). A missed sync, an engine left holding older weights,
+    raises k3 at every later step and keeps growing: the never-synced ``policy_lag/*_k32_*`` cells, read as lag 0,
+    have a median k3 of 0.042-2.78 over their 32 steps (plain TRL 0.93-2.78, bypass 0.16-0.20), so the median
+    catches it. A transient excursion of the policy
+    through bf16-sensitive states raises a few steps: base_16x4 ``trl_d0_s3`` logged 0.032, 0.042, 0.050 and 0.062 at
+    steps 3, 8, 9 and 10 (median over its 16 steps 0.011) during a stretch of zero reward (steps 2-10), back to
+    baseline afterwards, with its schedule exact at every step; it failed the old every-step rule. Such steps stay
+    visible (``lag0_k3_above``, listed by the report) but no longer fail a cell."""
     problems = []
     if expected_steps is not None and len(steps) != expected_steps:
         problems.append(f"{len(steps)} logged steps, expected {expected_steps}")
@@ -276,8 +313,13 @@ def async_lag_check(steps: list[dict], depth: int, engine_kl_max: float,
         if got != (want, want):
             problems.append(f"step {r.get('step', t)}: policy lag max/mean {got}, expected {want}")
         kl = r.get("rollout_corr/k3_kl")
-        if want == 0 and (kl is None or kl > engine_kl_max):
-            problems.append(f"step {r.get('step', t)}: lag 0 but k3_kl {kl} (bound {engine_kl_max})")
+        if want == 0 and (kl is None or not math.isfinite(kl)):
+            problems.append(f"step {r.get('step', t)}: lag 0 but no finite k3_kl ({kl})")
+    finite = [kl for _, kl in lag0_k3(steps, depth) if kl is not None and math.isfinite(kl)]
+    late = finite[len(finite) // 2:]
+    if finite and max(statistics.median(finite), statistics.median(late)) > engine_kl_max:
+        problems.append(f"lag-0 k3_kl median {statistics.median(finite):.4g} over {len(finite)} lag-0 steps (later "
+                        f"half {statistics.median(late):.4g} over {len(late)}), above the bound {engine_kl_max}")
     return problems
 
 
@@ -289,6 +331,11 @@ def committed(folder: Path) -> bool:
     return all((folder / f).exists() for f in COMMITTED_FILES)
 
 
+def cell_steps(folder: Path) -> list[dict]:
+    """The optimizer-step rows of ``folder/log.jsonl`` (those with ``loss`` and ``step_time``; [] without the file)."""
+    return [r for r in pl._read_jsonl(folder / "log.jsonl") if "loss" in r and "step_time" in r]
+
+
 def cell_problems(cand: Candidate, name: str, results: Path, engine_kl_max: float = 0.03) -> list[str]:
     """Why a committed cell of ``cand`` does not count (empty: it counts). A reused cell was checked in its own grid;
     our own: ``async_lag_check`` over its ``log.jsonl`` with ``cand.steps`` steps, a ``cell_meta.json`` whose step-0
@@ -296,8 +343,7 @@ def cell_problems(cand: Candidate, name: str, results: Path, engine_kl_max: floa
     folder = cell_folder(cand, name, results)
     if folder.parent.name != cand.name:
         return []
-    steps = [r for r in pl._read_jsonl(folder / "log.jsonl") if "loss" in r and "step_time" in r]
-    problems = async_lag_check(steps, parse_cell(name)[1], engine_kl_max, cand.steps)
+    problems = async_lag_check(cell_steps(folder), parse_cell(name)[1], engine_kl_max, cand.steps)
     meta = folder / "cell_meta.json"
     if not meta.exists():
         problems.append("no cell_meta.json")
@@ -367,8 +413,7 @@ def run_cell(cand: Candidate, name: str, args: argparse.Namespace) -> bool:
     if proc.returncode:
         print(f"!!! {cand.name}/{name}: rc {proc.returncode}; see {out / 'run.log'}", flush=True)
         return False
-    steps = [r for r in pl._read_jsonl(out / "log.jsonl") if "loss" in r and "step_time" in r]
-    check = async_lag_check(steps, parse_cell(name)[1], args.engine_kl_max)
+    check = async_lag_check(cell_steps(out), parse_cell(name)[1], args.engine_kl_max)
     first = pl._read_jsonl(out / "curve.jsonl")[0]["scores"]
     meta = {"cell": name, "candidate": cand.name,
             "async": "emulated: VLLMCPURollout(async_depth=d), weights d steps behind, nothing overlapped",

@@ -15,9 +15,10 @@ trainer publishes a CPU copy of its weights after every optimizer step some batc
 ``on_step_end``), and each row carries the version the engine reports it held (``PolicyLag`` reads
 ``row_versions``), checked against the rule.
 
-Per-step metrics (averaged by TRL's ``log``): ``rollout_async/trainer_wait_s`` (the trainer waiting for its batch),
-``rollout_async/engine_idle_s`` (the engine waiting for the batch's weights), ``rollout_async/generate_s`` (the
-engine generating it), ``rollout_async/publish_s`` (the trainer copying weights), ``rollout_async/version``.
+Per-step metrics (averaged by TRL's ``log``; ``ASYNC_METRICS``, documented by ``metric_catalog``):
+``rollout_async/trainer_wait_s`` (the trainer waiting for its batch), ``rollout_async/engine_idle_s`` (the engine
+waiting for the batch's weights), ``rollout_async/generate_s`` (the engine generating it), ``rollout_async/publish_s``
+(the trainer copying weights), ``rollout_async/version``.
 
 Engines: ``use_vllm=False``: ``engines.async_pipeline.TransformersProcessEngine``, a child process sampling the
 temperature-scaled distribution; ``use_vllm=True, vllm_mode="server"``: TRL's vLLM server through TRL's client
@@ -25,6 +26,9 @@ temperature-scaled distribution; ``use_vllm=True, vllm_mode="server"``: TRL's vL
 the optimizer step R the run starts or resumes at, with the current weights as version R: a resumed run holds no
 older weights, so batch j is generated with ``max(R, s_j - d)`` (``batch_version``) and keeps its index, prompts
 and seeds from the run's start (TRL's loader skips the trained items through ``LookAheadLoader.skip_first``).
+The run ends at the Trainer's ``max_steps`` (also when ``num_train_epochs`` sets it): the look-ahead submits only
+the generation batches up to the one holding its last micro-step (``end_batch``), so the engine generates, and the
+trainer publishes weights for, exactly the batches TRL trains; the items still flow to TRL unchanged.
 Supported: one process, no tools / environments / ``rollout_func`` / images, no PEFT, no evaluation in server mode,
 a resume only at a generation boundary; anything else is refused with the reason.
 """
@@ -49,7 +53,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncGeneration", "LookAheadLoader"]
+__all__ = ["ASYNC_METRICS", "AsyncGeneration", "LookAheadLoader"]
+
+# The keys this module logs through ``trl_metric``, the ones ``metric_catalog.METRICS`` must document
+# (``tests/unit/test_metric_catalog.py``): per batch taken (``AsyncGeneration.take``, in this order) and per publish.
+TAKE_METRICS = ("rollout_async/trainer_wait_s", "rollout_async/engine_idle_s", "rollout_async/generate_s",
+                "rollout_async/version")
+PUBLISH_METRIC = "rollout_async/publish_s"
+ASYNC_METRICS = (*TAKE_METRICS, PUBLISH_METRIC)
 
 
 def check_async_trainer(trainer: "RolloutCorrGRPOTrainer") -> None:
@@ -191,7 +202,7 @@ class _Publisher(TrainerCallback):
         self.owner = owner
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.owner.begin(state.global_step)  # a resumed state is restored by now
+        self.owner.begin(state.global_step, state.max_steps)  # a resumed state is restored by now
 
     def on_step_end(self, args, state, control, **kwargs):
         self.owner.publish(state.global_step)
@@ -204,6 +215,7 @@ class AsyncGeneration:
         depth: ``rollout_async_depth`` (d >= 1).
         generate_every: micro-steps per generation batch (TRL's ``steps_per_generation * num_iterations``).
         pipeline: the running ``AsyncRolloutPipeline`` (None outside ``train``).
+        end_batch: one past the last generation batch the run trains (``begin``; None before it).
         engine_pid: the engine process's pid while it runs (tests; None for TRL's server, which is not ours).
         log_path: the transformers engine's log file.
     """
@@ -222,6 +234,7 @@ class AsyncGeneration:
         self.pulled = self.yielded = 0  # dataloader items (micro-steps, over epochs) pulled / handed to TRL
         self.resume_step = self.micro_offset = 0  # the optimizer step and micro-step the run (re)started at
         self.steps_in_epoch: Optional[int] = None  # micro-steps per epoch: len(TRL's loader), set by start
+        self.end_batch: Optional[int] = None
         self._prompts: dict[int, list] = {}
         self._taken = -1
         self.row_versions: Optional[list[int]] = None  # the current batch's, read by PolicyLag
@@ -263,11 +276,7 @@ class AsyncGeneration:
         if self.trainer.args.ignore_data_skip:
             raise ValueError(f"rollout_async_depth={self.depth}: resuming with ignore_data_skip=True would train "
                              "other prompts than the pipeline takes ahead; set ignore_data_skip=False.")
-        if self.steps_in_epoch:
-            epoch, within = divmod(step, -(-self.steps_in_epoch // self.accumulation))
-            micro = epoch * self.steps_in_epoch + within * self.accumulation
-        else:
-            micro = step * self.accumulation
+        micro = trl_compat.micro_steps_at(step, self.accumulation, self.steps_in_epoch)
         if micro % self.generate_every:
             raise ValueError(
                 f"rollout_async_depth={self.depth}: the checkpoint at optimizer step {step} (micro-step {micro}) lies "
@@ -276,10 +285,18 @@ class AsyncGeneration:
                 "steps_per_generation * num_iterations / gradient_accumulation_steps).")
         return micro
 
-    def begin(self, step: int) -> None:
+    def end_of_run(self, step: int, max_steps: Optional[int]) -> Optional[int]:
+        """One past the last generation batch a run started (or resumed) at optimizer step ``step`` trains when the
+        Trainer stops at ``max_steps`` (``trl_compat.micro_steps_trained``): the batch holding its last micro-step.
+        None: ``max_steps`` unknown (no end)."""
+        micro = trl_compat.micro_steps_trained(step, max_steps, self.accumulation, self.steps_in_epoch)
+        return None if micro is None else -(-micro // self.generate_every)
+
+    def begin(self, step: int, max_steps: Optional[int] = None) -> None:
         """Start the engine at optimizer step ``step`` (0, or the resumed checkpoint's: ``on_train_begin``) with
         the current weights as version ``step``; generation batches are numbered from the run's start, so a
         resumed run's batch j has the same index, prompts and seeds as in the run that saved the checkpoint.
+        Only the batches up to ``max_steps`` (``end_of_run``) are generated.
 
         Raises:
             ValueError: see ``resume_micro_step``.
@@ -305,8 +322,10 @@ class AsyncGeneration:
         self.engine.start()
         self.resume_step, self.micro_offset = step, micro
         first = micro // self.generate_every
+        self.end_batch = self.end_of_run(step, max_steps)
         self.pipeline = AsyncRolloutPipeline(self.engine, batch_version=self.batch_version,
-                                             timeout_s=args.rollout_async_timeout_s, first_batch=first)
+                                             timeout_s=args.rollout_async_timeout_s, first_batch=first,
+                                             end_batch=self.end_batch)
         self.pulled = self.yielded = micro
         self._prompts.clear()
         self._taken = first - 1
@@ -334,11 +353,14 @@ class AsyncGeneration:
             return
         started = time.perf_counter()
         self.pipeline.publish(version, self.engine.snapshot(self.trainer.accelerator.unwrap_model(self.trainer.model)))
-        self.trainer.trl_metric("rollout_async/publish_s", time.perf_counter() - started)
+        self.trainer.trl_metric(PUBLISH_METRIC, time.perf_counter() - started)
 
     def submit(self, items: list) -> None:
-        """Tokenise a generation batch's prompts as TRL will and submit them with their per-row seeds."""
+        """Tokenise a generation batch's prompts as TRL will and submit them with their per-row seeds; a batch at
+        or past ``end_batch`` (after the run's ``max_steps``: TRL never trains it) is not submitted."""
         batch = self.pulled // self.generate_every
+        if self.end_batch is not None and batch >= self.end_batch:
+            return
         prompt_ids = trl_compat.generation_prompt_ids(self.trainer, items)
         seed = self.trainer.args.seed
         seeds = [request_seed(seed, batch, row) for row in range(len(prompt_ids))]
@@ -363,6 +385,10 @@ class AsyncGeneration:
                 f"asynchronous generation: TRL generates at micro-step {micro} (optimizer "
                 f"step {step}), but generation batch {batch} starts at micro-step {batch * self.generate_every} "
                 f"(step {self.first_step(batch)}); report this.")
+        if self.end_batch is not None and batch >= self.end_batch:
+            raise RuntimeError(f"asynchronous generation: TRL generates batch {batch} at optimizer step {step}, past "
+                               f"the {self.end_batch} batches its max_steps={self.trainer.state.max_steps} trains "
+                               "(not generated); report this.")
         submitted = self._prompts.pop(batch, None)
         if submitted != [list(p) for p in prompt_ids]:
             raise RuntimeError(f"asynchronous generation: TRL's prompts of generation batch {batch} are not the ones "
@@ -373,9 +399,9 @@ class AsyncGeneration:
             raise RuntimeError(f"generation batch {batch} was generated at version {result.version}, not "
                                f"{self.batch_version(batch)}.")
         self.row_versions = [result.version] * len(prompt_ids)
-        for name, value in (("trainer_wait_s", result.trainer_wait_s), ("engine_idle_s", result.engine_idle_s),
-                            ("generate_s", result.generate_s), ("version", float(result.version))):
-            trainer.trl_metric(f"rollout_async/{name}", value)
+        values = (result.trainer_wait_s, result.engine_idle_s, result.generate_s, float(result.version))
+        for name, value in zip(TAKE_METRICS, values, strict=True):
+            trainer.trl_metric(name, value)
         return result.completion_ids, result.log_probs
 
     def take_row_versions(self) -> Optional[list[int]]:

@@ -6,7 +6,8 @@
   redefines), read from the dataclass (name, type, default, ``metadata["help"]``);
 * ``docs/reference/presets.md``: every preset of ``config.PRESETS``, its parameters (the classmethod's signature),
   its docstring's first line and the fields it sets (the built config's ``to_dict``);
-* ``docs/reference/metrics.md``: every ``rollout_corr/*`` metric family of ``metric_catalog.METRICS``;
+* ``docs/reference/metrics.md``: every metric family of ``metric_catalog.METRICS`` (``rollout_corr/*``,
+  ``rollout_async/*``), the length slices from ``correction.layout.DEFAULT_LENGTH_BUCKETS``;
 * ``docs/reference/recorded-fields.md``: the trainer fields the rollout records write into ``run.json``
   (``features.rollout_records.RECORDED_TRAINER_FIELDS``), read from ``RolloutCorrGRPOConfig``.
 
@@ -165,22 +166,39 @@ def recorded_fields_page() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def metrics_page() -> str:
-    """``docs/reference/metrics.md``: ``metric_catalog.METRICS``, grouped by family, in declaration order."""
-    from .metric_catalog import METRICS, PREFIX
+def length_slices() -> tuple[tuple[int, ...], list[str]]:
+    """The trainer's response-length slice edges (``correction.layout.DEFAULT_LENGTH_BUCKETS``, read when called)
+    and the slice names they give (``MetricLayout.bucket_prefixes`` without the ``/``: ``len_0_64``, ...)."""
+    from .correction import layout
 
-    lines = _header("Metrics", "`metric_catalog.METRICS` (each metric family of the `rollout_corr/*` keys: name "
-                    "pattern, meaning, family and the file that computes it)")
-    lines += [*_wrap(f"Every key is logged as `{PREFIX}<name>` (`eval_{PREFIX}<name>` in evaluation). In a name, "
-                     "`{option}` is an RS option of `rollout_rs` (e.g. `seq_mean_k3`), `{lo}_{hi}` a length slice "
-                     "(edges 64, 256, 1024), `{i}` a layer index. How to read them, and when a value is absent: "
-                     "[read-the-metrics.md](../how-to/read-the-metrics.md)."), ""]
+    edges = layout.DEFAULT_LENGTH_BUCKETS
+    return edges, [p.rstrip("/") for p in layout.MetricLayout(length_buckets=edges).bucket_prefixes]
+
+
+def metrics_page() -> str:
+    """``docs/reference/metrics.md``: ``metric_catalog.METRICS``, grouped by family, in declaration order, each
+    family's ``FAMILY_NOTES`` under its heading."""
+    from .metric_catalog import FAMILY_NOTES, METRICS, PREFIX, PREFIXES
+
+    edges, slices = length_slices()
+    others = ", ".join(f"`{p}*`" for p in PREFIXES if p != PREFIX)
+    lines = _header("Metrics", "`metric_catalog.METRICS` (each metric family of the "
+                    f"{', '.join(f'`{p}*`' for p in PREFIXES)} keys: name pattern, meaning, family and the file that "
+                    "computes it) and `correction.layout.DEFAULT_LENGTH_BUCKETS` (the length slices)")
+    lines += [*_wrap(f"Every key is logged as `{PREFIX}<name>` (`eval_{PREFIX}<name>` in evaluation), except those "
+                     f"listed with their own prefix ({others}). In a name, `{{option}}` is an RS option of "
+                     "`rollout_rs` (e.g. `seq_mean_k3`), `{lo}_{hi}` a length slice (the trainer's edges "
+                     f"{', '.join(map(str, edges))} valid tokens per row, `DEFAULT_LENGTH_BUCKETS`: "
+                     f"{', '.join(f'`{n}`' for n in slices)}), `{{i}}` a layer index. How to read them, and when a "
+                     "value is absent: [read-the-metrics.md](../how-to/read-the-metrics.md)."), ""]
     family = None
     for m in METRICS:
         if m.family != family:
             family = m.family
             lines += [*([""] if lines[-1] else []), f"## {family}", ""]  # a blank line after the previous list
-        lines += [*_wrap(f"`{m.pattern}`: {m.meaning} ({m.source})", "* ", "  ")]
+            if family in FAMILY_NOTES:
+                lines += [*_wrap(FAMILY_NOTES[family]), ""]
+        lines += [*_wrap(f"`{m.listed}`: {m.meaning} ({m.source})", "* ", "  ")]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -1,13 +1,16 @@
-"""The catalogue of the ``rollout_corr/*`` metrics: one entry per family of keys, the source of
-``docs/reference/metrics.md`` (``python -m trl_rollout_corr.docgen --write``).
+"""The catalogue of the ``rollout_corr/*`` metrics and of the asynchronous generation's ``rollout_async/*`` ones: one
+entry per family of keys, the source of ``docs/reference/metrics.md`` (``python -m trl_rollout_corr.docgen --write``).
 
 The keys themselves are built where they are computed (``correction/``, ``accumulator.py``, ``lag.py``,
 ``support/stats.py``, ...), often from parts (an RS option, a length slice, a layer); this module declares what they
 can be. ``MetricFamily.pattern`` is the key after ``rollout_corr/`` with ``{a,b,c}`` for one of the listed words and
 ``{option}`` (an RS option, ``correction.rejection.RS_OPTIONS``), ``{lo}_{hi}`` (a length slice: ``lo`` an edge,
-``hi`` the next edge or ``inf``) and ``{i}`` (a layer index) for the variable parts.
-``tests/unit/test_metric_catalog.py`` checks that every key the correction, M2PO and the golden trainer runs log
-matches exactly one family, and that every family is seen.
+``hi`` the next edge or ``inf``) and ``{i}`` (a layer index) for the variable parts. ``MetricFamily.prefix`` is the
+key's prefix: ``PREFIX`` for the correction's families, ``ASYNC_PREFIX`` for those of ``async_generation.py``
+(``rollout_async_depth >= 1``; their keys are ``async_generation.ASYNC_METRICS``).
+``tests/unit/test_metric_catalog.py`` checks that every key the correction, M2PO, the golden trainer runs and the
+asynchronous generation log matches exactly one family, and that every family is seen
+(``tests/features/test_async_pipeline.py`` checks ``ASYNC_METRICS`` against the keys a real asynchronous run logs).
 
 Nothing here imports torch or TRL.
 """
@@ -19,6 +22,8 @@ import re
 from dataclasses import dataclass
 
 PREFIX = "rollout_corr/"
+ASYNC_PREFIX = "rollout_async/"
+PREFIXES = (PREFIX, ASYNC_PREFIX)  # every prefix a family may have (none is the start of another)
 
 _SIDES = "{mean,std,max,min,fraction_high,fraction_low}"
 _ROW_SIDES = "{mean,std,max,min,max_deviation,fraction_high,fraction_low}"
@@ -26,19 +31,32 @@ _ROW_SIDES = "{mean,std,max,min,max_deviation,fraction_high,fraction_low}"
 
 @dataclass(frozen=True)
 class MetricFamily:
-    """One family of ``rollout_corr/*`` keys.
+    """One family of ``rollout_corr/*`` (or ``rollout_async/*``) keys.
 
     Attributes:
-        pattern: the keys after ``PREFIX`` (module docstring for the placeholders).
+        pattern: the keys after ``prefix`` (module docstring for the placeholders).
         family: the heading it is listed under (``docs/reference/metrics.md``).
         meaning: what the value is, with units (Markdown).
         source: the file that computes it.
+        prefix: the keys' prefix, one of ``PREFIXES`` (default ``PREFIX``).
     """
 
     pattern: str
     family: str
     meaning: str
     source: str
+    prefix: str = PREFIX
+
+    def __post_init__(self) -> None:
+        if self.prefix not in PREFIXES:
+            raise ValueError(f"metric family {self.pattern!r}: prefix {self.prefix!r} is not one of {PREFIXES} "
+                             "(add it to metric_catalog.PREFIXES).")
+
+    @property
+    def listed(self) -> str:
+        """The pattern as ``docs/reference/metrics.md`` lists it: bare under ``PREFIX`` (the page's default),
+        with its prefix otherwise (``rollout_async/version``)."""
+        return self.pattern if self.prefix == PREFIX else self.prefix + self.pattern
 
     @functools.cached_property
     def regex(self) -> re.Pattern:
@@ -57,12 +75,16 @@ class MetricFamily:
         return re.compile("".join(parts))
 
     def matches(self, key: str) -> bool:
-        """Whether ``key`` (with or without ``PREFIX``) is one of this family's keys."""
-        return bool(self.regex.fullmatch(key.removeprefix(PREFIX)))
+        """Whether ``key`` is one of this family's keys: with this family's prefix, or bare (no prefix of
+        ``PREFIXES``); a key with another family's prefix never matches."""
+        prefix = next((p for p in PREFIXES if key.startswith(p)), None)
+        if prefix is not None and prefix != self.prefix:
+            return False
+        return bool(self.regex.fullmatch(key.removeprefix(self.prefix)))
 
 
-def _m(pattern: str, family: str, meaning: str, source: str) -> MetricFamily:
-    return MetricFamily(pattern, family, meaning, source)
+def _m(pattern: str, family: str, meaning: str, source: str, prefix: str = PREFIX) -> MetricFamily:
+    return MetricFamily(pattern, family, meaning, source, prefix)
 
 
 _OFF = "Off-policy diagnostics"
@@ -71,6 +93,20 @@ _RS = "Rejection sampling"
 _LEN = "Length slices"
 _RATIO = "Ratio decomposition and policy lag"
 _TRAINER = "Trainer features"
+_ASYNC = "Asynchronous generation"
+
+# heading -> a paragraph the page prints under it (when its keys are logged, how to read them together)
+FAMILY_NOTES: dict[str, str] = {
+    _ASYNC: "Logged only with `rollout_async_depth >= 1` (asynchronous GRPO: an engine in its own process generates "
+            "the next generation batches while the trainer trains; [policy-lag.md](../how-to/policy-lag.md)), under "
+            "their own prefix `rollout_async/` (not `rollout_corr/`). Times are wall-clock seconds, each the mean "
+            "over the events of the logged window (TRL's `log` averages them); a step without the event (no batch "
+            "taken: `steps_per_generation` or `num_iterations` > 1; no weights published) has no value. Read "
+            "together: `trainer_wait_s` ~ 0 means generation keeps up (the batch was ready when TRL asked for it); "
+            "a `trainer_wait_s` near `generate_s` means the trainer waits for the engine (generation is the "
+            "bottleneck); a large `engine_idle_s` means the engine waits for weights (training is the bottleneck: "
+            "a deeper `rollout_async_depth` would use the engine more, at a larger policy lag).",
+}
 
 METRICS: tuple[MetricFamily, ...] = (
     _m("kl", _OFF, "mean over valid tokens of `log mu - log pi_train`, nats: k1 estimate of KL(mu ‖ pi_train)",
@@ -162,9 +198,22 @@ METRICS: tuple[MetricFamily, ...] = (
     _m("routing_token_mismatch_fraction", _TRAINER, "tokens with at least one differing selection", "routing.py"),
     _m("skipped_step_fraction", _TRAINER, "1 on an optimizer step `skip_empty_steps` skipped, else 0",
        "features/empty_steps.py"),
+    _m("trainer_wait_s", _ASYNC, "seconds the trainer waited for its generation batch when TRL generated (~ 0: the "
+       "engine had it ready)", "engines/async_pipeline.py", ASYNC_PREFIX),
+    _m("engine_idle_s", _ASYNC, "seconds the engine waited for the weights of the batch's version to be published "
+       "before generating it (> 0: the engine was ahead of the trainer)", "engines/async_pipeline.py", ASYNC_PREFIX),
+    _m("generate_s", _ASYNC, "seconds the engine took to generate the batch (its weight load and its wait "
+       "excluded)", "engines/async_pipeline.py", ASYNC_PREFIX),
+    _m("publish_s", _ASYNC, "seconds the trainer spent copying its weights to CPU and publishing them after an "
+       "optimizer step a batch needs (the trainer's own cost of the pipeline)", "async_generation.py", ASYNC_PREFIX),
+    _m("version", _ASYNC, "the weight version that generated the batch: a counter, the optimizer step whose weights "
+       "the engine held, `max(R, s - d)` for the batch first trained at step s (d = `rollout_async_depth`, R the "
+       "step the run started or resumed at); s - version is the lag of its rows at step s (`policy_lag_*`)",
+       "async_generation.py", ASYNC_PREFIX),
 )
 
 
 def family_of(key: str) -> list[MetricFamily]:
-    """The families ``key`` (with or without ``PREFIX``) belongs to (one for a catalogued key, none otherwise)."""
+    """The families ``key`` (with its prefix of ``PREFIXES``, or bare) belongs to (one for a catalogued key, none
+    otherwise)."""
     return [m for m in METRICS if m.matches(key)]

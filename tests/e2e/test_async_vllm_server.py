@@ -58,7 +58,7 @@ def test_async_depth1_on_the_real_server(tmp_path):
                                      "rollout_corr/engine_ratio_p01", "rollout_corr/lag_ratio_max",
                                      "rollout_async/generate_s", "rollout_async/trainer_wait_s")})
         engine = trainer.rollout_async.engine
-        assert engine.record[:3] == [(0, 0), (1, 0), (2, 1)]  # the engine's loads, in order
+        assert engine.record == [(0, 0), (1, 0), (2, 1)]  # the engine's loads, in order; none past max_steps
         for h in logs:
             assert abs(h["rollout_corr/engine_ratio_max"] - 1) < FLOAT32_NOISE, h
             assert abs(h["rollout_corr/engine_ratio_p01"] - 1) < FLOAT32_NOISE, h

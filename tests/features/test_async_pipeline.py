@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -20,7 +21,9 @@ import torch
 from transformers import TrainerCallback
 
 from trl_rollout_corr import trl_compat
-from trl_rollout_corr.engines.async_pipeline import EngineError, request_seed
+from trl_rollout_corr.async_generation import ASYNC_METRICS, AsyncGeneration
+from trl_rollout_corr.engines.async_pipeline import AsyncRolloutPipeline, EngineError, request_seed
+from trl_rollout_corr.metric_catalog import ASYNC_PREFIX, family_of
 
 ASYNC = dict(max_steps=4, rollout_async_timeout_s=60.0)
 TIMING = re.compile(r"^(rollout_async/(trainer_wait_s|engine_idle_s|generate_s|publish_s)|step_time|train_runtime|"
@@ -72,6 +75,56 @@ def test_first_optimizer_step_by_hand():
 
 
 @pytest.mark.unit
+def test_end_of_run_by_hand():
+    """The micro-steps transformers 5.x consumes up to optimizer step s (where a resume continues; at s = max_steps
+    what a run trains) and the generation batches the look-ahead submits for a run (``end_of_run``)."""
+    assert [trl_compat.micro_steps_at(s, 1) for s in (0, 1, 5)] == [0, 1, 5]
+    assert [trl_compat.micro_steps_at(s, 2) for s in (0, 1, 5)] == [0, 2, 10]
+    # epochs of 3 micro-steps at accumulation 2: steps of 2 + 1 items per epoch (the inverse of first_optimizer_step)
+    assert [trl_compat.micro_steps_at(s, 2, steps_in_epoch=3) for s in range(6)] == [0, 2, 3, 5, 6, 8]
+    assert [trl_compat.micro_steps_at(s, 1, steps_in_epoch=4) for s in (4, 5, 8)] == [4, 5, 8]
+    with pytest.raises(ValueError, match="step >= 0"):
+        trl_compat.micro_steps_at(-1, 1)
+    assert trl_compat.micro_steps_trained(0, 4, 1) == 4
+    assert trl_compat.micro_steps_trained(2, 5, 1, steps_in_epoch=8) == 5  # a resume keeps the run's end
+    assert trl_compat.micro_steps_trained(5, 5, 1, steps_in_epoch=8) == 6  # resumed at the end: one more step
+    assert trl_compat.micro_steps_trained(0, -1, 1) is None and trl_compat.micro_steps_trained(0, None, 1) is None
+    # end_of_run = ceil(micro-steps trained / generate_every): a batch whose first micro-step is trained counts
+    ag = types.SimpleNamespace(accumulation=1, generate_every=2, steps_in_epoch=16)
+    end_of_run = AsyncGeneration.end_of_run
+    assert [end_of_run(ag, 0, n) for n in (1, 4, 5)] == [1, 2, 3]  # max_steps 5: micro-steps 0-4, batches 0-2
+    ag.accumulation, ag.generate_every = 2, 2  # one batch per optimizer step
+    assert end_of_run(ag, 0, 4) == 4 and end_of_run(ag, 0, -1) is None
+
+
+class _FakeEngine:
+    timeout_s = 1.0
+
+    def close(self):
+        pass
+
+    def log_tail(self):
+        return ""
+
+
+@pytest.mark.unit
+def test_pipeline_stops_at_end_batch():
+    """Versions only batches past ``end_batch`` would need are not published; such batches are refused."""
+    unbounded = AsyncRolloutPipeline(_FakeEngine(), batch_version=lambda j: max(0, j - 2))
+    bounded = AsyncRolloutPipeline(_FakeEngine(), batch_version=lambda j: max(0, j - 2), end_batch=4)
+    try:
+        assert [unbounded.needs(v) for v in range(5)] == [True] * 5
+        assert [bounded.needs(v) for v in range(5)] == [True, True, False, False, False]  # batches 0-3: 0, 0, 0, 1
+        for j in range(4):
+            bounded.submit(j, [[1]], [j])
+        with pytest.raises(ValueError, match="the run trains batches < 4"):
+            bounded.submit(4, [[1]], [4])
+    finally:
+        unbounded.close()
+        bounded.close()
+
+
+@pytest.mark.unit
 def test_trl_pins_for_async():
     """The TRL 1.16 lines ``async_generation`` relies on (``trl_compat``: generate_every, micro_step,
     generation_prompt_ids); a TRL change here must fail loudly."""
@@ -105,6 +158,14 @@ def test_trl_pins_for_async():
     loop = inspect.getsource(Trainer._inner_training_loop)
     assert loop.index("self._init_training_state(") < loop.index("self.callback_handler.on_train_begin(") < \
         loop.index("self._run_epoch(")
+    # the end (trl_compat.micro_steps_trained): state.max_steps is set before on_train_begin, also from epochs,
+    # and training stops after the step that reaches it
+    from transformers.trainer_callback import DefaultFlowCallback
+
+    assert "self.state.init_training_references(self, max_steps, num_train_epochs, trial)" in state
+    initial = inspect.getsource(Trainer.set_initial_training_values)
+    assert "max_steps = math.ceil(args.num_train_epochs * num_update_steps_per_epoch)" in initial
+    assert "if state.global_step >= state.max_steps:" in inspect.getsource(DefaultFlowCallback.on_step_end)
 
 
 @pytest.mark.unit
@@ -131,14 +192,23 @@ VERSION_CASES = {
     "d1_spg2": (dict(rollout_async_depth=1, steps_per_generation=2, per_device_train_batch_size=2, max_steps=5),
                 [0, None, 1, None, 3]),
     "d1_iter2": (dict(rollout_async_depth=1, num_iterations=2, max_steps=5), [0, None, 1, None, 3]),
+    # 2 prompts per batch: 4 batches (micro-steps, optimizer steps) per epoch; num_train_epochs=1.25 -> TRL's
+    # max_steps = ceil(1.25 * 4) = 5: the run ends one batch into epoch 2
+    "d2_epochs": (dict(rollout_async_depth=2, per_device_train_batch_size=8, max_steps=-1, num_train_epochs=1.25),
+                  [0, 0, 0, 1, 2]),
 }
 # policy lag of the trained rows per step (current step - version), by hand from the table above
-LAGS = {"d1": [0, 1, 1, 1], "d2": [0, 1, 2, 2], "d1_spg2": [0, 1, 1, 2, 1], "d1_iter2": [0, 1, 1, 2, 1]}
+LAGS = {"d1": [0, 1, 1, 1], "d2": [0, 1, 2, 2], "d1_spg2": [0, 1, 1, 2, 1], "d1_iter2": [0, 1, 1, 2, 1],
+        "d2_epochs": [0, 1, 2, 2, 2]}
 
 
 @pytest.mark.parametrize("case", list(VERSION_CASES))
-def test_versions_exact(case, llama_dir, tmp_path, make_trainer, step_logs):
+def test_versions_exact(case, llama_dir, tmp_path, make_trainer, step_logs, monkeypatch):
     overrides, expected = VERSION_CASES[case]
+    published = []
+    publish = AsyncRolloutPipeline.publish
+    monkeypatch.setattr(AsyncRolloutPipeline, "publish",
+                        lambda self, version, state: (published.append(version), publish(self, version, state)))
     trainer = make_trainer(llama_dir, tmp_path, **{**ASYNC, **overrides})
     trainer.train()
     assert _gen_versions(trainer) == expected
@@ -149,8 +219,15 @@ def test_versions_exact(case, llama_dir, tmp_path, make_trainer, step_logs):
     # at the first step the engine holds version 0 = the trainer's weights: its mu equals the trainer's log-probs
     # to float32 precision (the engine samples softmax(logits / T), the distribution TRL scores)
     assert step_logs(trainer)[0]["rollout_corr/log_ppl_abs_diff"] < 1e-5
-    depth = overrides["rollout_async_depth"]
-    assert len(record) == len(generated) + depth or len(record) == len(generated) + depth - 1  # generated ahead
+    # the engine generated exactly the batches the run trained (none of the d batches the look-ahead would take
+    # past max_steps), and the trainer published exactly the versions they need
+    assert sorted(record) == list(range(len(generated)))
+    assert published == sorted(set(generated))
+    # the rollout_async/* keys the run logged are the ones async_generation declares (ASYNC_METRICS, which
+    # tests/unit/test_metric_catalog.py checks against the catalogue), each in exactly one catalogue family
+    logged = {k for h in trainer.state.log_history for k in h if k.startswith(ASYNC_PREFIX)}
+    assert sorted(logged) == sorted(ASYNC_METRICS)
+    assert all(len(family_of(k)) == 1 for k in logged)
 
 
 def test_repeat_bit_for_bit(llama_dir, tmp_path, make_trainer):
@@ -281,8 +358,8 @@ def test_resume_restarts_the_pipeline_at_the_checkpoint(llama_dir, tmp_path, mak
     logs = step_logs(resumed)
     assert [h["step"] for h in logs] == [1, 2, 3, 4, 5]
     assert [h["rollout_corr/policy_lag_mean"] for h in logs] == [0, 1, 0, 1, 2]
-    record = _engine_record(resumed)
-    assert min(record) == 2 and [record[j] for j in (2, 3, 4)] == [2, 2, 2]
+    assert _engine_record(first) == {0: 0, 1: 0, 2: 0, 3: 1, 4: 2}  # nothing generated past max_steps
+    assert _engine_record(resumed) == {2: 2, 3: 2, 4: 2}  # batches 5, 6 never requested
     assert logs[2]["rollout_corr/log_ppl_abs_diff"] < 1e-5  # version 2 = the checkpoint's weights
     assert logs[3]["rollout_corr/log_ppl_abs_diff"] > 1e-4  # one step stale
     assert resumed.rollout_async.pipeline is None and resumed.state.global_step == 5

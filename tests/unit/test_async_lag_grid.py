@@ -94,9 +94,86 @@ def test_async_lag_check_follows_the_emulated_schedule(g):
     bad = [dict(r) for r in good]
     bad[3]["rollout_corr/policy_lag_mean"] = 1.5  # step 4 should be lag 2 on every row
     bad[0]["rollout_corr/k3_kl"] = 0.04  # above the engine-mismatch bound at the lag-0 step
-    assert g.async_lag_check(bad, 2, 0.03) == ["step 1: lag 0 but k3_kl 0.04 (bound 0.03)",
-                                               "step 4: policy lag max/mean (2.0, 1.5), expected 2"]
+    assert g.async_lag_check(bad, 2, 0.03) == ["step 4: policy lag max/mean (2.0, 1.5), expected 2",  # the one lag-0
+                                               "lag-0 k3_kl median 0.04 over 1 lag-0 steps (later half 0.04 over 1), "
+                                               "above the bound 0.03"]  # one lag-0 step: both medians are that step
     assert g.async_lag_check(good, 0, 0.03)[0] == "step 2: policy lag max/mean (1.0, 1.0), expected 0"
+
+
+def _on_policy(k3):
+    """Logged steps of an on-policy (d = 0) cell: lag 0 at every step, k3_kl ``k3[t - 1]`` at step t (None: none)."""
+    return [{"step": t, "rollout_corr/policy_lag_max": 0, "rollout_corr/policy_lag_mean": 0,
+             **({} if kl is None else {"rollout_corr/k3_kl": kl})} for t, kl in enumerate(k3, start=1)]
+
+
+def test_a_few_lag0_spikes_pass_when_the_median_is_under_the_bound(g):
+    """Rule of 2026-12-07: the KL part bounds the median over the lag-0 steps. 0.002, 0.05, 0.004, 0.06, 0.003 sort to
+    0.002, 0.003, 0.004, 0.05, 0.06: median 0.004 <= 0.03, so the cell passes (the old every-step rule failed it at
+    steps 2 and 4); those two steps stay visible, informational."""
+    steps = _on_policy([0.002, 0.05, 0.004, 0.06, 0.003])
+    assert g.async_lag_check(steps, 0, 0.03, expected_steps=5) == []
+    assert g.lag0_k3_above(steps, 0, 0.03) == [(2, 0.05), (4, 0.06)]
+    assert g.lag0_k3(steps, 0) == [(1, 0.002), (2, 0.05), (3, 0.004), (4, 0.06), (5, 0.003)]
+
+
+def test_a_median_above_the_bound_fails(g):
+    # 0.02, 0.04, 0.05, 0.01, 0.035 sort to 0.01, 0.02, 0.035, 0.04, 0.05: median 0.035 > 0.03 (one message, not three)
+    steps = _on_policy([0.02, 0.04, 0.05, 0.01, 0.035])
+    # its later half (steps 3-5): 0.05, 0.01, 0.035, median 0.035 > 0.03 as well
+    assert g.async_lag_check(steps, 0, 0.03) == [
+        "lag-0 k3_kl median 0.035 over 5 lag-0 steps (later half 0.035 over 3), above the bound 0.03"]
+    # six steps: 0.01, 0.02, 0.04, 0.05, 0.06, 0.07: median (0.04 + 0.05) / 2 = 0.045
+    six = _on_policy([0.07, 0.01, 0.05, 0.02, 0.06, 0.04])
+    # its later half (steps 4-6): 0.02, 0.06, 0.04, median 0.04
+    assert g.async_lag_check(six, 0, 0.03) == [
+        "lag-0 k3_kl median 0.045 over 6 lag-0 steps (later half 0.04 over 3), above the bound 0.03"]
+    assert g.lag0_k3_above(six, 0, 0.03) == [(1, 0.07), (3, 0.05), (5, 0.06), (6, 0.04)]
+    # at d = 2 only step 1 is at lag 0: its k3 alone is the median; the stale steps' k3 (lag in it) is not bounded
+    lagged = [dict(r, **{"rollout_corr/policy_lag_max": min(t, 2), "rollout_corr/policy_lag_mean": min(t, 2)})
+              for t, r in enumerate(_on_policy([0.001, 0.9, 0.9]))]
+    assert g.async_lag_check(lagged, 2, 0.03) == [] and g.lag0_k3(lagged, 2) == [(1, 0.001)]
+
+
+def test_a_sync_missed_after_the_middle_fails_on_the_later_half(g):
+    """Ten steps at 0.005, then an engine left on old weights: 0.02, 0.04, 0.08, 0.15, 0.3, 0.6. The whole cell's
+    median is the 8th and 9th sorted values' mean, 0.005, under 0.03; its later half (steps 9-16: 0.005, 0.005,
+    0.02, 0.04, 0.08, 0.15, 0.3, 0.6) has median (0.04 + 0.08) / 2 = 0.06, over it: the cell fails."""
+    steps = _on_policy([0.005] * 10 + [0.02, 0.04, 0.08, 0.15, 0.3, 0.6])
+    assert g.async_lag_check(steps, 0, 0.03, expected_steps=16) == [
+        "lag-0 k3_kl median 0.005 over 16 lag-0 steps (later half 0.06 over 8), above the bound 0.03"]
+
+
+def test_a_lag0_step_without_a_finite_k3_fails(g):
+    """A lag-0 step with no k3_kl still fails (as before); a NaN one fails too (the old rule let NaN pass: NaN > 0.03
+    is false). The median is then over the finite ones: 0.002, 0.004, 0.003 -> 0.003, under the bound."""
+    assert g.async_lag_check(_on_policy([0.002, None, 0.004, 0.003]), 0, 0.03) == [
+        "step 2: lag 0 but no finite k3_kl (None)"]
+    assert g.async_lag_check(_on_policy([0.002, 0.004, math.nan, 0.003]), 0, 0.03) == [
+        "step 3: lag 0 but no finite k3_kl (nan)"]
+    assert g.async_lag_check(_on_policy([None]), 2, 0.03) == ["step 1: lag 0 but no finite k3_kl (None)"]
+
+
+def test_the_committed_cells_under_the_median_rule(g):
+    """Real data. base_16x4 ``trl_d0_s3`` (schedule exact, lag-0 k3 0.032, 0.042, 0.050, 0.062 at steps 3, 8, 9, 10
+    during its zero-reward stretch; median over 16 steps 0.0107) now passes; the never-synced ``trl_k32_s1`` and
+    ``bypass_k32_s1``, their 32 steps read as lag 0, fail on their medians 0.9272 and 0.1593."""
+    base, res = g.candidate("base_16x4"), g.RESULTS / "async_lag"
+    s3 = g.cell_steps(res / "base_16x4" / "trl_d0_s3")
+    assert g.async_lag_check(s3, 0, 0.03, expected_steps=16) == [] and g.cell_problems(base, "trl_d0_s3", res) == []
+    assert [(s, round(kl, 3)) for s, kl in g.lag0_k3_above(s3, 0, 0.03)] == [
+        (3, 0.032), (8, 0.042), (9, 0.050), (10, 0.062)]
+    for cell, median, late in (("trl_k32_s1", "0.9272", "1.632"), ("bypass_k32_s1", "0.1593", "0.1831")):
+        k3 = [r["rollout_corr/k3_kl"] for r in g.cell_steps(g.MAIN_GRID / cell)]
+        assert len(k3) == 32
+        assert g.async_lag_check(_on_policy(k3), 0, 0.03) == [
+            f"lag-0 k3_kl median {median} over 32 lag-0 steps (later half {late} over 16), above the bound 0.03"]
+    # base_16x4 with seed 3 counted (it passes now): 135, 185, 80, 149 of 512 against the start's 99: +36, +86, -19,
+    # +50 items, mean 38.25, sd sqrt(5700.75 / 3) = 43.59, s.e. 21.80 items = 4.3 points; (3 sd / mean)^2 = 11.7 -> 12
+    # seeds, over the 8 allowed: still not measurable, with every seed counted
+    assert g.on_policy_gains(base, res) == pytest.approx({1: 36 / 512, 2: 86 / 512, 3: -19 / 512, 4: 50 / 512})
+    v = g.verdict_of(base, res)
+    assert v.status == g.NOT_MEASURABLE and v.n == 4 and v.seeds_needed == 12
+    assert v.reason == "mean +7.5 < 3 x s.e. 4.3 points; 12 seeds needed, over the 8 allowed"
 
 
 FINALS = {("trl", 0): {1: 0.40, 2: 0.44, 3: 0.42}, ("trl", 2): {1: 0.30, 2: 0.36, 3: 0.33},
@@ -124,12 +201,13 @@ def test_arm_rows_against_start_and_on_policy(rep):
 
 def _cell(folder, acc, scores, depth=None, steps=16, kl=0.001):
     """A committed cell: eval.json, and with ``depth`` the emulated schedule's log.jsonl (``steps`` steps, k3_kl
-    ``kl``) and cell_meta.json, as ``run_cell`` commits them."""
+    ``kl`` at every step, or ``kl[t - 1]`` at step t for a list) and cell_meta.json, as ``run_cell`` commits them."""
     folder.mkdir(parents=True)
     (folder / "eval.json").write_text(json.dumps({"after": {"accuracy": acc, "scores": scores}}))
     if depth is not None:
         log = [{"step": t, "loss": 0.0, "step_time": 1.0, "rollout_corr/policy_lag_max": min(t - 1, depth),
-                "rollout_corr/policy_lag_mean": min(t - 1, depth), "rollout_corr/k3_kl": kl}
+                "rollout_corr/policy_lag_mean": min(t - 1, depth),
+                "rollout_corr/k3_kl": kl[t - 1] if isinstance(kl, list) else kl}
                for t in range(1, steps + 1)]
         (folder / "log.jsonl").write_text("\n".join(json.dumps(r) for r in log) + "\n")
         (folder / "cell_meta.json").write_text(json.dumps({"starts_at_start": True}))
@@ -209,7 +287,9 @@ def test_calibration_leaves_out_the_cells_the_report_leaves_out(g, rep, tmp_path
     assert v.n == 2 and v.status == g.MORE_SEEDS
     assert g.next_calibration_seed(cand, res) == 4  # seed 3 is committed (failed): never re-run, never counted
     finals, failed = rep.grid_finals(cand, res, {0, 2})
-    assert finals == {("trl", 0): {1: 0.75, 2: 0.70}} and failed[0].startswith("trl_d0_s3 (step 1: lag 0 but k3_kl")
+    assert finals == {("trl", 0): {1: 0.75, 2: 0.70}}
+    assert failed == ["trl_d0_s3 (lag-0 k3_kl median 0.05 over 16 lag-0 steps (later half 0.05 over 8), above the "
+                      "bound 0.03)"]
     assert g.passing_accuracy(cand, "trl_d0_s3", res) is None and g.passing_accuracy(cand, "trl_d0_s2", res) == 0.70
 
 
@@ -223,9 +303,10 @@ def test_the_report_shows_the_calibration_both_ways(g, rep, tmp_path, monkeypatc
     _cell(res / cand.name / "trl_d0_s3", 0.15, [1, 0, 0, 0], depth=0, kl=0.05)
     assert rep.calibration_left_out(res, main_grid=main) == [
         # gains 0.20, 0.30, -0.10: mean 0.1333, sd 0.2082, s.e. 0.1202, t(2) 4.303: +-51.7; (3 sd / mean)^2 = 22
-        "* base_16x4: left out of the table above: `trl_d0_s3` 15.0 % (step 1: lag 0 but k3_kl 0.05 (bound 0.03) and "
-        "15 more). Counted, the gain over 3 seeds is +13.3 [-38.4, +65.0] points (95 % CI; s.e. 12.0): not "
-        "measurable (mean +13.3 < 3 x s.e. 12.0 points; 22 seeds needed, over the 8 allowed)."]
+        "* base_16x4: left out of the table above: `trl_d0_s3` 15.0 % (lag-0 k3_kl median 0.05 over 16 lag-0 steps "
+        "(later half 0.05 over 8), above the bound 0.03). Counted, the gain over 3 seeds is +13.3 [-38.4, +65.0] "
+        "points (95 % CI; s.e. 12.0): not measurable (mean +13.3 < 3 x s.e. 12.0 points; 22 seeds needed, over the "
+        "8 allowed)."]
     assert rep.calibration_left_out(res / "none", main_grid=main) == []
 
 
@@ -245,3 +326,28 @@ def test_a_design_calibrates_only_when_it_does_with_its_failed_seeds_counted(g, 
     assert v.seeds_needed == 12
     assert v.reason.endswith("with the 1 seed(s) that failed their check counted (left out: measurable, mean +25.0 "
                              ">= 3 x s.e. 2.9 points)")
+
+
+def test_the_report_lists_the_lag0_steps_above_the_bound(g, rep, tmp_path, monkeypatch):
+    """Steps above the bound in a passing cell are listed (informational) with the median the check bounds; a cell
+    whose median is above says it fails; cells without such a step are not listed."""
+    main = _main_grid(g, tmp_path, monkeypatch)
+    cand, res = g.candidate("base_16x4"), tmp_path / "async_lag"
+    spiky = [0.002] * 12 + [0.032, 0.042, 0.05, 0.062]  # median 0.002: passes
+    _cell(res / cand.name / "trl_d0_s1", 0.45, [1, 1, 0, 0], depth=0, kl=spiky)
+    _cell(res / cand.name / "trl_d0_s2", 0.55, [1, 1, 0, 0], depth=0)  # k3 0.001 everywhere: not listed
+    _cell(res / cand.name / "trl_d0_s3", 0.15, [1, 0, 0, 0], depth=0, kl=[0.002] * 7 + [0.04] * 9)  # median 0.04
+    _cell(res / cand.name / "trl_d2_s1", 0.40, [1, 0, 0, 0], depth=2, kl=[0.031] + [0.5] * 15)  # lag 0 at step 1
+    assert rep.k3_above_lines(res) == [
+        "* `base_16x4/trl_d0_s1`: step 13 0.032, step 14 0.042, step 15 0.050, step 16 0.062 (median over its 16 "
+        "lag-0 steps 0.002)",
+        "* `base_16x4/trl_d0_s3`: step 8 0.040, step 9 0.040, step 10 0.040, step 11 0.040, step 12 0.040, step 13 "
+        "0.040, step 14 0.040, step 15 0.040, step 16 0.040 (median over its 16 lag-0 steps 0.040; above the bound: "
+        "the cell fails its check)",
+        "* `base_16x4/trl_d2_s1`: step 1 0.031 (median over its 1 lag-0 steps 0.031; above the bound: the cell fails "
+        "its check)"]
+    assert g.cell_problems(cand, "trl_d0_s1", res) == [] and g.cell_problems(cand, "trl_d0_s3", res) != []
+    text = rep.report(res, main_grid=main)
+    assert "Lag-0 steps above the k3_kl bound 0.03 (informational, not a failure" in text
+    assert "* `base_16x4/trl_d0_s1`: step 13 0.032," in text
+    assert "k3_kl bound" not in rep.report(tmp_path / "none", main_grid=main)

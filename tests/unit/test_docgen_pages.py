@@ -71,12 +71,38 @@ def test_metrics_page_lists_every_family_once():
 
     page = docgen_pages.metrics_page()
     for m in METRICS:
-        assert page.count(f"* `{m.pattern}`: ") == 1, m.pattern
+        assert page.count(f"* `{m.listed}`: ") == 1, m.pattern
     headings = [line[3:] for line in page.splitlines() if line.startswith("## ")]
     assert headings == ["Off-policy diagnostics", "Importance-sampling weights", "Rejection sampling", "Length slices",
-                        "Ratio decomposition and policy lag", "Trainer features"]
-    assert page.endswith("\n* `skipped_step_fraction`: 1 on an optimizer step `skip_empty_steps` skipped, else 0 "
-                         "(features/empty_steps.py)\n")
+                        "Ratio decomposition and policy lag", "Trainer features", "Asynchronous generation"]
+    assert "\n* `skipped_step_fraction`: 1 on an optimizer step `skip_empty_steps` skipped, else 0 " \
+           "(features/empty_steps.py)\n\n## Asynchronous generation\n\nLogged only with `rollout_async_depth >= 1`" \
+           in page
+    section = _section(page, "## Asynchronous generation")
+    assert "`trainer_wait_s` ~ 0 means generation keeps up" in section.replace("\n", " ")
+    assert [line.split("`")[1] for line in section.splitlines() if line.startswith("* ")] == [
+        "rollout_async/trainer_wait_s", "rollout_async/engine_idle_s", "rollout_async/generate_s",
+        "rollout_async/publish_s", "rollout_async/version"]
+
+
+def test_metrics_page_reads_the_length_edges_from_the_code(monkeypatch):
+    """The page's length slices are ``correction.layout.DEFAULT_LENGTH_BUCKETS`` when it renders: other edges give
+    another page (so ``tests/unit/test_docs.py`` reports the committed one as stale)."""
+    from pathlib import Path
+
+    from trl_rollout_corr.correction import layout
+
+    intro = docgen_pages.metrics_page().split("\n\n")[2].replace("\n", " ")
+    assert layout.DEFAULT_LENGTH_BUCKETS == (64, 256, 1024)
+    assert ("a length slice (the trainer's edges 64, 256, 1024 valid tokens per row, `DEFAULT_LENGTH_BUCKETS`: "
+            "`len_0_64`, `len_64_256`, `len_256_1024`, `len_1024_inf`)") in intro
+    monkeypatch.setattr(layout, "DEFAULT_LENGTH_BUCKETS", (32, 512))
+    intro = docgen_pages.metrics_page().split("\n\n")[2].replace("\n", " ")
+    assert ("a length slice (the trainer's edges 32, 512 valid tokens per row, `DEFAULT_LENGTH_BUCKETS`: "
+            "`len_0_32`, `len_32_512`, `len_512_inf`)") in intro
+    assert "64" not in intro
+    root = Path(__file__).resolve().parents[2]
+    assert docgen_pages.stale_pages(root) == ["docs/reference/metrics.md"]
 
 
 def test_pages_do_not_depend_on_a_parser_having_run():

@@ -1,7 +1,9 @@
-"""``metric_catalog.METRICS`` covers exactly the ``rollout_corr/*`` keys that are logged: every key the correction
-(each IS level, IcePop, batch normalisation, every RS option, RS on the engine factor), M2PO and the golden trainer
-runs (policy lag, the ratio split, support matching, routing replay, ...) produce matches exactly one family, and every
-family is produced by one of them (so a family that is never logged, or a key without a family, fails)."""
+"""``metric_catalog.METRICS`` covers exactly the ``rollout_corr/*`` and ``rollout_async/*`` keys that are logged: every
+key the correction (each IS level, IcePop, batch normalisation, every RS option, RS on the engine factor), M2PO, the
+golden trainer runs (policy lag, the ratio split, support matching, routing replay, ...) and the asynchronous
+generation (``async_generation.ASYNC_METRICS``, the names its code logs; a real asynchronous run's keys are checked
+against them in ``tests/features/test_async_pipeline.py``) produce matches exactly one family, and every family is
+produced by one of them (so a family that is never logged, or a key without a family, fails)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ import json
 import types
 from pathlib import Path
 
+import pytest
 import torch
 
 from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction
 from trl_rollout_corr.accumulator import Reducers, RolloutCorrAccumulator
+from trl_rollout_corr.async_generation import ASYNC_METRICS
 from trl_rollout_corr.correction.rejection import RS_OPTIONS
-from trl_rollout_corr.metric_catalog import METRICS, PREFIX, family_of
+from trl_rollout_corr.metric_catalog import ASYNC_PREFIX, METRICS, PREFIX, MetricFamily, family_of
 from trl_rollout_corr.modes.decoupled import DecoupledMode
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_trainer"
@@ -76,7 +80,7 @@ def _walk_keys(obj):
 def test_every_logged_key_has_exactly_one_family_and_every_family_is_logged():
     from trl_rollout_corr.features.empty_steps import METRIC as SKIPPED
 
-    keys = _correction_keys() | _golden_keys() | {SKIPPED}
+    keys = _correction_keys() | _golden_keys() | {SKIPPED} | set(ASYNC_METRICS)
     assert len(keys) > 250
     problems = {k: [m.pattern for m in family_of(k)] for k in keys if len(family_of(k)) != 1}
     assert problems == {}, "keys with no family or several (add or narrow one in metric_catalog.METRICS)"
@@ -96,3 +100,24 @@ def test_patterns_match_as_declared():
     assert by_pattern["routing_mismatch_fraction/layer_{i}"].matches("routing_mismatch_fraction/layer_12")
     assert family_of("rollout_corr/m2po_masked_tokens") == []  # M2Selection.metrics() only: the trainer never logs it
     assert family_of("rollout_corr/not_a_metric") == []
+    # a key is matched under its own prefix only: the two prefixes never share a key
+    version = by_pattern["version"]
+    assert version.prefix == ASYNC_PREFIX and version.matches("rollout_async/version") and version.matches("version")
+    assert family_of("rollout_corr/version") == [] and family_of("rollout_async/kl") == []
+    assert [m.listed for m in family_of("rollout_async/generate_s")] == ["rollout_async/generate_s"]
+    assert [m.listed for m in family_of("rollout_corr/kl")] == ["kl"]
+
+
+def test_async_metrics_are_the_async_families():
+    """The names ``async_generation`` logs are exactly the catalogue's ``rollout_async/*`` families, one each."""
+    assert ASYNC_METRICS == ("rollout_async/trainer_wait_s", "rollout_async/engine_idle_s", "rollout_async/generate_s",
+                             "rollout_async/version", "rollout_async/publish_s")
+    async_families = [m for m in METRICS if m.prefix == ASYNC_PREFIX]
+    assert [[m.listed for m in family_of(k)] for k in ASYNC_METRICS] == [[k] for k in ASYNC_METRICS]
+    assert sorted(m.listed for m in async_families) == sorted(ASYNC_METRICS)
+    assert {m.family for m in async_families} == {"Asynchronous generation"}
+
+
+def test_a_family_with_an_unknown_prefix_is_refused():
+    with pytest.raises(ValueError, match="metric_catalog.PREFIXES"):
+        MetricFamily("x", "Trainer features", "x", "x.py", prefix="rollout/")

@@ -339,14 +339,17 @@ class AsyncRolloutPipeline:
         batch_version: generation batch index j -> the version it must be generated with (non-decreasing).
         timeout_s: seconds ``take`` waits for a batch beyond the engine's own timeouts.
         first_batch: the index of the first batch ``submit`` takes (> 0 on a resumed run).
+        end_batch: one past the last batch the run trains (None: no end); no version only later batches need is
+            published, no later batch is submitted.
 
     The trainer calls ``publish`` (after every optimizer step), ``submit`` (ahead of time, in batch order) and
     ``take`` (when it trains the batch, in the same order), then ``close``.
     """
 
     def __init__(self, engine, *, batch_version: Callable[[int], int], timeout_s: float = 600.0,
-                 first_batch: int = 0) -> None:
+                 first_batch: int = 0, end_batch: Optional[int] = None) -> None:
         self.engine = engine
+        self.end_batch = end_batch
         self.batch_version = batch_version
         self.timeout_s = timeout_s
         self._cv = threading.Condition()
@@ -363,14 +366,16 @@ class AsyncRolloutPipeline:
 
     # ------------------------------------------------------------------ trainer side
     def needs(self, version: int) -> bool:
-        """Whether some generation batch (past or future) is generated with ``version`` (``batch_version`` is
-        non-decreasing, so the search stops at the first batch past it); only those versions are copied."""
+        """Whether some generation batch (past or future, before ``end_batch``) is generated with ``version``
+        (``batch_version`` is non-decreasing, so the search stops at the first batch past it); only those versions
+        are copied."""
         batch = 0
-        while True:
+        while self.end_batch is None or batch < self.end_batch:
             needed = self.batch_version(batch)
             if needed >= version:
                 return needed == version
             batch += 1
+        return False
 
     def publish(self, version: int, state: dict) -> None:
         """Hand the engine a CPU copy of the weights of ``version`` (the caller copies; see ``needs``)."""
@@ -382,10 +387,12 @@ class AsyncRolloutPipeline:
         """Queue generation batch ``batch`` (the next index). Returns its version.
 
         Raises:
-            ValueError: batches submitted out of order.
+            ValueError: batches submitted out of order, or at or past ``end_batch``.
         """
         if batch != self._submitted + 1:
             raise ValueError(f"generation batch {batch} submitted after batch {self._submitted}; submit in order.")
+        if self.end_batch is not None and batch >= self.end_batch:
+            raise ValueError(f"generation batch {batch} submitted, but the run trains batches < {self.end_batch}.")
         version = self.batch_version(batch)
         with self._cv:
             self._submitted = batch

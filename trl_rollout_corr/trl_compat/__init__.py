@@ -90,6 +90,8 @@ from .trainer_state import (
     generation_prompt_ids,
     loader_skips_itself,
     micro_step,
+    micro_steps_at,
+    micro_steps_trained,
     resume_checkpoint,
     wrap_optimizer_step,
 )
@@ -118,6 +120,6 @@ __all__ = [
     "COLOCATE_LLM_KWARGS", "colocate_generation_class", "trl_vllm_colocate", "check_vllm_server_logprobs",
     "VLLM_CLIENT_HOOKED", "LOOPBACK_HOSTS", "trainer_versions", "install_vllm_client_cpu_weight_sync",
     "vllm_param_name", "sharded_backend", "dropped_fsdp", "full_parameter_bytes", "fsdp2_wrapped_method",
-    "wrap_optimizer_step", "generate_every", "first_optimizer_step", "micro_step", "loader_skips_itself",
-    "generation_prompt_ids", "checkpoint_folder", "resume_checkpoint",
+    "wrap_optimizer_step", "generate_every", "first_optimizer_step", "micro_step", "micro_steps_at",
+    "micro_steps_trained", "loader_skips_itself", "generation_prompt_ids", "checkpoint_folder", "resume_checkpoint",
 ]

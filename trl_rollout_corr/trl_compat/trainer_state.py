@@ -62,6 +62,41 @@ def first_optimizer_step(batch: int, every: int, gradient_accumulation_steps: in
     return epoch * -(-int(steps_in_epoch) // accumulation) + within // accumulation
 
 
+def micro_steps_at(step: int, gradient_accumulation_steps: int, steps_in_epoch: Optional[int] = None) -> int:
+    """The micro-steps (dataloader items, counted over epochs) transformers 5.x's ``_run_epoch`` has consumed when
+    ``state.global_step`` reaches ``step``: an epoch of ``steps_in_epoch`` items has ``ceil(steps_in_epoch /
+    gradient_accumulation_steps)`` optimizer steps, each of ``gradient_accumulation_steps`` items but the epoch's
+    last (the remainder); ``steps_in_epoch`` None: one epoch (no boundary). The inverse of
+    ``first_optimizer_step`` at step starts: where a resume at ``step`` continues, and (``step = state.max_steps``,
+    where its ``DefaultFlowCallback`` stops training) how many items a run trains.
+
+    Raises:
+        ValueError: ``step < 0`` or ``gradient_accumulation_steps < 1``.
+    """
+    step, accumulation = int(step), int(gradient_accumulation_steps)
+    if step < 0 or accumulation < 1:
+        raise ValueError(f"micro_steps_at needs step >= 0 and gradient_accumulation_steps >= 1, got {step}, "
+                         f"{accumulation}.")
+    if not steps_in_epoch:
+        return step * accumulation
+    epoch, within = divmod(step, -(-int(steps_in_epoch) // accumulation))
+    return epoch * int(steps_in_epoch) + within * accumulation
+
+
+def micro_steps_trained(start_step: int, max_steps: Optional[int], gradient_accumulation_steps: int,
+                        steps_in_epoch: Optional[int] = None) -> Optional[int]:
+    """The micro-steps (dataloader items from the run's start, over epochs) transformers 5.x has consumed when a
+    ``train`` started or resumed at optimizer step ``start_step`` stops at ``max_steps`` (``state.max_steps``, set
+    before ``on_train_begin``, also from ``num_train_epochs``): ``DefaultFlowCallback.on_step_end`` stops training
+    once ``global_step >= max_steps``, checked after a step, so a run resumed at or past ``max_steps`` inside an
+    epoch still trains one step (counted: the bound is never short). ``max_steps`` None or <= 0: unknown, None.
+    Fewer are consumed when a callback stops training early or an iterable dataset runs out."""
+    if max_steps is None or int(max_steps) <= 0:
+        return None
+    last = max(int(max_steps), int(start_step) + 1)
+    return micro_steps_at(last, gradient_accumulation_steps, steps_in_epoch)
+
+
 def micro_step(trainer: Any) -> int:
     """TRL's micro-step counter ``GRPOTrainer._step`` (incremented in ``training_step``; 0 in a fresh trainer, so on
     resume it counts from the resumed step)."""
