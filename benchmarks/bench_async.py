@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -38,89 +37,32 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = {"sync_t1": (0, 1), "sync_t2": (0, 2), "async_d1": (1, 1), "async_d2": (2, 1)}  # (depth, trainer threads)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import async_cells as cells  # noqa: E402  (benchmarks/, next to this file: the settings, server, config, clock)
+from async_cells import SETTINGS  # noqa: E402  ({setting: (depth, trainer threads)})
 
 
 def worker(setting: str, model: str, steps: int, out: Path, engine: str) -> None:
-    """One run in this process; writes ``out/<setting>.json`` with the per-step split."""
-    if engine == "server":  # TRL's vLLM server (float32, threads as the trainer's), started for this run
-        from trl_rollout_corr.engines.vllm_serve import VLLMServer
+    """One run in this process; writes ``out/<setting>.json`` with the per-step split (``async_cells.step_rows``)."""
+    threads = cells.set_threads(setting)
+    train_task, _ = cells.main_job_tasks(2000, 1)
+    with cells.serve(setting, model, engine, out / f"{setting}_server.log") as server:
+        import grpo_recipe_utils as ru  # recipes/, on the path after main_job_tasks
 
-        threads = str(SETTINGS[setting][1])
-        with VLLMServer(model, "float32", log_path=str(out / f"{setting}_server.log"), timeout_s=600,
-                        extra_args=["--max_model_len", "1024"],
-                        env={"OMP_NUM_THREADS": threads, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}) as server:
-            return _train(setting, model, steps, out, server)
-    return _train(setting, model, steps, out, None)
-
-
-def _train(setting: str, model: str, steps: int, out: Path, server) -> None:
-    depth, threads = SETTINGS[setting]
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    import torch
-
-    torch.set_num_threads(threads)
-    sys.path.insert(0, str(ROOT / "recipes"))
-    from transformers import TrainerCallback
-
-    import grpo_recipe_utils as ru
-    from trl_rollout_corr.engines.vllm_serve import free_port
-    from trl_rollout_corr.trainer import RolloutCorrGRPOConfig, RolloutCorrGRPOTrainer
-
-    train_task, _ = ru.make_task_splits("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1,
-                                                      "max_digits": 2}, 2000, 42, 1, 1_000_000,
-                                        ru.DEFAULT_INSTRUCTION)
-
-    class Timed(RolloutCorrGRPOTrainer):
-        generate_s: list = []
-
-        def _generate_single_turn(self, *args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return super()._generate_single_turn(*args, **kwargs)
-            finally:
-                self.generate_s.append((self.state.global_step, time.perf_counter() - started))
-
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.steps = []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.started = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.steps.append(time.perf_counter() - self.started)
-
-    args = RolloutCorrGRPOConfig(
-        output_dir=str(out / setting), per_device_train_batch_size=16, num_generations=4, max_completion_length=32,
-        max_steps=steps, learning_rate=3e-5, lr_scheduler_type="constant", temperature=1.0, beta=0.0,
-        loss_type="dapo", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=42,
-        disable_tqdm=True, rollout_corr_preset="decoupled_k3_rs_token_tis", rollout_async_depth=depth,
-        rollout_async_engine_threads=1, model_init_kwargs={"dtype": torch.float32},
-        **({} if server is None else dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=server.base_url,
-                                          vllm_group_port=free_port(), vllm_server_timeout=60,
-                                          rollout_async_server_log=str(server.log_path))))
-    trainer = Timed(model=model, reward_funcs=[ru.split_reward_func({"train": train_task})], args=args,
-                    train_dataset=ru.split_dataset(train_task, "train"))
-    clock = Clock()
-    trainer.add_callback(clock)
-    try:
-        trainer.train()
-    finally:
-        if server is not None:
-            trainer.vllm_generation.vllm_client.close_communicator()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    rows = []
-    for i, (step_s, h) in enumerate(zip(clock.steps, logs)):
-        if depth:
-            gen, wait, pub = (h.get(f"rollout_async/{k}", 0.0) for k in ("generate_s", "trainer_wait_s",
-                                                                            "publish_s"))
-            rows.append(dict(step=i + 1, step_s=step_s, generate_s=gen, wait_s=wait, publish_s=pub,
-                             train_s=step_s - wait - pub))
-        else:
-            gen = sum(s for g, s in trainer.generate_s if g == i)
-            rows.append(dict(step=i + 1, step_s=step_s, generate_s=gen, wait_s=0.0, publish_s=0.0,
-                             train_s=step_s - gen))
+        args = cells.grpo_config(setting, out, server, steps=steps, batch=16, lr=3e-5, preset=cells.DEFAULT_PRESET,
+                                 seed=42)
+        clock = cells.TrainingClock()
+        cls, stamp = cells.clocked_trainer(clock)
+        trainer = cls(model=model, reward_funcs=[ru.split_reward_func({"train": train_task})], args=args,
+                      train_dataset=ru.split_dataset(train_task, "train"))
+        trainer.add_callback(stamp)
+        try:
+            trainer.train()
+        finally:
+            cells.close(trainer, server)
+    depth = SETTINGS[setting][0]
+    rows = cells.step_rows(depth, clock.step_s, [h for h in trainer.state.log_history if "loss" in h],
+                           trainer.generate_s)
     (out / f"{setting}.json").write_text(json.dumps({"setting": setting, "depth": depth, "threads": threads,
                                                      "steps": rows}, indent=1))
 

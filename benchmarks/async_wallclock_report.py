@@ -1,0 +1,227 @@
+"""The report of ``async_wallclock.py`` (issue 47): held-out accuracy against training seconds, synchronous against
+asynchronous GRPO. Pure statistics over committed cells (``cell.json``: see ``async_wallclock``'s docstring for what
+each number means), the RESULTS.md section between its markers, and the figure ``benchmarks/async_wallclock.png``.
+
+* per setting: seeds, the median step (median over seeds of each cell's median ``step_s``, step 1 left out), the
+  training seconds to the last step (mean over seeds), the final 512-item accuracy (mean, 95 % t-interval over
+  seeds), time-to-reach the start + ``reach_points`` points on the 128-item curve;
+* paired by seed against ``sync_t1``: the final accuracy difference (points) and the ratio of training seconds.
+
+Until a cell is committed the section says "not run yet" and lists the missing cells: no number is shown that was
+not measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import policy_lag_stats as stats  # noqa: E402  (benchmarks/, next to this file)
+from async_cells import SETTINGS  # noqa: E402
+from results_md import replace_section  # noqa: E402
+
+BEGIN = "<!-- BEGIN async_wallclock.py output -->"
+END = "<!-- END async_wallclock.py output -->"
+FIGURE = ROOT / "benchmarks" / "async_wallclock.png"
+REFERENCE = "sync_t1"
+ENGINES = {"server": "TRL's vLLM server, float32; the asynchronous settings are the real pipeline, "
+                     "`rollout_async_depth` d",
+           "transformers": "a smoke path: TRL's `generate` in the synchronous trainer, the transformers engine "
+                           "process for the asynchronous settings: not the same generator"}
+WIDTH = 120  # RESULTS.md's line cap
+
+
+def load_cells(results: Path) -> dict[str, dict]:
+    """{cell name: its ``cell.json``} for every committed cell under ``results`` (empty when none)."""
+    return {p.parent.name: json.loads(p.read_text()) for p in sorted(results.glob("*/cell.json"))}
+
+
+def curve(cell: dict) -> list[tuple[float, float]]:
+    """A cell's (training seconds, accuracy fraction) points on the 128-item checks, in step order."""
+    return [(c["train_s"], c["correct"] / c["total"]) for c in sorted(cell["checkpoints"], key=lambda c: c["step"])]
+
+
+def time_to_reach(points: list[tuple[float, float]], target: float) -> float | None:
+    """The training seconds at which the curve ``points`` ((seconds, accuracy), in time order) first reaches
+    ``target``: linear between the last point below it and the first at or above it (the first point's time when
+    it starts there); None when never reached.
+
+    Raises:
+        ValueError: no points, or times not non-decreasing."""
+    if not points or any(b[0] < a[0] for a, b in zip(points, points[1:])):
+        raise ValueError(f"time_to_reach needs points in time order, got {points}")
+    for i, (t, acc) in enumerate(points):
+        if acc >= target:
+            if i == 0:
+                return t
+            t0, a0 = points[i - 1]
+            return t0 + (t - t0) * (target - a0) / (acc - a0)
+    return None
+
+
+def median_step(cell: dict) -> float:
+    """The cell's median ``step_s`` over steps 2..n (all steps when there is one)."""
+    steps = [r["step_s"] for r in cell["steps"]]
+    return statistics.median(steps[1:] or steps)
+
+
+def train_seconds(cell: dict) -> float:
+    """Training seconds to the cell's last step (``clock_s`` of its last step)."""
+    return cell["steps"][-1]["clock_s"]
+
+
+def final_accuracy(cell: dict) -> float:
+    return cell["final"]["correct"] / cell["final"]["total"]
+
+
+def reach_seconds(cell: dict, points: float) -> float | None:
+    """``time_to_reach`` of the cell's own start (its step-0 check) + ``points`` percentage points."""
+    pts = curve(cell)
+    return time_to_reach(pts, pts[0][1] + points / 100)
+
+
+def by_setting(cells: dict[str, dict]) -> dict[str, dict[int, dict]]:
+    """{setting: {seed: cell}} in ``SETTINGS`` order (settings without cells left out)."""
+    out: dict[str, dict[int, dict]] = {}
+    for setting in SETTINGS:
+        got = {c["seed"]: c for c in cells.values() if c["setting"] == setting}
+        if got:
+            out[setting] = dict(sorted(got.items()))
+    return out
+
+
+def reach_text(times: list[float | None]) -> str:
+    """``3 of 3 seeds, median 410 s``; the median counts a seed that never reached the target as infinitely late
+    (``not reached by the median seed`` then)."""
+    reached = [t for t in times if t is not None]
+    med = statistics.median([math.inf if t is None else t for t in times])
+    return f"{len(reached)} of {len(times)} seeds, " + (f"median {med:.0f} s" if math.isfinite(med)
+                                                        else "not reached by the median seed")
+
+
+def setting_rows(groups: dict[str, dict[int, dict]], reach_points: float) -> list[str]:
+    """The per-setting table (Markdown lines, header included)."""
+    lines = ["| setting | seeds | median step s | training s | final accuracy % [95 % CI] | reaches start + "
+             f"{reach_points:g} points |", "|---|---|---|---|---|---|"]
+    for setting, seeds in groups.items():
+        finals = stats.t_interval([final_accuracy(c) for c in seeds.values()])
+        lines.append(f"| {setting} | {', '.join(map(str, seeds))} | "
+                     f"{statistics.median(median_step(c) for c in seeds.values()):.2f} | "
+                     f"{statistics.fmean(train_seconds(c) for c in seeds.values()):.0f} | "
+                     f"{_interval(finals, signed=False)} | "
+                     f"{reach_text([reach_seconds(c, reach_points) for c in seeds.values()])} |")
+    return lines
+
+
+def paired(groups: dict[str, dict[int, dict]], setting: str, reference: str = REFERENCE):
+    """Paired by seed, ``setting`` against ``reference``: (seeds, t_interval of the final accuracy differences,
+    t_interval of the training-seconds ratios); None when no seed has both."""
+    seeds = sorted(set(groups.get(setting, {})) & set(groups.get(reference, {})))
+    if not seeds:
+        return None
+    a, b = groups[setting], groups[reference]
+    return (seeds, stats.t_interval([final_accuracy(a[s]) - final_accuracy(b[s]) for s in seeds]),
+            stats.t_interval([train_seconds(a[s]) / train_seconds(b[s]) for s in seeds]))
+
+
+def paired_rows(groups: dict[str, dict[int, dict]]) -> list[str]:
+    lines = [f"| setting - {REFERENCE} | seeds | final accuracy, points [95 % CI] | training s ratio [95 % CI] |",
+             "|---|---|---|---|"]
+    for setting in SETTINGS:
+        got = paired(groups, setting) if setting != REFERENCE else None
+        if got:
+            seeds, diff, ratio = got
+            lines.append(f"| {setting} | {', '.join(map(str, seeds))} | {stats.fmt_interval(diff)} | "
+                         f"{_interval(ratio, scale=1.0, digits=3, signed=False)} |")
+    return lines if len(lines) > 2 else [f"No seed has both `{REFERENCE}` and another setting yet: no paired "
+                                         "difference."]
+
+
+def _interval(iv: stats.Interval, scale: float = 100.0, digits: int = 1, signed: bool = True) -> str:
+    text = stats.fmt_interval(iv, scale, digits)
+    return text if signed else text.replace("+", "")
+
+
+def _para(text: str) -> str:
+    return textwrap.fill(text, WIDTH, break_long_words=False, break_on_hyphens=False)
+
+
+def section(cells: dict[str, dict], expected: list[str], design: dict, reach_points: float) -> str:
+    """The RESULTS.md section, markers included: the regime, then the tables, or "not run yet" and the missing
+    cells (``expected`` less the committed ones)."""
+    head = [BEGIN, "", "### Accuracy against training wall clock, synchronous and asynchronous GRPO "
+            "(`benchmarks/async_wallclock.py`)", "",
+            _para(f"Regime: the main job's chain_sum from the base model `{design['model']}`, {design['steps']} steps "
+                  f"x {design['prompts']} prompts x 4 completions, lr {design['lr']:g}, preset `{design['preset']}` "
+                  f"in every setting, engine `{design['engine']}` ({ENGINES.get(design['engine'], '?')}). "
+                  "Settings: `sync_t1` / "
+                  "`sync_t2` synchronous at 1 / 2 torch threads, `async_d1` / `async_d2` at depth 1 / 2 (trainer 1 "
+                  "thread, engine 1 thread). Training seconds: wall clock from `train()`'s entry, weight copies for "
+                  "the evaluation excluded; greedy evaluation after training on those copies ("
+                  f"{design['check_size']} held-out items every {design['check_every']} steps, "
+                  f"{design['eval_size']} at the end). Mean [95 % Student-t interval, n - 1 df] over seeds; paired "
+                  f"by seed against `{REFERENCE}`."), ""]
+    missing = [c for c in expected if c not in cells]
+    if not cells:
+        body = [_para(f"Not run yet: no cell is committed under `benchmarks/results/async_wallclock`. Missing, in run "
+                      f"order ({len(missing)}): {', '.join(missing)}.")]
+        return "\n".join([*head, *body, "", END])
+    groups = by_setting(cells)
+    body = [*setting_rows(groups, reach_points), "", *paired_rows(groups), "",
+            _para(f"Figure: `benchmarks/{FIGURE.name}` (the {design['check_size']}-item curve against training "
+                  "seconds, mean over seeds per setting, each seed faint).")]
+    if missing:
+        body += ["", _para(f"Still to run ({len(missing)}): {', '.join(missing)}.")]
+    return "\n".join([*head, *body, "", END])
+
+
+def plot(cells: dict[str, dict], path: Path) -> None:
+    """Accuracy (128-item checks, %) against training seconds: per setting the mean over seeds at each checked step
+    (mean seconds, mean accuracy) as a line, every seed's curve faint."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (setting, seeds) in enumerate(by_setting(cells).items()):
+        color = f"C{i}"
+        curves = [curve(c) for c in seeds.values()]
+        for pts in curves:
+            ax.plot([t for t, _ in pts], [100 * a for _, a in pts], "o-", color=color, alpha=0.2, lw=1, ms=3)
+        n = min(len(p) for p in curves)
+        mean = [(statistics.fmean(p[j][0] for p in curves), statistics.fmean(p[j][1] for p in curves))
+                for j in range(n)]
+        ax.plot([t for t, _ in mean], [100 * a for _, a in mean], "o-", color=color, lw=2,
+                label=f"{setting} (n = {len(curves)})")
+    ax.set_xlabel("training seconds (evaluation excluded)")
+    n_items = sorted({c["total"] for cell in cells.values() for c in cell["checkpoints"]})
+    ax.set_ylabel(f"held-out greedy accuracy, % ({', '.join(map(str, n_items))} items)")
+    ax.set_title("Synchronous vs asynchronous GRPO: accuracy against wall clock")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(results: Path, expected: list[str], design: dict, reach_points: float, results_md: Path | None = None,
+          figure: Path = FIGURE) -> str:
+    """Rewrite the RESULTS.md section (and the figure, once a cell is committed) for the cells ``expected`` (in run
+    order); returns the section."""
+    cells = load_cells(results)
+    text = section(cells, expected, design, reach_points)
+    if results_md is None:
+        replace_section(text, BEGIN, END)
+    else:
+        replace_section(text, BEGIN, END, results_md)
+    if cells:
+        plot(cells, figure)
+    print(text)
+    return text
