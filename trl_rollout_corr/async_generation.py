@@ -153,11 +153,12 @@ def ignored_generation_settings(trainer: "RolloutCorrGRPOTrainer", config) -> li
 class LookAheadLoader:
     """TRL's training dataloader, pulling each generation batch's items ``depth`` generation batches ahead and
     submitting each batch's prompts when its first item is pulled. Yields exactly the underlying items, in order;
-    every other attribute is the loader's."""
+    every other attribute is the loader's. ``skipped``: the items a resumed epoch skipped (``skip_first``)."""
 
-    def __init__(self, loader, owner: "AsyncGeneration") -> None:
+    def __init__(self, loader, owner: "AsyncGeneration", skipped: int = 0) -> None:
         self._loader = loader
         self._owner = owner
+        self._skipped = skipped
 
     def __len__(self) -> int:
         return len(self._loader)
@@ -168,7 +169,7 @@ class LookAheadLoader:
     def skip_first(self, n: int, skip_first_batches) -> "LookAheadLoader":
         """A resumed epoch (``trl_compat.loader_skips_itself``): this loader over ``skip_first_batches(TRL's
         loader, n)``; the items skipped were trained before the checkpoint and are never submitted."""
-        return LookAheadLoader(skip_first_batches(self._loader, n), self._owner)
+        return LookAheadLoader(skip_first_batches(self._loader, n), self._owner, n)
 
     def __iter__(self):
         owner = self._owner
@@ -176,14 +177,16 @@ class LookAheadLoader:
         ahead = (owner.depth + 1) * every  # the batch being trained and the next d
         items = iter(self._loader)
         buffer: collections.deque = collections.deque()
-        exhausted = False
+        exhausted, position = False, self._skipped  # transformers' step counter within the epoch, plus one
         while True:
             while not exhausted and len(buffer) < ahead - owner.yielded % every:
                 try:
                     item = next(items)
                 except StopIteration:
                     exhausted = True
+                    owner.end_of_pass(position)
                     break
+                position += 1
                 if owner.pulled % every == 0:
                     owner.submit(item)
                 owner.pulled += 1
@@ -235,6 +238,7 @@ class AsyncGeneration:
         self.resume_step = self.micro_offset = 0  # the optimizer step and micro-step the run (re)started at
         self.steps_in_epoch: Optional[int] = None  # micro-steps per epoch: len(TRL's loader), set by start
         self.end_batch: Optional[int] = None
+        self.end_micro: Optional[int] = None  # one past the run's last micro-step (begin; None: unknown)
         self._prompts: dict[int, list] = {}
         self._taken = -1
         self.row_versions: Optional[list[int]] = None  # the current batch's, read by PolicyLag
@@ -292,6 +296,33 @@ class AsyncGeneration:
         micro = trl_compat.micro_steps_trained(step, max_steps, self.accumulation, self.steps_in_epoch)
         return None if micro is None else -(-micro // self.generate_every)
 
+    def end_of_pass(self, items: int) -> None:
+        """The loader ran out after ``items`` items of its epoch (counted from the epoch's start, a resumed epoch's
+        skipped items included). A sized loader's epoch ends where ``first_step`` expects. An iterable dataset's
+        (no length: transformers 5.x runs epochs of ``max_steps * gradient_accumulation_steps`` items and iterates it
+        again when a finite one runs out) ends an optimizer step there only if ``items`` is a multiple of the
+        accumulation; else its last ``items % accumulation`` items are trained in one optimizer step with the next
+        pass's first ones, and the optimizer steps no longer follow the micro-steps as ``first_step`` counts them.
+
+        Raises:
+            ValueError: such a pass whose last items the run trains (the run continues past its last full optimizer
+                step), naming the fix.
+        """
+        rest = items % self.accumulation
+        if self.steps_in_epoch is not None or not rest:
+            return
+        if self.end_micro is not None and self.pulled - rest >= self.end_micro:
+            return  # the run stops at the pass's last full optimizer step: its last items are never trained
+        raise ValueError(
+            f"rollout_async_depth={self.depth}: the training dataset is a finite iterable dataset whose pass of "
+            f"{items} dataloader items (micro-steps, {self.generate_every} per generation batch: steps_per_generation "
+            f"* num_iterations) is not a multiple of gradient_accumulation_steps={self.accumulation}: transformers "
+            f"trains its last {rest} in one optimizer step with the next pass's first ones, which asynchronous "
+            "generation does not follow. Make steps_per_generation * num_iterations a multiple of "
+            "gradient_accumulation_steps (TRL's default steps_per_generation equals it), or trim the dataset so that "
+            "a pass is a multiple of gradient_accumulation_steps items, or use a map-style datasets.Dataset (an "
+            "epoch's short last step is followed) or an endless stream.")
+
     def begin(self, step: int, max_steps: Optional[int] = None) -> None:
         """Start the engine at optimizer step ``step`` (0, or the resumed checkpoint's: ``on_train_begin``) with
         the current weights as version ``step``; generation batches are numbered from the run's start, so a
@@ -322,6 +353,7 @@ class AsyncGeneration:
         self.engine.start()
         self.resume_step, self.micro_offset = step, micro
         first = micro // self.generate_every
+        self.end_micro = trl_compat.micro_steps_trained(step, max_steps, self.accumulation, self.steps_in_epoch)
         self.end_batch = self.end_of_run(step, max_steps)
         self.pipeline = AsyncRolloutPipeline(self.engine, batch_version=self.batch_version,
                                              timeout_s=args.rollout_async_timeout_s, first_batch=first,

@@ -27,11 +27,13 @@ from trl_rollout_corr import async_generation, trl_compat
 from trl_rollout_corr.engines.async_pipeline import AsyncRolloutPipeline
 
 
-def transformers_loop(L: int, GA: int, args_max_steps: int, num_train_epochs: float, resume: int):
-    """transformers 5.x's loop over a loader of ``L`` items (``None``: an endless iterable dataset, epochs of
-    ``max_steps * GA``): ``(max_steps, epochs)``, each epoch ``(epoch, skipped, [(global_step at each micro-step,
-    whether it ends an optimizer step)])`` as ``set_initial_training_values`` / ``_init_training_state`` /
-    ``_run_epoch`` / ``DefaultFlowCallback.on_step_end`` run it after a resume at optimizer step ``resume``."""
+def transformers_loop(L: int, GA: int, args_max_steps: int, num_train_epochs: float, resume: int, stream=None):
+    """transformers 5.x's loop over a loader of ``L`` items (``None``: an iterable dataset, epochs of ``max_steps *
+    GA``; ``stream``: it yields only that many items a pass, then runs out: ``get_batch_samples`` returns fewer, the
+    pass's last ``stream % GA`` items join the next pass's first optimizer step, and a pass yielding nothing stops
+    training): ``(max_steps, epochs)``, each epoch ``(epoch, skipped, [(global_step at each micro-step, whether it
+    ends an optimizer step)])`` as ``set_initial_training_values`` / ``_init_training_state`` / ``_run_epoch`` /
+    ``DefaultFlowCallback.on_step_end`` run it after a resume at optimizer step ``resume``."""
     if L is None:  # passes over the stream until max_steps (set_initial_training_values: sys.maxsize epochs)
         max_steps, nupe, epochs, per_epoch = args_max_steps, args_max_steps, sys.maxsize, args_max_steps * GA
     else:
@@ -45,8 +47,10 @@ def transformers_loop(L: int, GA: int, args_max_steps: int, num_train_epochs: fl
     first_epoch, skipped = resume // nupe, (resume % nupe) * GA
     remainder = per_epoch % GA or GA
     for epoch in range(first_epoch, epochs):
+        if epoch > first_epoch + max_steps + 1:  # a stream shorter than GA: no pass ends an optimizer step, endless
+            return max_steps, out
         skip = skipped if epoch == first_epoch else 0
-        step, items, done = skip - 1, iter(range(skip, per_epoch)), []
+        step, items, done = skip - 1, iter(range(skip, per_epoch if stream is None else min(stream, per_epoch))), []
         for update_step in range(skip // GA, nupe):
             for _ in itertools.islice(items, GA if update_step != nupe - 1 else remainder):
                 step += 1
@@ -58,6 +62,8 @@ def transformers_loop(L: int, GA: int, args_max_steps: int, num_train_epochs: fl
                         out.append((epoch, skip, done))
                         return max_steps, out
         out.append((epoch, skip, done))
+        if step < 0:  # "There seems not to be a single sample in your epoch_iterator": should_training_stop
+            return max_steps, out
     return max_steps, out
 
 
@@ -92,10 +98,10 @@ class _Engine:
 
 class _Loader:
     """An epoch of ``L`` dataloader items (one row each, its prompt the item's micro-step counted over epochs); ``L``
-    None: an endless stream, restarted each epoch."""
+    None: an endless stream, restarted each epoch, or (``stream``) one of that many items a pass."""
 
-    def __init__(self, L, skip=0):
-        self.L, self.skip, self.epoch = L, skip, 0
+    def __init__(self, L, skip=0, stream=None):
+        self.L, self.skip, self.epoch, self.stream = L, skip, 0, stream
 
     def __len__(self):
         if self.L is None:
@@ -106,8 +112,8 @@ class _Loader:
         self.epoch = epoch
 
     def __iter__(self):
-        start = 0 if self.L is None else self.epoch * self.L
-        items = itertools.count(self.skip) if self.L is None else range(self.skip, self.L)
+        start = self.epoch * (self.L or self.stream or 0)
+        items = range(self.skip, self.L or self.stream) if self.L or self.stream else itertools.count(self.skip)
         return iter([{"prompt": [start + i]}] for i in items)
 
 
@@ -131,18 +137,18 @@ def _trainer(tmp_path, GA, spg, num_iterations, depth):
 
 
 def _skip_first_batches(loader, n):
-    return _Loader(loader.L, n)
+    return _Loader(loader.L, n, loader.stream)
 
 
-def drive(tmp_path, *, L, GA, spg, num_iterations, depth, max_steps, num_train_epochs=None, resume=0):
+def drive(tmp_path, *, L, GA, spg, num_iterations, depth, max_steps, num_train_epochs=None, resume=0, stream=None):
     """One run through the real look-ahead and pipeline: ``(generated, gen)`` with ``generated`` the batches TRL
     generates (TRL's ``_prepare_inputs``), or None when the resume is refused (``resume_micro_step``)."""
     trainer = _trainer(tmp_path, GA, spg, num_iterations, depth)
     gen = async_generation.AsyncGeneration(trainer)
     publisher = trainer.callbacks[0]
-    loader = gen.start(_Loader(L))
+    loader = gen.start(_Loader(L, stream=stream))
     every = spg * num_iterations
-    max_steps, epochs = transformers_loop(L, GA, max_steps, num_train_epochs, resume)
+    max_steps, epochs = transformers_loop(L, GA, max_steps, num_train_epochs, resume, stream)
     state = trainer.state
     state.global_step, state.max_steps = resume, max_steps
     try:
@@ -224,6 +230,51 @@ def test_end_of_run_brute_force(tmp_path, published):
     assert seen["trained"] > 1000 and seen["refused"] and seen["nothing to train"], seen
 
 
+def _trains_past_pass(GA, stream, epochs) -> bool:
+    """Whether the loop trains a pass's last ``stream % GA`` items (they join the next pass's first optimizer step)."""
+    full = stream - stream % GA
+    return any(skip + k >= full for _, skip, done in epochs for k in range(len(done)))
+
+
+def test_finite_stream(tmp_path, published):
+    """A finite iterable dataset (no length), passes of k generation batches (TRL's ``repeat_iterable_dataset`` drops
+    a partial one): a pass not a multiple of GA whose last items the run trains is refused as the look-ahead reaches
+    the pass's end (ValueError naming the fix, not the look-ahead's step check mid-run); every other run trains as an
+    endless stream does, from the start and resumed at every step (transformers skips the resumed epoch's items, also
+    past a pass: that epoch then yields nothing and the next starts the stream again)."""
+    seen = collections.Counter()
+    for GA, spg, num_iterations, depth in itertools.product((1, 2, 3, 4), (1, 2, 3), (1, 2), (1, 3)):
+        every = spg * num_iterations
+        for stream in (every, 2 * every, 3 * every):
+            per_pass = -(-stream // GA)
+            for max_steps in (1, 2, per_pass, per_pass + 1, 2 * per_pass + 1):
+                for resume in range(0, max_steps + 2):
+                    case = dict(L=None, GA=GA, spg=spg, num_iterations=num_iterations, depth=depth, resume=resume,
+                                max_steps=max_steps, stream=stream)
+                    epochs = transformers_loop(None, GA, max_steps, None, resume, stream)[1]
+                    refused = stream % GA and _trains_past_pass(GA, stream, epochs)
+                    try:
+                        result = _check(tmp_path, published, **case)
+                    except ValueError as err:
+                        assert refused and "finite iterable dataset" in str(err), (case, err)
+                        assert f"pass of {stream} dataloader items" in str(err), (case, err)
+                        result = "refused: pass"
+                    else:  # or the resume is refused first (inside a generation batch)
+                        assert not refused or result == "refused", (case, epochs)
+                    seen[result] += 1
+    assert seen["trained"] > 1000 and seen["refused: pass"] > 100 and seen["refused"], seen
+
+
+def test_finite_stream_refused_example(tmp_path, published):
+    """The reviewer's case: 3 items a pass (spg 1), GA 2, max_steps 3: refused when the look-ahead reaches the end of
+    the first pass, before step 1 (items 2, 0, 1) is trained; with max_steps 1 the run stops at step 1 (items 0, 1)
+    and trains."""
+    with pytest.raises(ValueError, match=r"pass of 3 dataloader items .* gradient_accumulation_steps=2: transformers "
+                                         r"trains its last 1 .*map-style datasets.Dataset"):
+        drive(tmp_path, L=None, GA=2, spg=1, num_iterations=1, depth=1, max_steps=3, stream=3)
+    assert drive(tmp_path, L=None, GA=2, spg=1, num_iterations=1, depth=1, max_steps=1, stream=3)[0] == [0, 1]
+
+
 class _Model(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -245,13 +296,16 @@ class _Items(torch.utils.data.Dataset):
 
 
 class _Stream(torch.utils.data.IterableDataset):
+    def __init__(self, n=None):
+        self.n = n
+
     def __iter__(self):
-        return ({"x": torch.tensor([i])} for i in itertools.count())
+        return ({"x": torch.tensor([i])} for i in (itertools.count() if self.n is None else range(self.n)))
 
 
-def _real_loop(L, GA, max_steps, num_train_epochs, out, resume=None, save=False):
-    """The real ``transformers.Trainer`` over ``L`` items in order (None: an endless stream): per micro-step
-    ``(global_step, max_steps, item)``."""
+def _real_loop(L, GA, max_steps, num_train_epochs, out, resume=None, save=False, stream=None):
+    """The real ``transformers.Trainer`` over ``L`` items in order (None: a stream, endless or of ``stream`` items a
+    pass): per micro-step ``(global_step, max_steps, item)``."""
     from transformers import Trainer, TrainingArguments
 
     class Recording(Trainer):
@@ -266,7 +320,7 @@ def _real_loop(L, GA, max_steps, num_train_epochs, out, resume=None, save=False)
                              num_train_epochs=num_train_epochs or 1, save_strategy="steps" if save else "no",
                              save_steps=1, report_to=[], use_cpu=True, logging_strategy="no", disable_tqdm=True,
                              learning_rate=0.0)
-    trainer = Recording(model=_Model(), args=args, train_dataset=_Stream() if L is None else _Items(L))
+    trainer = Recording(model=_Model(), args=args, train_dataset=_Stream(stream) if L is None else _Items(L))
     trainer.seen = []
     trainer.train(resume_from_checkpoint=resume)
     return trainer.seen
@@ -275,13 +329,18 @@ def _real_loop(L, GA, max_steps, num_train_epochs, out, resume=None, save=False)
 def test_loop_matches_trainer(tmp_path):
     """``transformers_loop`` is transformers' own loop: the optimizer step and the item of every micro-step, from the
     start and resumed from every checkpoint of a longer run (at, and past, ``max_steps``), epochs with a short last
-    step (L = 5 items, GA = 2) and GA past the epoch (L = 3, GA = 4), ``max_steps`` and fractional epochs."""
-    for L, GA, max_steps, epochs in ((5, 2, 4, None), (5, 2, -1, 1.5), (3, 4, 2, None), (None, 2, 3, None)):
-        saved = str(tmp_path / f"{L}_{GA}_{max_steps}")
-        _real_loop(L, GA, 6, None, saved, save=True)  # checkpoints 1..6
+    step (L = 5 items, GA = 2) and GA past the epoch (L = 3, GA = 4), ``max_steps`` and fractional epochs, and a
+    finite stream of 3 items a pass with GA = 2 (step 1 trains items 2, 0, 1: the pass's last item and the next
+    pass's first two)."""
+    for L, GA, max_steps, epochs, stream in ((5, 2, 4, None, None), (5, 2, -1, 1.5, None), (3, 4, 2, None, None),
+                                             (None, 2, 3, None, None), (None, 2, 3, None, 3)):
+        saved = str(tmp_path / f"{L}_{GA}_{max_steps}_{stream}")
+        _real_loop(L, GA, 6, None, saved, save=True, stream=stream)  # checkpoints 1..6
         for resume in range(0, 7):
-            real = _real_loop(L, GA, max_steps, epochs, saved + "_run",
+            real = _real_loop(L, GA, max_steps, epochs, saved + "_run", stream=stream,
                               resume=os.path.join(saved, f"checkpoint-{resume}") if resume else None)
-            last, ours = transformers_loop(L, GA, max_steps, epochs, resume)
+            last, ours = transformers_loop(L, GA, max_steps, epochs, resume, stream)
             expected = [(step, last, skip + k) for _, skip, done in ours for k, (step, _) in enumerate(done)]
-            assert real == expected, (L, GA, max_steps, epochs, resume)
+            assert real == expected, (L, GA, max_steps, epochs, resume, stream)
+            if stream and not resume:
+                assert [item for step, _, item in real if step == 1] == [2, 0, 1]
