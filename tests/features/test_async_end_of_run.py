@@ -22,6 +22,7 @@ import types
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from trl_rollout_corr import async_generation, trl_compat
 from trl_rollout_corr.engines.async_pipeline import AsyncRolloutPipeline
@@ -344,3 +345,35 @@ def test_loop_matches_trainer(tmp_path):
             assert real == expected, (L, GA, max_steps, epochs, resume, stream)
             if stream and not resume:
                 assert [item for step, _, item in real if step == 1] == [2, 0, 1]
+
+
+def test_trl_finite_iterable_dataset_refused(llama_dir, tmp_path, make_args):
+    """TRL 1.16 itself feeds such a pass: a ``datasets.IterableDataset`` of 3 prompts goes through
+    ``repeat_iterable_dataset`` (1 prompt x 4 generations per generation batch, steps_per_generation 1: a pass of 3
+    dataloader items), with GA 2 and max_steps 3 transformers would train its third item with the next pass's first
+    two. The tiny Llama's run is refused when the look-ahead reaches the pass's end, before optimizer step 1 ends
+    (step 0 trains items 0 and 1), and leaves no engine behind."""
+    from tiny_model import prompt_dataset, reward_len
+    from trl_rollout_corr.trainer import RolloutCorrGRPOTrainer
+
+    args = make_args(tmp_path, rollout_async_depth=1, rollout_async_timeout_s=60.0, gradient_accumulation_steps=2,
+                     steps_per_generation=1, max_steps=3)
+    trainer = RolloutCorrGRPOTrainer(model=llama_dir, reward_funcs=reward_len, args=args,
+                                     train_dataset=prompt_dataset(3).to_iterable_dataset())
+    pids = []
+    trainer.add_callback(_OnStepEnd(lambda: pids.append(trainer.rollout_async.engine_pid)))
+    with pytest.raises(ValueError, match=r"finite iterable dataset whose pass of 3 dataloader items .* "
+                                         r"gradient_accumulation_steps=2"):
+        trainer.train()
+    assert trainer.state.global_step == 1 and len(pids) == 1
+    assert trainer.rollout_async.pipeline is None and trainer.rollout_async.engine.process is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)
+
+
+class _OnStepEnd(TrainerCallback):
+    def __init__(self, action):
+        self.action = action
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.action()
