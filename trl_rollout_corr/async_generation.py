@@ -30,7 +30,8 @@ The run ends at the Trainer's ``max_steps`` (also when ``num_train_epochs`` sets
 the generation batches up to the one holding its last micro-step (``end_batch``), so the engine generates, and the
 trainer publishes weights for, exactly the batches TRL trains; the items still flow to TRL unchanged.
 Supported: one process, no tools / environments / ``rollout_func`` / images, no PEFT, no evaluation in server mode,
-a resume only at a generation boundary; anything else is refused with the reason.
+a resume only at a generation boundary, a finite iterable dataset's pass a multiple of the accumulation (refused at
+the pass's end otherwise: its length is not known before, ``end_of_pass``); anything else is refused with the reason.
 """
 
 from __future__ import annotations
