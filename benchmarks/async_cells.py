@@ -2,8 +2,14 @@
 wall clock) share: the four settings, the vLLM server per run, the GRPO config, the trainer with its clocks, and the
 per-step split.
 
-* ``SETTINGS``: ``sync_t1`` / ``sync_t2`` (``rollout_async_depth=0``, trainer and server at 1 / 2 torch threads) and
-  ``async_d1`` / ``async_d2`` (``rollout_async_depth=d``, trainer 1 thread, engine 1 thread).
+* ``SETTINGS``: ``sync_t1`` / ``sync_t2`` (``rollout_async_depth=0``, trainer and server at 1 / 2 torch threads),
+  ``async_d1`` / ``async_d2`` (``rollout_async_depth=d``, trainer 1 thread, server 1 thread) and ``async_d1_t2``
+  (d = 1, trainer 2 threads, server 1 thread). Thread budget: the server's thread count is its torch/OpenMP
+  threads, not the cores it occupies. vLLM CPU's engine-core process busy-waits on vLLM's shared-memory message
+  queue (``shm_broadcast``'s ``SpinCondition``) while the worker process generates, so a "1-thread" server keeps up
+  to 2 cores busy while it generates (1 when idle between requests). The asynchronous settings therefore ask for
+  more than the 2 cores while the engine generates beside the trainer (``async_d1_t2`` the most); the CPU seconds
+  each cell records (``cpu_accounting``) show what each setting used.
 * ``serve``: ``--engine server``: TRL's vLLM server (``trl-rollout-corr vllm-serve``, float32, the setting's thread
   count, started per run); ``--engine transformers``: none (TRL's ``generate`` in the trainer when synchronous, the
   transformers engine process when asynchronous).
@@ -24,13 +30,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = {"sync_t1": (0, 1), "sync_t2": (0, 2), "async_d1": (1, 1), "async_d2": (2, 1)}  # (depth, trainer threads)
+# {setting: (rollout_async_depth, trainer torch threads, server torch threads)}
+SETTINGS = {"sync_t1": (0, 1, 1), "sync_t2": (0, 2, 2), "async_d1": (1, 1, 1), "async_d2": (2, 1, 1),
+            "async_d1_t2": (1, 2, 1)}
 MAIN_JOB_CONFIG = ROOT / "recipes" / "configs" / "cpu_smollm2_no_correction.yaml"  # the main job's task fields
 DEFAULT_PRESET = "decoupled_k3_rs_token_tis"  # the CPU default config's preset (cpu_smollm2_decoupled.yaml)
 
 
 def set_threads(setting: str) -> int:
-    """Pin this process to the setting's torch threads (``OMP_NUM_THREADS`` too); returns the count.
+    """Pin this process to the setting's trainer torch threads (``OMP_NUM_THREADS`` too); returns the count.
 
     Raises:
         KeyError: an unknown setting."""
@@ -59,7 +67,8 @@ def main_job_tasks(train_size: int = 2000, eval_size: int = 1):
 
 
 def serve(setting: str, model: str, engine: str, log_path: Path):
-    """A context giving the run's vLLM server (``engine == "server"``: float32, the setting's threads, 1024-token
+    """A context giving the run's vLLM server (``engine == "server"``: float32, the setting's server threads
+    (``SETTINGS[setting][2]``: its OpenMP threads; it occupies more cores while generating, see above), 1024-token
     context, started here, stopped at exit) or None (``"transformers"``).
 
     Raises:
@@ -70,7 +79,7 @@ def serve(setting: str, model: str, engine: str, log_path: Path):
         raise ValueError(f"engine {engine!r}: use 'server' (TRL's vLLM server) or 'transformers'")
     from trl_rollout_corr.engines.vllm_serve import VLLMServer
 
-    threads = str(SETTINGS[setting][1])
+    threads = str(SETTINGS[setting][2])
     return VLLMServer(model, "float32", log_path=str(log_path), timeout_s=600, extra_args=["--max_model_len", "1024"],
                       env={"OMP_NUM_THREADS": threads, "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
 

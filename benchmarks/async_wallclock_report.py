@@ -2,10 +2,19 @@
 asynchronous GRPO. Pure statistics over committed cells (``cell.json``: see ``async_wallclock``'s docstring for what
 each number means), the RESULTS.md section between its markers, and the figure ``benchmarks/async_wallclock.png``.
 
-* per setting: seeds, the median step (median over seeds of each cell's median ``step_s``, step 1 left out), the
-  training seconds to the last step (mean over seeds), the final 512-item accuracy (mean, 95 % t-interval over
-  seeds), time-to-reach the start + ``reach_points`` points on the 128-item curve;
-* paired by seed against ``sync_t1``: the final accuracy difference (points) and the ratio of training seconds.
+* PRIMARY endpoint, paired by seed against ``sync_t2`` (the 2-core user's real alternative) and against
+  ``sync_t1``: the ratio of training seconds to reach the last step N, a 95 % Student-t interval on the log ratio
+  (n - 1 df), shown back-transformed (geometric mean ratio [lo, hi]);
+* DESCRIPTIVE, beside the A/A null ``sync_t2`` vs ``sync_t1`` (the same algorithm, only the thread count differs:
+  its accuracy difference is noise): the final 512-item accuracy (per setting: mean [95 % t-interval]; paired:
+  the difference in points), the accuracy at equal training seconds (each setting's 128-item curve interpolated at
+  the same seed's ``sync_t2`` final training seconds, held at its last check when it finished earlier), the curve
+  (the figure) and time-to-reach the start + ``reach_points`` points (a 5-point step on 128 items is about 1.4
+  binomial standard errors: descriptive only). Stated before any cell ran: with 3 seeds the 95 % half-width of a
+  paired accuracy difference is about 28 points (seed sd about 8.5 points, t(0.975, 2) = 4.30; pairing shares only
+  the prompt order, so the seeds' noise barely cancels), so no accuracy claim is expected;
+* per setting also: seeds, the median step (median over seeds of each cell's median ``step_s``, step 1 left out)
+  and the training seconds to the last step (mean over seeds).
 
 Until a cell is committed the section says "not run yet" and lists the missing cells: no number is shown that was
 not measured.
@@ -22,14 +31,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import policy_lag_stats as stats  # noqa: E402  (benchmarks/, next to this file)
+import async_wallclock_checks as checks  # noqa: E402  (benchmarks/, next to this file)
+import policy_lag_stats as stats  # noqa: E402
 from async_cells import SETTINGS  # noqa: E402
 from results_md import replace_section  # noqa: E402
 
 BEGIN = "<!-- BEGIN async_wallclock.py output -->"
 END = "<!-- END async_wallclock.py output -->"
 FIGURE = ROOT / "benchmarks" / "async_wallclock.png"
-REFERENCE = "sync_t1"
+REFERENCES = ("sync_t2", "sync_t1")  # the 2-core user's real alternative, and the 1-thread synchronous run
+NULL = ("sync_t2", "sync_t1")  # the A/A null: the same algorithm, only the thread count differs
+EQUAL_TIME_AT = "sync_t2"  # accuracy at equal training seconds: each curve at this setting's final time
 ENGINES = {"server": "TRL's vLLM server, float32; the asynchronous settings are the real pipeline, "
                      "`rollout_async_depth` d",
            "transformers": "a smoke path: TRL's `generate` in the synchronous trainer, the transformers engine "
@@ -107,40 +119,85 @@ def reach_text(times: list[float | None]) -> str:
 
 def setting_rows(groups: dict[str, dict[int, dict]], reach_points: float) -> list[str]:
     """The per-setting table (Markdown lines, header included)."""
-    lines = ["| setting | seeds | median step s | training s | final accuracy % [95 % CI] | reaches start + "
-             f"{reach_points:g} points |", "|---|---|---|---|---|---|"]
+    lines = ["| setting | seeds | median step s | training s | final accuracy % [95 % CI] | accuracy % at "
+             f"{EQUAL_TIME_AT}'s training s | reaches start + {reach_points:g} points |",
+             "|---|---|---|---|---|---|---|"]
     for setting, seeds in groups.items():
         finals = stats.t_interval([final_accuracy(c) for c in seeds.values()])
+        equal = equal_time_accuracy(groups, setting)
+        equal_text = (f"{100 * statistics.fmean(equal.values()):.1f} (seeds {', '.join(map(str, equal))})" if equal
+                      else "-")
         lines.append(f"| {setting} | {', '.join(map(str, seeds))} | "
                      f"{statistics.median(median_step(c) for c in seeds.values()):.2f} | "
                      f"{statistics.fmean(train_seconds(c) for c in seeds.values()):.0f} | "
-                     f"{_interval(finals, signed=False)} | "
+                     f"{_interval(finals, signed=False)} | {equal_text} | "
                      f"{reach_text([reach_seconds(c, reach_points) for c in seeds.values()])} |")
     return lines
 
 
-def paired(groups: dict[str, dict[int, dict]], setting: str, reference: str = REFERENCE):
-    """Paired by seed, ``setting`` against ``reference``: (seeds, t_interval of the final accuracy differences,
-    t_interval of the training-seconds ratios); None when no seed has both."""
+def log_ratio_interval(ratios: list[float], level: float = 0.95) -> stats.Interval:
+    """The geometric mean of positive ratios with its ``level`` interval: Student-t on the log ratios (n - 1 df),
+    back-transformed (``exp``); ``p`` is the t-test of log ratio 0 (ratio 1).
+
+    Raises:
+        ValueError: a ratio that is not positive and finite."""
+    if not ratios or not all(math.isfinite(r) and r > 0 for r in ratios):
+        raise ValueError(f"log_ratio_interval needs positive finite ratios, got {ratios}")
+    iv = stats.t_interval([math.log(r) for r in ratios], level)
+    return stats.Interval(math.exp(iv.mean), math.exp(iv.lo), math.exp(iv.hi), iv.n, iv.df, iv.p)
+
+
+def accuracy_at(points: list[tuple[float, float]], t: float) -> float:
+    """The curve ``points`` ((training seconds, accuracy), time order) at ``t`` seconds: linear between checks; a
+    run that finished before ``t`` is held at its last check (training stopped at step N).
+
+    Raises:
+        ValueError: no points, or ``t`` before the first point."""
+    if not points or t < points[0][0]:
+        raise ValueError(f"accuracy_at({t}) needs points starting at or before it, got {points}")
+    for (t0, a0), (t1, a1) in zip(points, points[1:]):
+        if t0 <= t <= t1:
+            return a0 if t1 == t0 else a0 + (a1 - a0) * (t - t0) / (t1 - t0)
+    return points[-1][1]
+
+
+def equal_time_accuracy(groups: dict[str, dict[int, dict]], setting: str, reference: str = EQUAL_TIME_AT):
+    """Per seed that has both: ``setting``'s 128-item curve at ``reference``'s final training seconds (same seed);
+    {seed: accuracy fraction}. Descriptive."""
+    ref = groups.get(reference, {})
+    return {s: accuracy_at(curve(c), train_seconds(ref[s])) for s, c in groups.get(setting, {}).items() if s in ref}
+
+
+def paired(groups: dict[str, dict[int, dict]], setting: str, reference: str):
+    """Paired by seed, ``setting`` against ``reference``: (seeds, ``log_ratio_interval`` of the training-seconds
+    ratios to step N (the primary endpoint), ``t_interval`` of the final accuracy differences (descriptive)); None
+    when no seed has both."""
     seeds = sorted(set(groups.get(setting, {})) & set(groups.get(reference, {})))
     if not seeds:
         return None
     a, b = groups[setting], groups[reference]
-    return (seeds, stats.t_interval([final_accuracy(a[s]) - final_accuracy(b[s]) for s in seeds]),
-            stats.t_interval([train_seconds(a[s]) / train_seconds(b[s]) for s in seeds]))
+    return (seeds, log_ratio_interval([train_seconds(a[s]) / train_seconds(b[s]) for s in seeds]),
+            stats.t_interval([final_accuracy(a[s]) - final_accuracy(b[s]) for s in seeds]))
+
+
+def comparisons() -> list[tuple[str, str]]:
+    """(setting, reference) pairs in table order: the A/A null (``NULL``) first, then every other setting against
+    each of ``REFERENCES``."""
+    return [NULL, *((s, ref) for ref in REFERENCES for s in SETTINGS if s not in (ref, *NULL))]
 
 
 def paired_rows(groups: dict[str, dict[int, dict]]) -> list[str]:
-    lines = [f"| setting - {REFERENCE} | seeds | final accuracy, points [95 % CI] | training s ratio [95 % CI] |",
-             "|---|---|---|---|"]
-    for setting in SETTINGS:
-        got = paired(groups, setting) if setting != REFERENCE else None
+    lines = ["| comparison | seeds | training s to the last step, ratio [95 % CI] (primary) | final accuracy, points "
+             "[95 % CI] (descriptive) |", "|---|---|---|---|"]
+    for setting, ref in comparisons():
+        got = paired(groups, setting, ref)
         if got:
-            seeds, diff, ratio = got
-            lines.append(f"| {setting} | {', '.join(map(str, seeds))} | {stats.fmt_interval(diff)} | "
-                         f"{_interval(ratio, scale=1.0, digits=3, signed=False)} |")
-    return lines if len(lines) > 2 else [f"No seed has both `{REFERENCE}` and another setting yet: no paired "
-                                         "difference."]
+            seeds, ratio, diff = got
+            label = f"{setting} vs {ref}" + (" (A/A null: threads only)" if (setting, ref) == NULL else "")
+            lines.append(f"| {label} | {', '.join(map(str, seeds))} | "
+                         f"{_interval(ratio, scale=1.0, digits=3, signed=False)} | {stats.fmt_interval(diff)} |")
+    return lines if len(lines) > 2 else [f"No seed has both a setting and `{REFERENCES[0]}` or `{REFERENCES[1]}` "
+                                         "yet: no paired comparison."]
 
 
 def _interval(iv: stats.Interval, scale: float = 100.0, digits: int = 1, signed: bool = True) -> str:
@@ -148,37 +205,61 @@ def _interval(iv: stats.Interval, scale: float = 100.0, digits: int = 1, signed:
     return text if signed else text.replace("+", "")
 
 
+def _schedule_text(design: dict) -> str:
+    """``2 steps to step 16, then every 8`` (``8`` without a dense part)."""
+    until = design.get("check_dense_until", 0)
+    return (f"{design['check_dense_every']} steps to step {until}, then every {design['check_every']}" if until
+            else f"{design['check_every']}")
+
+
 def _para(text: str) -> str:
     return textwrap.fill(text, WIDTH, break_long_words=False, break_on_hyphens=False)
 
 
-def section(cells: dict[str, dict], expected: list[str], design: dict, reach_points: float) -> str:
+def section(cells: dict[str, dict], expected: list[str], design: dict, reach_points: float,
+            notes: dict | None = None) -> str:
     """The RESULTS.md section, markers included: the regime, then the tables, or "not run yet" and the missing
-    cells (``expected`` less the committed ones)."""
+    cells (``expected`` less the committed ones). ``cells``: the cells that passed ``async_wallclock_checks``;
+    ``notes`` (``write``): ``committed`` (names of every committed cell), ``left_out`` and ``flagged`` (lines
+    ``name: reason``), ``revisions`` ({code revision: cells})."""
+    notes = notes or {}
     head = [BEGIN, "", "### Accuracy against training wall clock, synchronous and asynchronous GRPO "
             "(`benchmarks/async_wallclock.py`)", "",
             _para(f"Regime: the main job's chain_sum from the base model `{design['model']}`, {design['steps']} steps "
                   f"x {design['prompts']} prompts x 4 completions, lr {design['lr']:g}, preset `{design['preset']}` "
                   f"in every setting, engine `{design['engine']}` ({ENGINES.get(design['engine'], '?')}). "
                   "Settings: `sync_t1` / "
-                  "`sync_t2` synchronous at 1 / 2 torch threads, `async_d1` / `async_d2` at depth 1 / 2 (trainer 1 "
-                  "thread, engine 1 thread). Training seconds: wall clock from `train()`'s entry, weight copies for "
+                  "`sync_t2` synchronous at 1 / 2 torch threads (trainer and server), `async_d1` / `async_d2` at "
+                  "depth 1 / 2 (trainer 1 thread, server 1 OpenMP thread, up to 2 cores busy while it generates), "
+                  "`async_d1_t2` depth 1 with the trainer at 2 threads. Training seconds: wall clock from "
+                  "`train()`'s entry, weight copies for "
                   "the evaluation excluded; greedy evaluation after training on those copies ("
-                  f"{design['check_size']} held-out items every {design['check_every']} steps, "
-                  f"{design['eval_size']} at the end). Mean [95 % Student-t interval, n - 1 df] over seeds; paired "
-                  f"by seed against `{REFERENCE}`."), ""]
-    missing = [c for c in expected if c not in cells]
+                  f"{design['check_size']} held-out items every {_schedule_text(design)} steps, "
+                  f"{design['eval_size']} at the end). Primary endpoint: the training seconds to the last step, "
+                  "paired by seed against `sync_t2` (the 2-core user's alternative) and `sync_t1`: geometric mean "
+                  "ratio [95 % Student-t interval on the log ratio, n - 1 df]. Accuracy (final, at `sync_t2`'s "
+                  "training seconds, the curve) is descriptive, beside the A/A null `sync_t2` vs `sync_t1` "
+                  "(same algorithm, threads only): with 3 seeds an accuracy difference's 95 % half-width is "
+                  "about 28 points, so no accuracy claim is expected."), ""]
+    missing = [c for c in expected if c not in cells and c not in notes.get("committed", ())]
+    checked = [_para(f"{title} ({len(lines)}): {'; '.join(lines)}.") for title, lines in (
+        ("Left out", notes.get("left_out", [])), ("Ran beside other load (kept, flagged)", notes.get("flagged", [])))
+        if lines]
+    if notes.get("revisions") and cells:
+        checked.append(_para("Code revisions: " + "; ".join(f"`{rev}` ({', '.join(names)})"
+                                                           for rev, names in notes["revisions"].items()) + "."))
+    checked = [line for text in checked for line in ("", text)]
     if not cells:
         body = [_para(f"Not run yet: no cell is committed under `benchmarks/results/async_wallclock`. Missing, in run "
                       f"order ({len(missing)}): {', '.join(missing)}.")]
-        return "\n".join([*head, *body, "", END])
+        return "\n".join([*head, *body, *checked, "", END])
     groups = by_setting(cells)
     body = [*setting_rows(groups, reach_points), "", *paired_rows(groups), "",
             _para(f"Figure: `benchmarks/{FIGURE.name}` (the {design['check_size']}-item curve against training "
                   "seconds, mean over seeds per setting, each seed faint).")]
     if missing:
         body += ["", _para(f"Still to run ({len(missing)}): {', '.join(missing)}.")]
-    return "\n".join([*head, *body, "", END])
+    return "\n".join([*head, *body, *checked, "", END])
 
 
 def plot(cells: dict[str, dict], path: Path) -> None:
@@ -212,11 +293,15 @@ def plot(cells: dict[str, dict], path: Path) -> None:
 
 
 def write(results: Path, expected: list[str], design: dict, reach_points: float, results_md: Path | None = None,
-          figure: Path = FIGURE) -> str:
-    """Rewrite the RESULTS.md section (and the figure, once a cell is committed) for the cells ``expected`` (in run
-    order); returns the section."""
-    cells = load_cells(results)
-    text = section(cells, expected, design, reach_points)
+          figure: Path = FIGURE, max_foreign_cores: float = 0.10, refuse_load: bool = False) -> str:
+    """Rewrite the RESULTS.md section (and the figure, once a cell is kept) for the cells ``expected`` (in run
+    order) of ``design``: the committed cells pass ``async_wallclock_checks.select_cells`` first (design, seeds, lag
+    check, and with ``refuse_load`` the foreign load above ``max_foreign_cores`` cores); returns the section."""
+    loaded = load_cells(results)
+    cells, left_out, flagged = checks.select_cells(loaded, expected, design, max_foreign_cores, refuse_load)
+    text = section(cells, expected, design, reach_points,
+                   {"committed": list(loaded), "left_out": left_out, "flagged": flagged,
+                    "revisions": checks.code_revisions(cells)})
     if results_md is None:
         replace_section(text, BEGIN, END)
     else:

@@ -1,5 +1,7 @@
 """Asynchronous GRPO's step time on the main job (issue 45): synchronous at 1 and 2 torch threads vs asynchronous at
-d = 1 and 2 (engine 1 thread + trainer 1 thread), split into generate / train / wait / publish.
+d = 1 and 2 (server 1 thread + trainer 1 thread) and d = 1 with the trainer at 2 threads (``async_d1_t2``), split into
+generate / train / wait / publish. The server's "1 thread" is its OpenMP threads: vLLM CPU's engine core busy-waits
+on its shared-memory queue while the worker generates, so it occupies up to 2 cores then (``async_cells``).
 
 Every run is a fresh process (``--worker``) training SmolLM2-135M-Instruct (float32) on the main job's task
 (reasoning-gym chain_sum, the CPU config's batch: 16 completions per step, 32 tokens, ``decoupled_k3_rs_token_tis``)
@@ -9,7 +11,8 @@ for ``--steps`` optimizer steps. ``--engine server`` (default): every setting ge
 * ``sync_t1`` / ``sync_t2``: TRL's own server path (sync, then generate, every step; ``rollout_async_depth=0``),
   trainer and server at 1 / 2 threads. generate = the time inside ``_generate_single_turn`` (the weight sync
   included); train = step - generate.
-* ``async_d1`` / ``async_d2``: ``rollout_async_depth=d``, trainer at 1 thread, server at 1 thread.
+* ``async_d1`` / ``async_d2`` / ``async_d1_t2``: ``rollout_async_depth=d``, trainer at 1 (``_t2``: 2) threads,
+  server at 1 thread.
   generate = the engine's ``rollout_async/generate_s``; wait = ``trainer_wait_s``; publish = ``publish_s`` (the CPU
   copy; the push to the server runs on the worker thread); train = step - wait - publish. Overlap efficiency =
   max(generate, train) / step (1.0: perfect overlap; the goal is >= 0.9).
@@ -18,8 +21,8 @@ for ``--steps`` optimizer steps. ``--engine server`` (default): every setting ge
 asynchronous ones the transformers engine process (one row at a time): not the same generator.
 
 Step times are wall clock per optimizer step (a callback's ``on_step_begin`` -> ``on_step_end``); step 1 (warm-up,
-and nothing to overlap with yet) is left out of the medians. The settings run interleaved (``sync_t1, sync_t2,
-async_d1, async_d2``, the order reversed every other round). Needs both cores and nothing else running (the vLLM
+and nothing to overlap with yet) is left out of the medians. The settings run interleaved (``async_cells.SETTINGS``
+order, reversed every other round). Needs both cores and nothing else running (the vLLM
 venv, with this package installed there):
 
     .venv-vllm/bin/python benchmarks/bench_async.py [--engine server] [--model models/SmolLM2-135M-Instruct]
@@ -39,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import async_cells as cells  # noqa: E402  (benchmarks/, next to this file: the settings, server, config, clock)
-from async_cells import SETTINGS  # noqa: E402  ({setting: (depth, trainer threads)})
+from async_cells import SETTINGS  # noqa: E402  ({setting: (depth, trainer, server threads)})
 
 
 def worker(setting: str, model: str, steps: int, out: Path, engine: str) -> None:
