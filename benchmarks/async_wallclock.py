@@ -67,7 +67,8 @@ Cost (``--plan``, estimated, not measured): per cell, the committed ``bench_asyn
 benchmarked there, at ``async_d1``'s step); plus (checked steps other than the last x ``--check-size`` +
 ``--eval-size``) greedy items at the committed base-model lag cells' seconds per item; plus 60 s of server start.
 Each cell is killed (its process group) after ``--cell-timeout-factor`` (3) x that estimate, and the run stops.
-The weight copies stay in memory until the evaluation: 0.54 GB each (135M float32 parameters), 9 at the defaults.
+The weight copies stay in memory until the evaluation: 0.54 GB each (135M float32 parameters),
+10 at the defaults (steps 0-24).
 
 Each finished cell writes ``benchmarks/results/async_wallclock/<setting>_s<seed>/cell.json``, its
 ``log_history.json`` (TRL's ``trainer.state.log_history``) and its log's tail, committed alone with ``--commit``
@@ -394,12 +395,15 @@ def estimate(args: argparse.Namespace, bench=ROOT / "benchmarks" / "results" / "
 def plan(args: argparse.Namespace) -> None:
     todo = pending_cells(Path(args.results), args.seeds, design_of(args))
     per_cell, how = estimate(args)
+    timeouts = cell_timeouts(args)
     for name in cell_order(args.seeds):
         state = "to run" if name in todo else "committed"
-        print(f"{name:12s} {state:9s} ~{per_cell[parse_cell(name)[0]] / 60:.0f} min")
+        setting = parse_cell(name)[0]
+        print(f"{name:14s} {state:9s} ~{per_cell[setting] / 60:.0f} min (killed after {timeouts[setting] / 60:.0f})")
     left = sum(per_cell[parse_cell(n)[0]] for n in todo)
     print(f"{len(todo)} cells to run, ~{left / 3600:.1f} h wall on both cores ({2 * left / 3600:.1f} core-h); "
-          f"estimated, not measured: {how}")
+          f"estimated, not measured: {how}; checks at steps {schedule(args)}, weight copies ~"
+          f"{0.54 * (len(schedule(args)) - 1):.1f} GB in memory")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
