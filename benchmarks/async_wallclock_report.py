@@ -119,14 +119,13 @@ def reach_text(times: list[float | None]) -> str:
 
 def setting_rows(groups: dict[str, dict[int, dict]], reach_points: float) -> list[str]:
     """The per-setting table (Markdown lines, header included)."""
-    lines = ["| setting | seeds | median step s | training s | final accuracy % [95 % CI] | accuracy % at "
-             f"{EQUAL_TIME_AT}'s training s | reaches start + {reach_points:g} points |",
+    lines = ["| setting | seeds | median step s | training s | final acc. % [95 % CI] | % at "
+             f"{EQUAL_TIME_AT}'s s | reaches start + {reach_points:g} pts |",
              "|---|---|---|---|---|---|---|"]
     for setting, seeds in groups.items():
         finals = stats.t_interval([final_accuracy(c) for c in seeds.values()])
         equal = equal_time_accuracy(groups, setting)
-        equal_text = (f"{100 * statistics.fmean(equal.values()):.1f} (seeds {', '.join(map(str, equal))})" if equal
-                      else "-")
+        equal_text = f"{100 * statistics.fmean(equal.values()):.1f} (n = {len(equal)})" if equal else "-"
         lines.append(f"| {setting} | {', '.join(map(str, seeds))} | "
                      f"{statistics.median(median_step(c) for c in seeds.values()):.2f} | "
                      f"{statistics.fmean(train_seconds(c) for c in seeds.values()):.0f} | "
@@ -187,8 +186,8 @@ def comparisons() -> list[tuple[str, str]]:
 
 
 def paired_rows(groups: dict[str, dict[int, dict]]) -> list[str]:
-    lines = ["| comparison | seeds | training s to the last step, ratio [95 % CI] (primary) | final accuracy, points "
-             "[95 % CI] (descriptive) |", "|---|---|---|---|"]
+    lines = ["| comparison | seeds | training s to step N, ratio [95 % CI] (primary) | final acc., points [95 % CI] "
+             "(descriptive) |", "|---|---|---|---|"]
     for setting, ref in comparisons():
         got = paired(groups, setting, ref)
         if got:
