@@ -64,6 +64,12 @@ PUBLISH_METRIC = "rollout_async/publish_s"
 ASYNC_METRICS = (*TAKE_METRICS, PUBLISH_METRIC)
 
 
+def _batches_holding(micro: Optional[int], generate_every: int) -> Optional[int]:
+    """The generation batches (``generate_every`` micro-steps each) holding micro-steps 0..``micro`` - 1 (None: no
+    end)."""
+    return None if micro is None else -(-micro // generate_every)
+
+
 def check_async_trainer(trainer: "RolloutCorrGRPOTrainer") -> None:
     """Refuse what the asynchronous pipeline cannot serve, naming the fix.
 
@@ -294,8 +300,9 @@ class AsyncGeneration:
         """One past the last generation batch a run started (or resumed) at optimizer step ``step`` trains when the
         Trainer stops at ``max_steps`` (``trl_compat.micro_steps_trained``): the batch holding its last micro-step.
         None: ``max_steps`` unknown (no end)."""
-        micro = trl_compat.micro_steps_trained(step, max_steps, self.accumulation, self.steps_in_epoch)
-        return None if micro is None else -(-micro // self.generate_every)
+        return _batches_holding(
+            trl_compat.micro_steps_trained(step, max_steps, self.accumulation, self.steps_in_epoch),
+            self.generate_every)
 
     def end_of_pass(self, items: int) -> None:
         """The loader ran out after ``items`` items of its epoch (counted from the epoch's start, a resumed epoch's
@@ -355,7 +362,7 @@ class AsyncGeneration:
         self.resume_step, self.micro_offset = step, micro
         first = micro // self.generate_every
         self.end_micro = trl_compat.micro_steps_trained(step, max_steps, self.accumulation, self.steps_in_epoch)
-        self.end_batch = self.end_of_run(step, max_steps)
+        self.end_batch = _batches_holding(self.end_micro, self.generate_every)  # end_of_run, counted once
         self.pipeline = AsyncRolloutPipeline(self.engine, batch_version=self.batch_version,
                                              timeout_s=args.rollout_async_timeout_s, first_batch=first,
                                              end_batch=self.end_batch)
