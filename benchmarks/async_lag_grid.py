@@ -29,7 +29,9 @@ policy through bf16-sensitive states a few (seed 3: 0.032-0.062 at 4 of 16 steps
 the steps above the bound are listed by the report (``lag0_k3_above``), not counted as failures.
 
 Cells are ``<method>_d<d>_s<seed>`` (methods: ``policy_lag_experiment.METHODS``), committed per cell under
-``--results/<candidate>/<cell>/`` (``--commit``); a committed cell is skipped (resumable). ``--report-only`` rewrites
+``--results/<candidate>/<cell>/`` (``--commit``); a committed cell is skipped (resumable). ``--cells`` runs the named cells of
+``--candidate`` only (two one-core runs side by side, each its own seeds; the verdict counts every committed seed,
+so a seed run beside the one that calibrated is counted, not dropped), and leaves RESULTS.md alone. ``--report-only`` rewrites
 the generated RESULTS.md section (``async_lag_report``); ``--plan`` prints the cells in order with their core-hours.
 
     .venv-vllm/bin/python benchmarks/async_lag_grid.py --plan
@@ -525,6 +527,26 @@ def plan_lines(results: Path, depth: int = DEPTH, followup: int = 1, min_seeds: 
     return out
 
 
+def named_cells(names: list[str], cand_name: str | None, depth: int = DEPTH,
+                followup: int = 1) -> tuple[Candidate, list[str]]:
+    """``--cells``: check the names and return ``--candidate``'s Candidate with them.
+
+    Raises:
+        ValueError: no ``--candidate``, or a name that is not ``trl_d0_s<seed>`` (calibration), a grid cell at
+            ``depth`` or a follow-up cell at ``followup`` (names the cells it accepts)."""
+    if not cand_name:
+        raise ValueError("--cells needs --candidate (the design the cells belong to)")
+    cand = candidate(cand_name)
+    for name in names:
+        method, d, _ = parse_cell(name)
+        ok = ((method, d) == ("trl", 0) or (method in ARMS and d == depth)
+              or (method in FOLLOWUP_ARMS and d == followup))
+        if not ok:
+            raise ValueError(f"--cells: {name!r} is none of trl_d0_s<seed>, <arm>_d{depth}_s<seed> (arms {ARMS}) "
+                             f"or <arm>_d{followup}_s<seed> (arms {FOLLOWUP_ARMS})")
+    return cand, list(names)
+
+
 def run(args: argparse.Namespace) -> None:
     """Phases 1-3 (``--stop-after`` ends early); every cell resumable and committed on its own."""
     pl.check_vendor(MAIN_GRID)  # the start's scores (and the warm start) are the AMD main grid's
@@ -579,10 +601,19 @@ def main() -> None:
     ap.add_argument("--commit", action="store_true", help="git commit each finished cell's results folder")
     ap.add_argument("--plan", action="store_true", help="print the cells left and their core-hours, exit")
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--cells", nargs="+", metavar="CELL",
+                    help="run these cells of --candidate only (e.g. trl_d0_s2) and leave RESULTS.md alone")
     ap.add_argument("--no-write", action="store_true", help="print the report; leave RESULTS.md alone")
     args = ap.parse_args()
     if args.plan:
         print("\n".join(plan_lines(Path(args.results), args.depth, args.followup_depth, args.min_seeds)))
+        return
+    if args.cells:
+        pl.check_vendor(MAIN_GRID)
+        cand, names = named_cells(args.cells, args.candidate, args.depth, args.followup_depth)
+        failed = [n for n in names if not run_cell(cand, n, args)]
+        if failed:
+            raise SystemExit(f"cells failed: {failed}; see their run.log under {args.out}")
         return
     if not args.report_only:
         run(args)

@@ -372,11 +372,18 @@ def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProc
 
 
 def commit_cell(results: Path, name: str, summary: str) -> None:
-    """Commit ``results/<name>`` alone (``git commit -- <path>``: nothing else staged is taken along)."""
+    """Commit ``results/<name>`` alone (``git commit -- <path>``: nothing else staged is taken along), holding an
+    exclusive lock on ``.git/rollout-corr-commit.lock`` so that two runners side by side never meet git's index
+    lock."""
+    import fcntl
+
     repo = Path(_git(results, "rev-parse", "--show-toplevel").stdout.strip())
     path = str((results / name).resolve().relative_to(repo))
-    _git(repo, "add", "--", path)
-    _git(repo, "commit", "-q", "-m", f"results: {results.name}/{name} ({summary})", "--", path)
+    git_dir = Path(_git(repo, "rev-parse", "--absolute-git-dir").stdout.strip())
+    with open(git_dir / "rollout-corr-commit.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _git(repo, "add", "--", path)
+        _git(repo, "commit", "-q", "-m", f"results: {results.name}/{name} ({summary})", "--", path)
 
 
 def cpu_fingerprint(cpuinfo: str | None = None) -> dict:

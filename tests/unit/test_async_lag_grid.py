@@ -351,3 +351,14 @@ def test_the_report_lists_the_lag0_steps_above_the_bound(g, rep, tmp_path, monke
     assert "Lag-0 steps above the k3_kl bound 0.03 (informational, not a failure" in text
     assert "* `base_16x4/trl_d0_s1`: step 13 0.032," in text
     assert "k3_kl bound" not in rep.report(tmp_path / "none", main_grid=main)
+
+
+def test_named_cells_take_the_designs_calibration_grid_and_followup_cells(g):
+    cand, names = g.named_cells(["trl_d0_s2", "bypass_d2_s1", "trl_d1_s3"], "base_32x8")
+    assert cand.name == "base_32x8" and cand.steps == 32 and cand.prompts == 8
+    assert names == ["trl_d0_s2", "bypass_d2_s1", "trl_d1_s3"]
+    with pytest.raises(ValueError, match="--cells needs --candidate"):
+        g.named_cells(["trl_d0_s2"], None)
+    for bad in ("bypass_d0_s1", "tis_d1_s1", "trl_d3_s1"):  # bypass on-policy, tis off the follow-up, depth 3
+        with pytest.raises(ValueError, match="is none of trl_d0_s<seed>"):
+            g.named_cells([bad], "base_32x8")

@@ -492,3 +492,38 @@ def test_issue47_a_vendor_grid_without_anchor_arms_says_its_frontier_is_plain_tr
     text = exp.report(vendor, figure=False)
     assert no_controls in text and "Frontier arms not run yet: trl_k32_s2, trl_k32_s3." in text  # plain TRL only
     assert "| bypass_k32_s1 | 0.400 | 0.350 | — | 62.5 | 70.0 | +25.0 | +20.0 |" in text  # the committed cells count
+
+
+def test_commit_cell_commits_each_folder_alone_when_two_runners_meet(tmp_path):
+    """Two runners side by side (``async_lag_grid.py --cells``) commit at once: the lock serialises them, each
+    commit holds its own cell only, and a file staged by someone else is not taken along."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    pl = load_script("benchmarks/policy_lag_experiment.py")
+
+    def git(*a):
+        return subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    git("config", "user.email", "t@t"), git("config", "user.name", "t")
+    (tmp_path / "README").write_text("x\n")
+    git("add", "README"), git("commit", "-q", "-m", "init")
+    results = tmp_path / "results" / "cand"
+    for i in range(6):
+        (results / f"c{i}").mkdir(parents=True)
+        (results / f"c{i}" / "eval.json").write_text(f"{i}\n")
+    (tmp_path / "other").write_text("staged elsewhere\n")
+    git("add", "other")
+    with ThreadPoolExecutor(6) as ex:
+        list(ex.map(lambda i: pl.commit_cell(results, f"c{i}", f"cell {i}"), range(6)))
+    commits = []
+    for line in filter(None, git("log", "--format=@%s", "--name-only").splitlines()):
+        if line.startswith("@"):
+            commits.append([line[1:]])
+        else:
+            commits[-1].append(line)
+    commits = [c for c in commits if c[0].startswith("results:")]
+    assert sorted(c[1] for c in commits) == [f"results/cand/c{i}/eval.json" for i in range(6)]
+    assert all(len(c) == 2 for c in commits)
+    assert "other" in git("diff", "--cached", "--name-only")
