@@ -29,13 +29,15 @@ policy through bf16-sensitive states a few (seed 3: 0.032-0.062 at 4 of 16 steps
 the steps above the bound are listed by the report (``lag0_k3_above``), not counted as failures.
 
 Cells are ``<method>_d<d>_s<seed>`` (methods: ``policy_lag_experiment.METHODS``), committed per cell under
-``--results/<candidate>/<cell>/`` (``--commit``); a committed cell is skipped (resumable). ``--cells`` runs the named cells of
-``--candidate`` only (two one-core runs side by side, each its own seeds; the verdict counts every committed seed,
-so a seed run beside the one that calibrated is counted, not dropped), and leaves RESULTS.md alone. ``--report-only`` rewrites
-the generated RESULTS.md section (``async_lag_report``); ``--plan`` prints the cells in order with their core-hours.
+``--results/<candidate>/<cell>/`` (``--commit``); a committed cell is skipped (resumable). ``--cells`` runs the named
+cells of ``--candidate`` only and leaves RESULTS.md alone: two one-core runs side by side, each its own seeds (the
+verdict counts every committed seed, so a seed run beside the one that calibrated is counted, not dropped).
+``--report-only`` rewrites the generated RESULTS.md section (``async_lag_report``); ``--plan`` prints the cells in
+order with their core-hours.
 
     .venv-vllm/bin/python benchmarks/async_lag_grid.py --plan
     .venv-vllm/bin/python benchmarks/async_lag_grid.py --commit
+    .venv-vllm/bin/python benchmarks/async_lag_grid.py --commit --candidate base_32x8 --cells trl_d0_s2
     .venv-vllm/bin/python benchmarks/async_lag_grid.py --report-only
 """
 
