@@ -74,7 +74,8 @@ Each finished cell writes ``benchmarks/results/async_wallclock/<setting>_s<seed>
 ``log_history.json`` (TRL's ``trainer.state.log_history``) and its log's tail, committed alone with ``--commit``
 (refused while that folder has uncommitted files); a committed cell is skipped (resumable; one of another design
 is an error).
-``--report-only`` writes ``benchmarks/async_wallclock.png`` and the RESULTS.md section (``async_wallclock_report``).
+``--report-only`` writes ``benchmarks/async_wallclock.png`` and the RESULTS.md section (``async_wallclock_report``);
+with another ``--results``, ``RESULTS.md`` and the figure inside that folder instead.
 
     .venv-vllm/bin/python benchmarks/async_wallclock.py --plan
     .venv-vllm/bin/python benchmarks/async_wallclock.py --commit [--seeds 3]
@@ -444,6 +445,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def report_paths(results: Path) -> dict[str, Path]:
+    """Where ``--report-only`` writes: benchmarks/RESULTS.md and benchmarks/async_wallclock.png for the committed
+    cells (``RESULTS``), else ``<results>/RESULTS.md`` and ``<results>/async_wallclock.png`` (a smoke run's report
+    never overwrites the committed section or figure)."""
+    if results.resolve() == RESULTS.resolve():
+        return {"results_md": report.RESULTS_MD, "figure": report.FIGURE}
+    return {"results_md": results / "RESULTS.md", "figure": results / report.FIGURE.name}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
@@ -451,7 +461,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.report_only:
         report.write(Path(args.results), cell_order(args.seeds), design_of(args), args.reach_points,
-                     max_foreign_cores=args.max_foreign_cores, refuse_load=args.refuse_load)
+                     max_foreign_cores=args.max_foreign_cores, refuse_load=args.refuse_load,
+                     **report_paths(Path(args.results)))
         return
     if args.plan:
         plan(args)

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import async_wallclock_checks as checks  # noqa: E402  (benchmarks/, next to this file)
 import policy_lag_stats as stats  # noqa: E402
 from async_cells import SETTINGS  # noqa: E402
+from results_md import RESULTS as RESULTS_MD  # noqa: E402
 from results_md import replace_section  # noqa: E402
 
 BEGIN = "<!-- BEGIN async_wallclock.py output -->"
@@ -301,10 +302,7 @@ def write(results: Path, expected: list[str], design: dict, reach_points: float,
     text = section(cells, expected, design, reach_points,
                    {"committed": list(loaded), "left_out": left_out, "flagged": flagged,
                     "revisions": checks.code_revisions(cells)})
-    if results_md is None:
-        replace_section(text, BEGIN, END)
-    else:
-        replace_section(text, BEGIN, END, results_md)
+    replace_section(text, BEGIN, END, RESULTS_MD if results_md is None else results_md)
     if cells:
         plot(cells, figure)
     print(text)

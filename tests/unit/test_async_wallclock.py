@@ -283,13 +283,36 @@ def test_a_cell_past_its_timeout_is_killed_with_its_group(w, tmp_path):
     import subprocess
     import sys
 
-    # the worker starts a child in its group, then hangs: both must be gone after the timeout
+    # the worker starts a child in its group, then hangs: both must be gone after the timeout (8 s: under load the
+    # two interpreters may need seconds to start, and at 2 s the log held no pid yet)
     code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
             "time.sleep(60)']); print(p.pid, flush=True); time.sleep(60)")
-    with pytest.raises(w.CellTimeout, match="no result after 2 s: killed its process group"):
-        w.run_worker([sys.executable, "-c", code], tmp_path / "run.log", 2.0)
+    with pytest.raises(w.CellTimeout, match="no result after 8 s: killed its process group"):
+        w.run_worker([sys.executable, "-c", code], tmp_path / "run.log", 8.0)
     child = int((tmp_path / "run.log").read_text().split()[0])
     gone = subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True).stdout.strip()
     assert gone in ("", "Z")  # no such process (or a zombie awaiting init's reap)
     assert w.run_worker([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "rc.log", 30.0) == 3
     assert w.cell_timeouts(w.parse_args(["--cell-timeout", "500"]))["async_d1_t2"] == 500.0
+
+
+def test_a_report_of_other_results_stays_in_their_folder(w, rep, tmp_path):
+    """--report-only with a smoke run's --results writes RESULTS.md and the figure inside that folder: the committed
+    section and figure are left alone (they were overwritten before)."""
+    import shutil
+
+    committed_md = (w.ROOT / "benchmarks" / "RESULTS.md").read_bytes()
+    kept = sorted(p.parent.name for p in w.RESULTS.glob("*/cell.json"))
+    assert kept, "the committed wall-clock cells (sync_t2_s1, async_d1_t2_s1 at least)"
+    for name in kept:
+        shutil.copytree(w.RESULTS / name, tmp_path / name)
+    assert w.report_paths(w.RESULTS) == {"results_md": rep.RESULTS_MD, "figure": rep.FIGURE}
+    assert w.report_paths(tmp_path) == {"results_md": tmp_path / "RESULTS.md",
+                                        "figure": tmp_path / "async_wallclock.png"}
+    figure_before = rep.FIGURE.stat().st_mtime_ns if rep.FIGURE.exists() else None
+    w.main(["--report-only", "--results", str(tmp_path)])
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert rep.BEGIN in text and "| sync_t2 | 1 |" in text and "Left out" not in text
+    assert (tmp_path / "async_wallclock.png").stat().st_size > 0
+    assert (w.ROOT / "benchmarks" / "RESULTS.md").read_bytes() == committed_md
+    assert (rep.FIGURE.stat().st_mtime_ns if rep.FIGURE.exists() else None) == figure_before
