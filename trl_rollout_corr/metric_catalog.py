@@ -1,5 +1,6 @@
-"""The catalogue of the ``rollout_corr/*`` metrics and of the asynchronous generation's ``rollout_async/*`` ones: one
-entry per family of keys, the source of ``docs/reference/metrics.md`` (``python -m trl_rollout_corr.docgen --write``).
+"""The catalogue of the ``rollout_corr/*`` metrics, of the asynchronous generation's ``rollout_async/*`` ones and of
+the in-process vLLM CPU engine's ``rollout/*`` timings: one entry per family of keys, the source of
+``docs/reference/metrics.md`` (``python -m trl_rollout_corr.docgen --write``).
 
 The keys themselves are built where they are computed (``correction/``, ``accumulator.py``, ``lag.py``,
 ``support/stats.py``, ...), often from parts (an RS option, a length slice, a layer); this module declares what they
@@ -7,9 +8,10 @@ can be. ``MetricFamily.pattern`` is the key after ``rollout_corr/`` with ``{a,b,
 ``{option}`` (an RS option, ``correction.rejection.RS_OPTIONS``), ``{lo}_{hi}`` (a length slice: ``lo`` an edge,
 ``hi`` the next edge or ``inf``) and ``{i}`` (a layer index) for the variable parts. ``MetricFamily.prefix`` is the
 key's prefix: ``PREFIX`` for the correction's families, ``ASYNC_PREFIX`` for those of ``async_generation.py``
-(``rollout_async_depth >= 1``; their keys are ``async_generation.ASYNC_METRICS``).
-``tests/unit/test_metric_catalog.py`` checks that every key the correction, M2PO, the golden trainer runs and the
-asynchronous generation log matches exactly one family, and that every family is seen
+(``rollout_async_depth >= 1``; their keys are ``async_generation.ASYNC_METRICS``), ``ENGINE_PREFIX`` for those of
+``engines.vllm_cpu_rollout.VLLMCPURollout`` (``ENGINE_METRICS``).
+``tests/unit/test_metric_catalog.py`` checks that every key the correction, M2PO, the golden trainer runs, the
+asynchronous generation and the in-process engine log matches exactly one family, and that every family is seen
 (``tests/features/test_async_pipeline.py`` checks ``ASYNC_METRICS`` against the keys a real asynchronous run logs).
 
 Nothing here imports torch or TRL.
@@ -23,7 +25,10 @@ from dataclasses import dataclass
 
 PREFIX = "rollout_corr/"
 ASYNC_PREFIX = "rollout_async/"
-PREFIXES = (PREFIX, ASYNC_PREFIX)  # every prefix a family may have (none is the start of another)
+ENGINE_PREFIX = "rollout/"
+# the keys ``engines/vllm_cpu_rollout.py`` logs through ``log_trl_metric`` (the test reads them from its source)
+ENGINE_METRICS = ("rollout/vllm_generate_s", "rollout/vllm_async_wait_s", "rollout/vllm_sync_s")
+PREFIXES = (PREFIX, ASYNC_PREFIX, ENGINE_PREFIX)  # every prefix a family may have (none is the start of another)
 
 _SIDES = "{mean,std,max,min,fraction_high,fraction_low}"
 _ROW_SIDES = "{mean,std,max,min,max_deviation,fraction_high,fraction_low}"
@@ -94,6 +99,7 @@ _LEN = "Length slices"
 _RATIO = "Ratio decomposition and policy lag"
 _TRAINER = "Trainer features"
 _ASYNC = "Asynchronous generation"
+_ENGINE = "In-process vLLM CPU engine"
 
 # heading -> a paragraph the page prints under it (when its keys are logged, how to read them together)
 FAMILY_NOTES: dict[str, str] = {
@@ -106,6 +112,11 @@ FAMILY_NOTES: dict[str, str] = {
             "a `trainer_wait_s` near `generate_s` means the trainer waits for the engine (generation is the "
             "bottleneck); a large `engine_idle_s` means the engine waits for weights (training is the bottleneck: "
             "a deeper `rollout_async_depth` would use the engine more, at a larger policy lag).",
+    _ENGINE: "Logged only by the library's own engine behind TRL's `rollout_func` (`VLLMCPURollout`, the recipe's "
+             "`--rollout_engine vllm_cpu`; not by TRL's `use_vllm` paths), under the prefix `rollout/`. Wall-clock "
+             "seconds per event, averaged over the logged window by TRL's `log`; a step without the event has no "
+             "value. Together with TRL's `step_time` they split a step: `step_time - vllm_generate_s - vllm_sync_s` "
+             "is the trainer's own share.",
 }
 
 METRICS: tuple[MetricFamily, ...] = (
@@ -210,6 +221,14 @@ METRICS: tuple[MetricFamily, ...] = (
        "the engine held, `max(R, s - d)` for the batch first trained at step s (d = `rollout_async_depth`, R the "
        "step the run started or resumed at); s - version is the lag of its rows at step s (`policy_lag_*`)",
        "async_generation.py", ASYNC_PREFIX),
+    _m("vllm_generate_s", _ENGINE, "seconds the engine took to generate the batch of a generation step",
+       "engines/vllm_cpu_rollout.py", ENGINE_PREFIX),
+    _m("vllm_sync_s", _ENGINE, "seconds a weight sync took (the trainer's weights loaded into the engine), at the "
+       "steps the sync schedule (`rollout_sync_interval`) syncs; the emulated asynchronous mode's loads run in a "
+       "thread and are not logged here", "engines/vllm_cpu_rollout.py", ENGINE_PREFIX),
+    _m("vllm_async_wait_s", _ENGINE, "with the emulated `rollout_async_depth`: seconds the generation step waited for "
+       "the engine's background weight loads to finish (0 when they had)", "engines/vllm_cpu_rollout.py",
+       ENGINE_PREFIX),
 )
 
 

@@ -74,7 +74,8 @@ def test_metrics_page_lists_every_family_once():
         assert page.count(f"* `{m.listed}`: ") == 1, m.pattern
     headings = [line[3:] for line in page.splitlines() if line.startswith("## ")]
     assert headings == ["Off-policy diagnostics", "Importance-sampling weights", "Rejection sampling", "Length slices",
-                        "Ratio decomposition and policy lag", "Trainer features", "Asynchronous generation"]
+                        "Ratio decomposition and policy lag", "Trainer features", "Asynchronous generation",
+                        "In-process vLLM CPU engine"]
     assert "\n* `skipped_step_fraction`: 1 on an optimizer step `skip_empty_steps` skipped, else 0 " \
            "(features/empty_steps.py)\n\n## Asynchronous generation\n\nLogged only with `rollout_async_depth >= 1`" \
            in page
@@ -83,6 +84,10 @@ def test_metrics_page_lists_every_family_once():
     assert [line.split("`")[1] for line in section.splitlines() if line.startswith("* ")] == [
         "rollout_async/trainer_wait_s", "rollout_async/engine_idle_s", "rollout_async/generate_s",
         "rollout_async/publish_s", "rollout_async/version"]
+    engine = _section(page, "## In-process vLLM CPU engine")
+    assert [line.split("`")[1] for line in engine.splitlines() if line.startswith("* ")] == [
+        "rollout/vllm_generate_s", "rollout/vllm_sync_s", "rollout/vllm_async_wait_s"]
+    assert "`step_time - vllm_generate_s - vllm_sync_s` is the trainer's own share" in engine.replace("\n", " ")
 
 
 def test_metrics_page_reads_the_length_edges_from_the_code(monkeypatch):

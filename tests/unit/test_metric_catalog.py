@@ -1,8 +1,9 @@
-"""``metric_catalog.METRICS`` covers exactly the ``rollout_corr/*`` and ``rollout_async/*`` keys that are logged: every
-key the correction (each IS level, IcePop, batch normalisation, every RS option, RS on the engine factor), M2PO, the
-golden trainer runs (policy lag, the ratio split, support matching, routing replay, ...) and the asynchronous
-generation (``async_generation.ASYNC_METRICS``, the names its code logs; a real asynchronous run's keys are checked
-against them in ``tests/features/test_async_pipeline.py``) produce matches exactly one family, and every family is
+"""``metric_catalog.METRICS`` covers exactly the ``rollout_corr/*``, ``rollout_async/*`` and ``rollout/*`` keys that
+are logged: every key the correction (each IS level, IcePop, batch normalisation, every RS option, RS on the engine
+factor), M2PO, the golden trainer runs (policy lag, the ratio split, support matching, routing replay, ...), the
+asynchronous generation (``async_generation.ASYNC_METRICS``, the names its code logs; a real asynchronous run's keys
+are checked against them in ``tests/features/test_async_pipeline.py``) and the in-process engine
+(``metric_catalog.ENGINE_METRICS``, read against its source) produce matches exactly one family, and every family is
 produced by one of them (so a family that is never logged, or a key without a family, fails)."""
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from trl_rollout_corr import RolloutCorrectionConfig, compute_rollout_correction
 from trl_rollout_corr.accumulator import Reducers, RolloutCorrAccumulator
 from trl_rollout_corr.async_generation import ASYNC_METRICS
 from trl_rollout_corr.correction.rejection import RS_OPTIONS
-from trl_rollout_corr.metric_catalog import ASYNC_PREFIX, METRICS, PREFIX, MetricFamily, family_of
+from trl_rollout_corr.metric_catalog import (
+    ASYNC_PREFIX,
+    ENGINE_METRICS,
+    ENGINE_PREFIX,
+    METRICS,
+    PREFIX,
+    MetricFamily,
+    family_of,
+)
 from trl_rollout_corr.modes.decoupled import DecoupledMode
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_trainer"
@@ -80,7 +89,7 @@ def _walk_keys(obj):
 def test_every_logged_key_has_exactly_one_family_and_every_family_is_logged():
     from trl_rollout_corr.features.empty_steps import METRIC as SKIPPED
 
-    keys = _correction_keys() | _golden_keys() | {SKIPPED} | set(ASYNC_METRICS)
+    keys = _correction_keys() | _golden_keys() | {SKIPPED} | set(ASYNC_METRICS) | set(ENGINE_METRICS)
     assert len(keys) > 250
     problems = {k: [m.pattern for m in family_of(k)] for k in keys if len(family_of(k)) != 1}
     assert problems == {}, "keys with no family or several (add or narrow one in metric_catalog.METRICS)"
@@ -120,4 +129,18 @@ def test_async_metrics_are_the_async_families():
 
 def test_a_family_with_an_unknown_prefix_is_refused():
     with pytest.raises(ValueError, match="metric_catalog.PREFIXES"):
-        MetricFamily("x", "Trainer features", "x", "x.py", prefix="rollout/")
+        MetricFamily("x", "Trainer features", "x", "x.py", prefix="train/")
+
+
+def test_the_in_process_engines_timings_are_catalogued_under_their_own_prefix():
+    """``VLLMCPURollout``'s ``rollout/*`` keys: each its own family under ``ENGINE_PREFIX``, and the engine's source
+    logs exactly these (a key renamed there without ``ENGINE_METRICS`` fails here)."""
+    import re
+
+    source = (Path(__file__).resolve().parents[2] / "trl_rollout_corr" / "engines" / "vllm_cpu_rollout.py").read_text()
+    logged = set(re.findall(r'log_trl_metric\(trainer, "(rollout/[a-z_]+)"', source))
+    assert logged == set(ENGINE_METRICS) == {"rollout/vllm_generate_s", "rollout/vllm_async_wait_s",
+                                             "rollout/vllm_sync_s"}
+    assert [[m.listed for m in family_of(k)] for k in ENGINE_METRICS] == [[k] for k in ENGINE_METRICS]
+    assert all(m.prefix == ENGINE_PREFIX for k in ENGINE_METRICS for m in family_of(k))
+    assert family_of("rollout_corr/vllm_sync_s") == [] and family_of("rollout/kl") == []
