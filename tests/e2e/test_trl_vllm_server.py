@@ -98,6 +98,45 @@ def test_server_uses_the_gloo_backend_and_processed_logprobs(server, client):
     assert server.startup_s is not None and server.startup_s < 300
 
 
+def test_every_server_process_reads_its_queues_without_busy_waiting(server, client):
+    """``server_env`` sets ``TRL_ROLLOUT_CORR_VLLM_SPIN_S=0`` on CPU and the plugin applies it in each process vLLM
+    starts: the API server, the engine core and its worker (vLLM CPU always runs the worker in a process of its own)
+    each say so in the log, as distinct pids, before the engine generates."""
+    import re
+    from pathlib import Path
+
+    client.generate(PROMPTS[:1], n=1, max_tokens=4, temperature=1.0)
+    text = Path(server.log_path).read_text()
+    pids = set(re.findall(r"vLLM queue readers busy-wait 0 s \(was 1 s; TRL_ROLLOUT_CORR_VLLM_SPIN_S\) in pid (\d+)",
+                          text))
+    assert len(pids) >= 3, text[-3000:]
+
+
+def test_the_spin_default_reaches_the_readers_built_after_it():
+    """``vllm_spin.apply`` against vLLM's own ``SpinCondition``: a reader built after it has the new
+    ``busy_loop_s``; the previous default comes back (vLLM 0.32: 1 s)."""
+    skip_unless_ready()
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from trl_rollout_corr.engines.vllm_spin import apply
+
+    context, readers = zmq.Context(), []
+    previous = apply(0.0)
+    try:
+        readers.append(SpinCondition(is_reader=True, context=context, notify_address="inproc://spin-a"))
+        assert previous == 1.0 and readers[0].busy_loop_s == 0.0
+        assert apply(0.25) == 0.0
+        readers.append(SpinCondition(is_reader=True, context=context, notify_address="inproc://spin-b"))
+        assert readers[1].busy_loop_s == 0.25
+    finally:
+        apply(previous)
+        for r in readers:
+            for sock in (r.local_notify_socket, r.read_cancel_socket, r.write_cancel_socket):
+                sock.close(linger=0)
+        context.term()
+
+
 def test_sync_makes_the_engine_score_like_the_trainer_and_mu_is_processed(client):
     """After syncing a perturbed model (every tensor, the tied embedding/head included) the engine's mu equals the
     perturbed model's log-probs at float32 noise, and differs from the unperturbed model's by far more; syncing the

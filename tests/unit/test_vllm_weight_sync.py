@@ -198,3 +198,29 @@ def test_client_hook_dispatches_on_the_device():
     fake.communicator.group = fake.communicator.store = object()
     VLLMClient.close_communicator(fake)
     assert fake.communicator is None
+
+
+def test_the_cpu_server_env_turns_the_queue_spin_off_unless_set():
+    """``server_env``: on CPU ``TRL_ROLLOUT_CORR_VLLM_SPIN_S=0`` (the engine core's busy-wait on its worker,
+    ``engines/vllm_spin.py``) unless the caller set it; on CUDA vLLM's default (nothing set)."""
+    from trl_rollout_corr.engines.vllm_serve import server_env
+    from trl_rollout_corr.engines.vllm_spin import SPIN_ENV
+
+    assert SPIN_ENV == "TRL_ROLLOUT_CORR_VLLM_SPIN_S"
+    assert server_env(True, {})[SPIN_ENV] == "0" and server_env(True, {})["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert server_env(True, {SPIN_ENV: "0.5"})[SPIN_ENV] == "0.5"
+    assert SPIN_ENV not in server_env(False, {}) and server_env(False, {})["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_the_spin_setting_is_parsed_or_refused_with_the_fix():
+    from trl_rollout_corr.engines.vllm_spin import apply, apply_from_env, parse_spin
+
+    assert parse_spin("0") == 0.0 and parse_spin("0.25") == 0.25
+    for bad in ("-1", "nan", "inf", "fast", ""):
+        with pytest.raises(ValueError, match="TRL_ROLLOUT_CORR_VLLM_SPIN_S=0"):
+            parse_spin(bad)
+    assert apply_from_env({}) is None and apply_from_env({"TRL_ROLLOUT_CORR_VLLM_SPIN_S": ""}) is None  # vLLM's own
+    with pytest.raises(ValueError, match="a number >= 0"):
+        apply_from_env({"TRL_ROLLOUT_CORR_VLLM_SPIN_S": "-0.5"})  # refused before vLLM is imported
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        apply(-1.0)

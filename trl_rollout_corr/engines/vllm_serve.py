@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .vllm_spin import CPU_DEFAULT, SPIN_ENV
 from .vllm_weight_sync import BACKEND
 
 LAUNCHER = "trl_rollout_corr.engines.vllm_launch"
@@ -129,11 +130,13 @@ def server_command(script_args, extra_args: Sequence[str] = (), *, cpu: Optional
 
 def server_env(cpu: bool, base: Optional[dict] = None) -> dict:
     """The server's environment: ``VLLM_SERVER_DEV_MODE=1`` (TRL's weight-sync endpoints live behind it) and, on
-    CPU, a 1 GiB KV cache (``VLLM_CPU_KVCACHE_SPACE``) unless set."""
+    CPU, a 1 GiB KV cache (``VLLM_CPU_KVCACHE_SPACE``) and no busy-wait between the engine core and its worker
+    (``TRL_ROLLOUT_CORR_VLLM_SPIN_S=0``, ``engines/vllm_spin.py``), each unless set."""
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     if cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault(SPIN_ENV, CPU_DEFAULT)
     return env
 
 

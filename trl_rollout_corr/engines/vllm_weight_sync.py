@@ -214,13 +214,21 @@ def receive_tensors(
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register ``GlooWeightTransferEngine`` under ``BACKEND``.
+    """The ``vllm.general_plugins`` entry point: register ``GlooWeightTransferEngine`` under ``BACKEND``, and set the
+    queue readers' busy-wait from ``TRL_ROLLOUT_CORR_VLLM_SPIN_S`` when it is set (``engines/vllm_spin.py``).
 
     Lazy (vLLM imports ``trl_rollout_corr.engines.vllm_gloo_engine`` only when a server asks for this backend) and
     idempotent (vLLM calls plugins once per process; a second call is a no-op). Registering a name changes nothing
     for servers started with another backend, so CUDA servers keep TRL's NCCL path.
+
+    Raises:
+        ValueError: ``TRL_ROLLOUT_CORR_VLLM_SPIN_S`` is not a number >= 0 (the server stops at its start).
     """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from .vllm_spin import apply_from_env
+
+    apply_from_env()
 
     try:
         WeightTransferEngineFactory.register_engine(
