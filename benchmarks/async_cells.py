@@ -66,7 +66,7 @@ def main_job_tasks(train_size: int = 2000, eval_size: int = 1):
                                cfg["eval_seed"], ru.DEFAULT_INSTRUCTION)
 
 
-def serve(setting: str, model: str, engine: str, log_path: Path):
+def serve(setting: str, model: str, engine: str, log_path: Path, spin_s: float = 0.0):
     """A context giving the run's vLLM server (``engine == "server"``: float32, the setting's server threads
     (``SETTINGS[setting][2]``: its OpenMP threads; it occupies more cores while generating, see above), 1024-token
     context, started here, stopped at exit) or None (``"transformers"``).
@@ -81,7 +81,8 @@ def serve(setting: str, model: str, engine: str, log_path: Path):
 
     threads = str(SETTINGS[setting][2])
     return VLLMServer(model, "float32", log_path=str(log_path), timeout_s=600, extra_args=["--max_model_len", "1024"],
-                      env={"OMP_NUM_THREADS": threads, "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+                      env={"OMP_NUM_THREADS": threads, "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                           "TRL_ROLLOUT_CORR_VLLM_SPIN_S": f"{spin_s:g}"})
 
 
 def grpo_config(setting: str, out: Path, server, *, steps: int, batch: int, lr: float, preset: str, seed: int,

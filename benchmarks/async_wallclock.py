@@ -108,7 +108,7 @@ CELL_FILE = "cell.json"
 LOG_FILE = "log_history.json"  # TRL's trainer.state.log_history, a few KB
 ESTIMATE_PROXY = {"async_d1_t2": "async_d1"}  # --plan's estimate for a setting bench_async has not run
 DESIGN_KEYS = ("model", "steps", "prompts", "lr", "train_size", "preset", "engine", "check_every", "check_dense_every",
-               "check_dense_until", "check_size", "eval_size", "eval_max_tokens", "eval_threads")
+               "check_dense_until", "check_size", "eval_size", "eval_max_tokens", "eval_threads", "server_spin_s")
 
 
 def cell_name(setting: str, seed: int) -> str:
@@ -152,7 +152,7 @@ def pending_cells(results: Path, seeds: int, design: dict) -> list[str]:
         if not path.exists():
             todo.append(name)
             continue
-        theirs = json.loads(path.read_text()).get("design", {})
+        theirs = checks.recorded_design(json.loads(path.read_text()).get("design", {}))
         diff = sorted(k for k in design if theirs.get(k) != design[k])
         if diff:
             raise RuntimeError(f"{path} ran another design ({', '.join(f'{k}: {theirs.get(k)!r}' for k in diff)}; "
@@ -226,7 +226,7 @@ def worker(setting: str, seed: int, args: argparse.Namespace, out: Path) -> None
         if state.global_step in steps_checked and state.global_step < args.steps:
             copies[state.global_step] = copy_weights(trainer.model)
 
-    with cells.serve(setting, args.model, args.engine, out / "server.log") as server:
+    with cells.serve(setting, args.model, args.engine, out / "server.log", spin_s=args.server_spin_s) as server:
         import grpo_recipe_utils as ru  # recipes/, on the path after main_job_tasks
 
         config = cells.grpo_config(setting, out, server, steps=args.steps, batch=4 * args.prompts, lr=args.lr,
@@ -417,6 +417,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--preset", default=cells.DEFAULT_PRESET, help="the correction preset of every setting")
     ap.add_argument("--engine", choices=["server", "transformers"], default="server",
                     help="server: TRL's vLLM server (the real pipeline); transformers: a smoke path, other generators")
+    ap.add_argument("--server-spin-s", type=float, default=0.0,
+                    help="the vLLM server's queue busy-wait, s (TRL_ROLLOUT_CORR_VLLM_SPIN_S; 1.0 = vLLM's default, "
+                    "which keeps a second core busy while it generates; cells before 2026-12-07 16:00 ran with it)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 1..n of every setting")
     ap.add_argument("--check-every", type=int, default=8, help="check every this many steps after the dense part")
     ap.add_argument("--check-dense-every", type=int, default=2, help="check every this many steps up to ...")

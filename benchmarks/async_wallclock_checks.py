@@ -20,7 +20,15 @@ import cpu_accounting as cpu  # noqa: E402  (benchmarks/, next to this file)
 
 LAG_KEY = "rollout_corr/policy_lag_max"
 DESIGN_CHECK_KEYS = ("model", "steps", "prompts", "lr", "preset", "engine", "check_every", "check_dense_every",
-                     "check_dense_until", "check_size", "eval_size", "eval_max_tokens")
+                     "check_dense_until", "check_size", "eval_size", "eval_max_tokens", "server_spin_s")
+# design keys added after cells were committed, with the value those cells ran at: the vLLM server's queue
+# busy-wait was vLLM's default (1 s) until 2026-12-07 16:00 UTC (engines/vllm_spin.py)
+LEGACY_DESIGN = {"server_spin_s": 1.0}
+
+
+def recorded_design(design: dict) -> dict:
+    """A committed cell's ``design`` with ``LEGACY_DESIGN``'s values for the keys it predates."""
+    return {**LEGACY_DESIGN, **design}
 
 
 def lag_check(logs: list[dict], depth: int, steps: int) -> list[str]:
@@ -47,7 +55,7 @@ def select_cells(cells: dict[str, dict], expected: list[str], design: dict, max_
     was not recorded), and with ``refuse_load`` one that ``cpu_accounting.load_flag`` flags."""
     kept, left_out, flagged = {}, [], []
     for name, cell in cells.items():
-        theirs = cell.get("design", {})
+        theirs = recorded_design(cell.get("design", {}))
         diff = [k for k in DESIGN_CHECK_KEYS if k in design and theirs.get(k) != design[k]]
         flag = cpu.load_flag(cell.get("cpu_use"), max_foreign_cores)
         if name not in expected:

@@ -217,9 +217,10 @@ def _para(text: str) -> str:
 
 
 def section(cells: dict[str, dict], expected: list[str], design: dict, reach_points: float,
-            notes: dict | None = None) -> str:
+            notes: dict | None = None, figure: Path = FIGURE) -> str:
     """The RESULTS.md section, markers included: the regime, then the tables, or "not run yet" and the missing
-    cells (``expected`` less the committed ones). ``cells``: the cells that passed ``async_wallclock_checks``;
+    cells (``expected`` less the committed ones); ``figure``: where ``write`` puts the figure (named in the text).
+    ``cells``: the cells that passed ``async_wallclock_checks``;
     ``notes`` (``write``): ``committed`` (names of every committed cell), ``left_out`` and ``flagged`` (lines
     ``name: reason``), ``revisions`` ({code revision: cells})."""
     notes = notes or {}
@@ -230,8 +231,9 @@ def section(cells: dict[str, dict], expected: list[str], design: dict, reach_poi
                   f"in every setting, engine `{design['engine']}` ({ENGINES.get(design['engine'], '?')}). "
                   "Settings: `sync_t1` / "
                   "`sync_t2` synchronous at 1 / 2 torch threads (trainer and server), `async_d1` / `async_d2` at "
-                  "depth 1 / 2 (trainer 1 thread, server 1 OpenMP thread, up to 2 cores busy while it generates), "
-                  "`async_d1_t2` depth 1 with the trainer at 2 threads. Training seconds: wall clock from "
+                  "depth 1 / 2 (trainer 1 thread, server 1 OpenMP thread), "
+                  "`async_d1_t2` depth 1 with the trainer at 2 threads. "
+                  + _spin_text(design.get("server_spin_s", 1.0)) + " Training seconds: wall clock from "
                   "`train()`'s entry, weight copies for "
                   "the evaluation excluded; greedy evaluation after training on those copies ("
                   f"{design['check_size']} held-out items every {_schedule_text(design)} steps, "
@@ -255,7 +257,7 @@ def section(cells: dict[str, dict], expected: list[str], design: dict, reach_poi
         return "\n".join([*head, *body, *checked, "", END])
     groups = by_setting(cells)
     body = [*setting_rows(groups, reach_points), "", *paired_rows(groups), "",
-            _para(f"Figure: `benchmarks/{FIGURE.name}` (the {design['check_size']}-item curve against training "
+            _para(f"Figure: `{_shown(figure)}` (the {design['check_size']}-item curve against training "
                   "seconds, mean over seeds per setting, each seed faint).")]
     if missing:
         body += ["", _para(f"Still to run ({len(missing)}): {', '.join(missing)}.")]
@@ -292,6 +294,23 @@ def plot(cells: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository root where it is inside it, else as given."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _spin_text(spin_s: float) -> str:
+    """The server's queue busy-wait in words (``engines/vllm_spin.py``; measured in RESULTS.md, claim V4)."""
+    if spin_s == 0:
+        return ("The server's processes do not busy-wait (`TRL_ROLLOUT_CORR_VLLM_SPIN_S=0`): a server at n threads "
+                "keeps about n cores busy while it generates.")
+    return (f"The server's queue readers busy-wait {spin_s:g} s after each message (vLLM's default is 1 s): a "
+            "server at 1 thread keeps about 2 cores busy while it generates.")
+
+
 def write(results: Path, expected: list[str], design: dict, reach_points: float, results_md: Path | None = None,
           figure: Path = FIGURE, max_foreign_cores: float = 0.10, refuse_load: bool = False) -> str:
     """Rewrite the RESULTS.md section (and the figure, once a cell is kept) for the cells ``expected`` (in run
@@ -301,7 +320,7 @@ def write(results: Path, expected: list[str], design: dict, reach_points: float,
     cells, left_out, flagged = checks.select_cells(loaded, expected, design, max_foreign_cores, refuse_load)
     text = section(cells, expected, design, reach_points,
                    {"committed": list(loaded), "left_out": left_out, "flagged": flagged,
-                    "revisions": checks.code_revisions(cells)})
+                    "revisions": checks.code_revisions(cells)}, figure=figure)
     replace_section(text, BEGIN, END, RESULTS_MD if results_md is None else results_md)
     if cells:
         plot(cells, figure)

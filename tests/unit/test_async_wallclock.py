@@ -116,6 +116,13 @@ def test_a_committed_cell_is_skipped_and_one_of_another_design_refused(w, tmp_pa
     assert w.pending_cells(tmp_path, 1, design) == ["sync_t1_s1", "async_d1_s1", "async_d2_s1", "async_d1_t2_s1"]
     with pytest.raises(RuntimeError, match="steps: 32.*now steps: 16"):
         w.pending_cells(tmp_path, 1, {**design, "steps": 16})
+    # a cell committed before server_spin_s was recorded ran with vLLM's 1 s busy-wait: not today's 0
+    assert design["server_spin_s"] == 0.0
+    legacy = {k: v for k, v in design.items() if k != "server_spin_s"}
+    (tmp_path / "sync_t2_s1" / "cell.json").write_text(json.dumps({"design": legacy}))
+    with pytest.raises(RuntimeError, match="server_spin_s: 1.0.*now server_spin_s: 0.0"):
+        w.pending_cells(tmp_path, 1, design)
+    assert w.pending_cells(tmp_path, 1, {**design, "server_spin_s": 1.0})[0] == "sync_t1_s1"
 
 
 def test_the_worker_gets_the_runners_design(w):
@@ -302,17 +309,21 @@ def test_a_report_of_other_results_stays_in_their_folder(w, rep, tmp_path):
     import shutil
 
     committed_md = (w.ROOT / "benchmarks" / "RESULTS.md").read_bytes()
-    kept = sorted(p.parent.name for p in w.RESULTS.glob("*/cell.json"))
-    assert kept, "the committed wall-clock cells (sync_t2_s1, async_d1_t2_s1 at least)"
+    spin1 = w.RESULTS.parent / "async_wallclock_spin1"  # the cells run with vLLM's 1 s busy-wait
+    kept = sorted(p.parent.name for p in spin1.glob("*/cell.json"))
+    assert kept == ["async_d1_t2_s1", "sync_t2_s1"]
     for name in kept:
-        shutil.copytree(w.RESULTS / name, tmp_path / name)
+        shutil.copytree(spin1 / name, tmp_path / name)
     assert w.report_paths(w.RESULTS) == {"results_md": rep.RESULTS_MD, "figure": rep.FIGURE}
     assert w.report_paths(tmp_path) == {"results_md": tmp_path / "RESULTS.md",
                                         "figure": tmp_path / "async_wallclock.png"}
     figure_before = rep.FIGURE.stat().st_mtime_ns if rep.FIGURE.exists() else None
-    w.main(["--report-only", "--results", str(tmp_path)])
+    w.main(["--report-only", "--results", str(tmp_path), "--server-spin-s", "1"])
     text = (tmp_path / "RESULTS.md").read_text()
     assert rep.BEGIN in text and "| sync_t2 | 1 |" in text and "Left out" not in text
+    w.main(["--report-only", "--results", str(tmp_path)])  # today's design (no busy-wait): both cells left out
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "sync_t2_s1: another design (server_spin_s 1.0)" in text and "| sync_t2 | 1 |" not in text
     assert (tmp_path / "async_wallclock.png").stat().st_size > 0
     assert (w.ROOT / "benchmarks" / "RESULTS.md").read_bytes() == committed_md
     assert (rep.FIGURE.stat().st_mtime_ns if rep.FIGURE.exists() else None) == figure_before
