@@ -224,3 +224,36 @@ def test_the_spin_setting_is_parsed_or_refused_with_the_fix():
         apply_from_env({"TRL_ROLLOUT_CORR_VLLM_SPIN_S": "-0.5"})  # refused before vLLM is imported
     with pytest.raises(ValueError, match="finite and >= 0"):
         apply(-1.0)
+
+
+def test_the_spin_coupling_names_an_opt_out_that_server_env_keeps(monkeypatch):
+    """Another vLLM whose ``SpinCondition.__init__`` has no trailing ``busy_loop_s``: ``apply`` refuses, and the fix
+    it names must work for a CPU server too, where ``server_env`` sets ``"0"`` whenever the variable is unset (so
+    "unset it" would not help); an empty value is kept by ``server_env`` and skipped by the plugin. With the pinned
+    signature the default is rewritten (1 -> 0.25) and the previous one returned."""
+    import sys
+    import types
+
+    from trl_rollout_corr.engines.vllm_serve import server_env
+    from trl_rollout_corr.engines.vllm_spin import SPIN_ENV, apply, apply_from_env
+
+    class Renamed:
+        def __init__(self, is_reader, context, notify_address, spin_s: float = 1):
+            pass
+
+    class Pinned:
+        def __init__(self, is_reader, context, notify_address, busy_loop_s: float = 1):
+            self.busy_loop_s = busy_loop_s
+
+    fake = types.ModuleType("shm_broadcast")
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.device_communicators"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.device_communicators.shm_broadcast", fake)
+    fake.SpinCondition = Renamed
+    with pytest.raises(RuntimeError, match=f"set {SPIN_ENV}= \\(empty\\) to run without it") as err:
+        apply(0.0)
+    assert f"unset {SPIN_ENV} to run" not in str(err.value)
+    assert server_env(True, {SPIN_ENV: ""})[SPIN_ENV] == "" and apply_from_env({SPIN_ENV: ""}) is None
+    fake.SpinCondition = Pinned
+    assert apply(0.25) == 1.0 and Pinned(True, None, "x").busy_loop_s == 0.25
+    assert Pinned(True, None, "x", 2.0).busy_loop_s == 2.0  # an explicit value still wins

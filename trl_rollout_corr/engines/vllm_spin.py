@@ -13,9 +13,14 @@ server mode and the asynchronous pipeline put the server beside the trainer on t
 with this package installed: the ``vllm.general_plugins`` entry point (``vllm_weight_sync.register``) calls
 ``apply_from_env`` in each process vLLM starts, before it builds its queues. Unset: vLLM's default, unchanged.
 ``vllm_serve.server_env`` sets it to ``"0"`` for a CPU server (``trl-rollout-corr vllm-serve``, ``VLLMServer``)
-unless the caller set it: every wait is then a ZeroMQ poll, woken by the writer's notification (the writer notifies
-after every message, ``MessageQueue.enqueue``), at a cost of tens of microseconds a message against decode steps of
-tens of milliseconds. ``benchmarks/bench_vllm_spin.py`` measures both.
+unless the caller set it (an empty value: vLLM's default): every wait is then a ZeroMQ poll, woken by the writer's
+notification (the writer notifies after every message, ``MessageQueue.enqueue``), the path vLLM itself takes after
+1 s without a message. A notification can be dropped (the writer's PUB socket has a send high-water mark of 1); the
+reader then finds the message at vLLM's periodic re-check of the shared flag (``SHM_READER_RECHECK_INTERVAL_MS``,
+5 s), so a lost wake-up delays one step by up to 5 s and never hangs. The per-message cost of a poll is not measured
+on its own; ``benchmarks/bench_vllm_spin.py`` measures cores and generate seconds of both settings (RESULTS.md, V4:
+no slowdown seen in 2 pairs, not established). The writer side is unchanged (vLLM's writers never wait on the
+notification; a writer spins only while the ring buffer is full).
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ def apply(seconds: float) -> float:
         raise RuntimeError(
             "vllm.distributed.device_communicators.shm_broadcast.SpinCondition.__init__ has no trailing "
             f"busy_loop_s parameter in this vLLM ({[p.name for p in params]}); trl_rollout_corr.engines.vllm_spin "
-            f"was written for vLLM 0.32: unset {SPIN_ENV} to run without it, and report the version.")
+            f"was written for vLLM 0.32: set {SPIN_ENV}= (empty) to run without it (unset, a CPU server gets "
+            f"{CPU_DEFAULT!r} from vllm_serve.server_env), and report the version.")
     previous = init.__defaults__[-1]
     init.__defaults__ = (*init.__defaults__[:-1], float(seconds))
     return float(previous)
