@@ -390,6 +390,20 @@ def main_grid_args(args: argparse.Namespace) -> argparse.Namespace:
                               cpu_kernels=args.cpu_kernels, engine_kl_max=args.engine_kl_max)
 
 
+def ensure_warmstart(args: argparse.Namespace) -> None:
+    """Build the main grid's warm start under ``--main-out`` unless it is there (rebuilt at its committed code,
+    checked against it), holding an exclusive lock on ``<main-out>/warmstart.lock``: two ``--cells`` runners side by
+    side build it once (the second waits, then finds it), never into the same folder at the same time."""
+    import fcntl
+
+    main_out = Path(args.main_out)
+    main_out.mkdir(parents=True, exist_ok=True)
+    with open(main_out / "warmstart.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (main_out / pl.WARMSTART / "model.safetensors").exists():
+            pl.run_cell(pl.WARMSTART, main_grid_args(args))
+
+
 def run_cell(cand: Candidate, name: str, args: argparse.Namespace) -> bool:
     """Run one cell in a fresh process unless it is committed; keep its small outputs under ``--results`` and
     (``--commit``) commit them. Returns False when the cell process failed (its ``run.log`` stays in ``--out``)."""
@@ -397,8 +411,8 @@ def run_cell(cand: Candidate, name: str, args: argparse.Namespace) -> bool:
     if committed(results):
         print(f"=== {cand.name}/{name}: committed already ({results})", flush=True)
         return True
-    if cand.start == "warmstart" and not (Path(args.main_out) / pl.WARMSTART / "model.safetensors").exists():
-        pl.run_cell(pl.WARMSTART, main_grid_args(args))  # rebuilt at its committed code, checked against it
+    if cand.start == "warmstart":
+        ensure_warmstart(args)
     out = Path(args.out) / cand.name / name
     out.mkdir(parents=True, exist_ok=True)
     flags = cell_flags(name, cand, out, args)
