@@ -116,7 +116,8 @@ FAMILY_NOTES: dict[str, str] = {
              "`--rollout_engine vllm_cpu`; not by TRL's `use_vllm` paths), under the prefix `rollout/`. Wall-clock "
              "seconds per event, averaged over the logged window by TRL's `log`; a step without the event has no "
              "value. Together with TRL's `step_time` they split a step: `step_time - vllm_generate_s - vllm_sync_s` "
-             "is the trainer's own share.",
+             "is the trainer's own share (with the emulated `rollout_async_depth`, less `vllm_async_wait_s` too; a "
+             "weight load the generation step does itself is in none of the three).",
 }
 
 METRICS: tuple[MetricFamily, ...] = (
@@ -224,8 +225,9 @@ METRICS: tuple[MetricFamily, ...] = (
     _m("vllm_generate_s", _ENGINE, "seconds the engine took to generate the batch of a generation step",
        "engines/vllm_cpu_rollout.py", ENGINE_PREFIX),
     _m("vllm_sync_s", _ENGINE, "seconds a weight sync took (the trainer's weights loaded into the engine), at the "
-       "steps the sync schedule (`rollout_sync_interval`) syncs; the emulated asynchronous mode's loads run in a "
-       "thread and are not logged here", "engines/vllm_cpu_rollout.py", ENGINE_PREFIX),
+       "steps the sync schedule (`rollout_sync_interval`) syncs; the emulated asynchronous mode's loads are not "
+       "logged here (a prefetch runs in a background thread; a load the generation step itself must do, when the "
+       "version it needs was not prefetched, is in neither key)", "engines/vllm_cpu_rollout.py", ENGINE_PREFIX),
     _m("vllm_async_wait_s", _ENGINE, "with the emulated `rollout_async_depth`: seconds the generation step waited for "
        "the engine's background weight loads to finish (0 when they had)", "engines/vllm_cpu_rollout.py",
        ENGINE_PREFIX),
