@@ -407,6 +407,19 @@ def plan(args: argparse.Namespace) -> None:
           f"{0.54 * (len(schedule(args)) - 1):.1f} GB in memory")
 
 
+def _spin_seconds(value: str) -> float:
+    """``--server-spin-s``: the seconds as the server's plugin reads them (``engines/vllm_spin.parse_spin``).
+
+    Raises:
+        argparse.ArgumentTypeError: not a finite number >= 0 (the plugin's message, naming the fix)."""
+    from trl_rollout_corr.engines.vllm_spin import parse_spin
+
+    try:
+        return parse_spin(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=pl.BASE_MODEL, help="the start (default: the base SmolLM2-135M-Instruct)")
@@ -417,7 +430,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--preset", default=cells.DEFAULT_PRESET, help="the correction preset of every setting")
     ap.add_argument("--engine", choices=["server", "transformers"], default="server",
                     help="server: TRL's vLLM server (the real pipeline); transformers: a smoke path, other generators")
-    ap.add_argument("--server-spin-s", type=float, default=0.0,
+    ap.add_argument("--server-spin-s", type=_spin_seconds, default=0.0,
                     help="the vLLM server's queue busy-wait, s (TRL_ROLLOUT_CORR_VLLM_SPIN_S; 1.0 = vLLM's default, "
                     "which keeps a second core busy while it generates; cells before 2026-12-07 16:00 ran with it)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 1..n of every setting")

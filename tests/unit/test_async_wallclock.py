@@ -327,3 +327,14 @@ def test_a_report_of_other_results_stays_in_their_folder(w, rep, tmp_path):
     assert (tmp_path / "async_wallclock.png").stat().st_size > 0
     assert (w.ROOT / "benchmarks" / "RESULTS.md").read_bytes() == committed_md
     assert (rep.FIGURE.stat().st_mtime_ns if rep.FIGURE.exists() else None) == figure_before
+
+
+def test_a_spin_the_server_would_refuse_is_refused_at_the_command_line(w, capsys):
+    """``--server-spin-s`` becomes the server's ``TRL_ROLLOUT_CORR_VLLM_SPIN_S`` and a design key: a negative or
+    non-finite value would only fail inside the server (or match no committed cell), so argparse refuses it."""
+    assert w.parse_args(["--server-spin-s", "1"]).server_spin_s == 1.0
+    assert w.parse_args([]).server_spin_s == 0.0
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            w.parse_args(["--server-spin-s", bad])
+        assert "TRL_ROLLOUT_CORR_VLLM_SPIN_S=" in capsys.readouterr().err
