@@ -1,13 +1,14 @@
 """How long a vLLM CPU server's processes busy-wait for a message before they sleep: the one coupling to vLLM's
 shared-memory queue (``vllm.distributed.device_communicators.shm_broadcast.SpinCondition``, vLLM 0.32).
 
-vLLM CPU always runs its worker in a process of its own (``platforms/cpu.py`` turns the ``uni`` executor into ``mp``),
-so the engine core and the worker exchange every scheduler step through ``shm_broadcast.MessageQueue``. A reader of
-that queue spins (``sched_yield`` in a loop) for ``SpinCondition``'s ``busy_loop_s`` seconds after its last read
-(vLLM's default: 1 s) before it waits on a ZeroMQ notification instead. While the worker generates, the engine core
-reads a message every decode step, so it never stops spinning: a server started with one OpenMP thread keeps a
-second core busy doing nothing. On a GPU machine that core is spare; on a CPU machine it is the trainer's (TRL's
-server mode and the asynchronous pipeline put the server beside the trainer on the same cores).
+vLLM CPU runs its worker in a process of its own (``platforms/cpu.py`` turns the ``uni`` executor into ``mp`` unless
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the engine core and the worker exchange every scheduler step through
+``shm_broadcast.MessageQueue``. A reader of that queue spins (``sched_yield`` in a loop) for ``SpinCondition``'s
+``busy_loop_s`` seconds after its last read (vLLM's default: 1 s) before it waits on a ZeroMQ notification instead.
+While the worker generates, the engine core reads a message every decode step, so it never stops spinning: a server
+started with one OpenMP thread keeps a second core busy doing nothing. On a GPU machine that core is spare; on a CPU
+machine it is the trainer's (TRL's server mode and the asynchronous pipeline put the server beside the trainer on
+the same cores).
 
 ``SPIN_ENV`` (``TRL_ROLLOUT_CORR_VLLM_SPIN_S``, seconds, >= 0) sets that default in every process of a server started
 with this package installed: the ``vllm.general_plugins`` entry point (``vllm_weight_sync.register``) calls
