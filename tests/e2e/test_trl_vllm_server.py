@@ -99,9 +99,11 @@ def test_server_uses_the_gloo_backend_and_processed_logprobs(server, client):
 
 
 def test_every_server_process_reads_its_queues_without_busy_waiting(server, client):
-    """``server_env`` sets ``TRL_ROLLOUT_CORR_VLLM_SPIN_S=0`` on CPU and the plugin applies it in each process vLLM
-    starts: the API server, the engine core and its worker (vLLM CPU always runs the worker in a process of its own)
-    each say so in the log, as distinct pids, before the engine generates."""
+    """``server_env`` sets ``TRL_ROLLOUT_CORR_VLLM_SPIN_S=0`` on CPU and the plugin applies it in the processes vLLM
+    starts and loads plugins in: the API server and the engine core (the queue reader that spun while the worker
+    generated) each say so in the log, as distinct pids. The worker says so too when it is spawned (3 lines in
+    ``bench_vllm_spin``'s servers); a forked worker inherits the engine core's patched default and its plugins-loaded
+    state, and prints nothing (2 lines here under pytest), so 2 is the bound."""
     import re
     from pathlib import Path
 
@@ -109,7 +111,7 @@ def test_every_server_process_reads_its_queues_without_busy_waiting(server, clie
     text = Path(server.log_path).read_text()
     pids = set(re.findall(r"vLLM queue readers busy-wait 0 s \(was 1 s; TRL_ROLLOUT_CORR_VLLM_SPIN_S\) in pid (\d+)",
                           text))
-    assert len(pids) >= 3, text[-3000:]
+    assert len(pids) >= 2, text[-3000:]
 
 
 def test_the_spin_default_reaches_the_readers_built_after_it():
