@@ -233,7 +233,7 @@ def section(cells: dict[str, dict], expected: list[str], design: dict, reach_poi
                   "`sync_t2` synchronous at 1 / 2 torch threads (trainer and server), `async_d1` / `async_d2` at "
                   "depth 1 / 2 (trainer 1 thread, server 1 OpenMP thread), "
                   "`async_d1_t2` depth 1 with the trainer at 2 threads. "
-                  + _spin_text(design.get("server_spin_s", 1.0)) + " Training seconds: wall clock from "
+                  + _spin_text(checks.recorded_design(design)["server_spin_s"]) + " Training seconds: wall clock from "
                   "`train()`'s entry, weight copies for "
                   "the evaluation excluded; greedy evaluation after training on those copies ("
                   f"{design['check_size']} held-out items every {_schedule_text(design)} steps, "
