@@ -654,8 +654,8 @@ def main() -> None:
     ap.add_argument("--plan", action="store_true", help="print the cells left and their core-hours, exit")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--cells", nargs="+", metavar="CELL",
-                    help="run these cells of --candidate only (e.g. trl_d0_s2) and leave RESULTS.md alone; a cell another "
-                         "runner is running is skipped, so runners given one list share it")
+                    help="run these cells of --candidate only (e.g. trl_d0_s2) and leave RESULTS.md alone; a "
+                         "cell another runner is running is skipped, so runners given one list share it")
     ap.add_argument("--no-write", action="store_true", help="print the report; leave RESULTS.md alone")
     args = ap.parse_args()
     if args.plan:
