@@ -30,8 +30,9 @@ the steps above the bound are listed by the report (``lag0_k3_above``), not coun
 
 Cells are ``<method>_d<d>_s<seed>`` (methods: ``policy_lag_experiment.METHODS``), committed per cell under
 ``--results/<candidate>/<cell>/`` (``--commit``); a committed cell is skipped (resumable). ``--cells`` runs the named
-cells of ``--candidate`` only and leaves RESULTS.md alone: two one-core runs side by side, each its own seeds (the
-verdict counts every committed seed, so a seed run beside the one that calibrated is counted, not dropped).
+cells of ``--candidate`` only and leaves RESULTS.md alone: two one-core runs side by side (the verdict counts every
+committed seed, so a seed run beside the one that calibrated is counted, not dropped). Each cell is claimed under a
+lock first, so two runners given the same list share it as one queue, never running a cell twice (``claim``).
 ``--report-only`` rewrites the generated RESULTS.md section (``async_lag_report``); ``--plan`` prints the cells in
 order with their core-hours.
 
@@ -44,6 +45,7 @@ order with their core-hours.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -404,13 +406,47 @@ def ensure_warmstart(args: argparse.Namespace) -> None:
             pl.run_cell(pl.WARMSTART, main_grid_args(args))
 
 
-def run_cell(cand: Candidate, name: str, args: argparse.Namespace) -> bool:
+@contextlib.contextmanager
+def claim(path: Path, wait: bool):
+    """Hold an exclusive ``fcntl`` lock on ``path`` (created) for the ``with`` body; yields True when held. With
+    ``wait`` False a lock another runner holds is not waited for: yields False at once. The lock goes with the
+    process, so a runner killed mid-cell never leaves a stale claim behind."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
+def run_cell(cand: Candidate, name: str, args: argparse.Namespace, wait: bool = True) -> bool:
     """Run one cell in a fresh process unless it is committed; keep its small outputs under ``--results`` and
-    (``--commit``) commit them. Returns False when the cell process failed (its ``run.log`` stays in ``--out``)."""
+    (``--commit``) commit them. Returns False when the cell process failed (its ``run.log`` stays in ``--out``).
+
+    A runner claims the cell first (``claim`` on ``<out>/<candidate>/<cell>.claim``): with ``wait`` False (the
+    ``--cells`` runners) a cell another runner is running is skipped (True), so two runners given the same list
+    share it as one queue; with ``wait`` True (the phased driver, whose follow-up decision needs every grid cell)
+    the runner waits for it, then finds it committed."""
     results = cell_folder(cand, name, Path(args.results))
     if committed(results):
         print(f"=== {cand.name}/{name}: committed already ({results})", flush=True)
         return True
+    with claim(Path(args.out) / cand.name / f"{name}.claim", wait) as held:
+        if not held:
+            print(f"=== {cand.name}/{name}: another runner is running it; skipped here", flush=True)
+            return True
+        if committed(results):  # finished by the runner that held the claim while this one waited
+            print(f"=== {cand.name}/{name}: committed already ({results})", flush=True)
+            return True
+        return _run_claimed(cand, name, args, results)
+
+
+def _run_claimed(cand: Candidate, name: str, args: argparse.Namespace, results: Path) -> bool:
+    """``run_cell``'s body once its claim is held."""
     if cand.start == "warmstart":
         ensure_warmstart(args)
     out = Path(args.out) / cand.name / name
@@ -618,7 +654,8 @@ def main() -> None:
     ap.add_argument("--plan", action="store_true", help="print the cells left and their core-hours, exit")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--cells", nargs="+", metavar="CELL",
-                    help="run these cells of --candidate only (e.g. trl_d0_s2) and leave RESULTS.md alone")
+                    help="run these cells of --candidate only (e.g. trl_d0_s2) and leave RESULTS.md alone; a "
+                         "cell another runner is running is skipped, so runners given one list share it")
     ap.add_argument("--no-write", action="store_true", help="print the report; leave RESULTS.md alone")
     args = ap.parse_args()
     if args.plan:
@@ -627,7 +664,7 @@ def main() -> None:
     if args.cells:
         pl.check_vendor(MAIN_GRID)
         cand, names = named_cells(args.cells, args.candidate, args.depth, args.followup_depth)
-        failed = [n for n in names if not run_cell(cand, n, args)]
+        failed = [n for n in names if not run_cell(cand, n, args, wait=False)]
         if failed:
             raise SystemExit(f"cells failed: {failed}; see their run.log under {args.out}")
         return

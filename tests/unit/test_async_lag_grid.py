@@ -404,3 +404,37 @@ def test_two_runners_of_a_warm_design_build_the_warm_start_once(g, tmp_path, mon
     for t in threads:
         t.join()
     assert not errors and builds == [str(tmp_path / "main")]
+
+
+def test_two_cells_runners_with_one_list_share_it_as_a_queue(g, tmp_path, monkeypatch):
+    """Two ``--cells`` runners given the same list: a cell the other runner holds is skipped, never run twice; a
+    runner that waited for the claim finds the cell committed and does not run it again."""
+    import argparse
+
+    ran = []
+
+    def fake_run(cand, name, args, results):
+        ran.append(name)
+        results.mkdir(parents=True, exist_ok=True)
+        for f in g.COMMITTED_FILES:
+            (results / f).write_text("{}")
+        return True
+
+    monkeypatch.setattr(g, "_run_claimed", fake_run)
+    args = argparse.Namespace(results=str(tmp_path / "results"), out=str(tmp_path / "out"))
+    cand = g.candidate("base_32x8")
+    held = tmp_path / "out" / "base_32x8" / "tis_d2_s1.claim"
+    with g.claim(held, wait=False) as mine:  # "runner A" holds tis_d2_s1
+        assert mine is True
+        with g.claim(held, wait=False) as theirs:
+            assert theirs is False  # a second lock on the same file, not waited for
+        assert g.run_cell(cand, "tis_d2_s1", args, wait=False) is True
+        assert g.run_cell(cand, "rs_engine_d2_s1", args, wait=False) is True
+        assert ran == ["rs_engine_d2_s1"]  # the held cell was skipped, the free one ran
+        fake_run(cand, "tis_d2_s1", args, g.cell_folder(cand, "tis_d2_s1", tmp_path / "results"))
+    ran.clear()
+    for name in ("tis_d2_s1", "rs_engine_d2_s1"):  # both committed now: neither runs again, waiting or not
+        assert g.run_cell(cand, name, args, wait=True) is True
+    assert ran == []
+    with g.claim(held, wait=False) as again:  # released with its runner
+        assert again is True
