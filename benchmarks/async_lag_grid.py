@@ -433,16 +433,25 @@ def run_cell(cand: Candidate, name: str, args: argparse.Namespace, wait: bool = 
     the runner waits for it, then finds it committed."""
     results = cell_folder(cand, name, Path(args.results))
     if committed(results):
-        print(f"=== {cand.name}/{name}: committed already ({results})", flush=True)
-        return True
+        return _already_done(cand, name, results, args)
     with claim(Path(args.out) / cand.name / f"{name}.claim", wait) as held:
         if not held:
             print(f"=== {cand.name}/{name}: another runner is running it; skipped here", flush=True)
             return True
         if committed(results):  # finished by the runner that held the claim while this one waited
-            print(f"=== {cand.name}/{name}: committed already ({results})", flush=True)
-            return True
+            return _already_done(cand, name, results, args)
         return _run_claimed(cand, name, args, results)
+
+
+def _already_done(cand: Candidate, name: str, results: Path, args: argparse.Namespace) -> bool:
+    """A cell whose files are all there is not run again. With ``--commit``, files that git does not hold as
+    committed (a runner stopped between its copy and its commit) are committed now rather than left behind."""
+    if args.commit and pl._git(results.parent, "status", "--porcelain", "--", str(results)).stdout.strip():
+        pl.commit_cell(results.parent, name, "complete on disk but not committed: committed on resume")
+        print(f"=== {cand.name}/{name}: was on disk but not committed; committed now ({results})", flush=True)
+    else:
+        print(f"=== {cand.name}/{name}: committed already ({results})", flush=True)
+    return True
 
 
 def _run_claimed(cand: Candidate, name: str, args: argparse.Namespace, results: Path) -> bool:

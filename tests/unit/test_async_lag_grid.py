@@ -421,7 +421,7 @@ def test_two_cells_runners_with_one_list_share_it_as_a_queue(g, tmp_path, monkey
         return True
 
     monkeypatch.setattr(g, "_run_claimed", fake_run)
-    args = argparse.Namespace(results=str(tmp_path / "results"), out=str(tmp_path / "out"))
+    args = argparse.Namespace(results=str(tmp_path / "results"), out=str(tmp_path / "out"), commit=False)
     cand = g.candidate("base_32x8")
     held = tmp_path / "out" / "base_32x8" / "tis_d2_s1.claim"
     with g.claim(held, wait=False) as mine:  # "runner A" holds tis_d2_s1
@@ -438,3 +438,30 @@ def test_two_cells_runners_with_one_list_share_it_as_a_queue(g, tmp_path, monkey
     assert ran == []
     with g.claim(held, wait=False) as again:  # released with its runner
         assert again is True
+
+
+def test_a_complete_cell_left_uncommitted_is_committed_on_resume(g, tmp_path):
+    """``--commit``: a cell whose files were copied but whose commit never ran is committed by the next runner
+    instead of being skipped as done; a committed cell is left alone (no empty commit)."""
+    import argparse
+    import subprocess
+
+    def git(*a):
+        return subprocess.run(["git", "-C", str(tmp_path), *a], capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    git("commit", "-q", "--allow-empty", "-m", "root")
+    cand = g.candidate("base_32x8")
+    args = argparse.Namespace(results=str(tmp_path / "results"), out=str(tmp_path / "out"), commit=True)
+    folder = g.cell_folder(cand, "trl_d2_s3", tmp_path / "results")
+    folder.mkdir(parents=True)
+    for f in g.COMMITTED_FILES:
+        (folder / f).write_text("{}")
+    assert g.run_cell(cand, "trl_d2_s3", args, wait=False) is True
+    assert git("status", "--porcelain").strip() == ""
+    log = git("log", "--format=%s").splitlines()
+    assert log[0].startswith("results: base_32x8/trl_d2_s3 (complete on disk but not committed") and len(log) == 2
+    assert g.run_cell(cand, "trl_d2_s3", args, wait=False) is True
+    assert len(git("log", "--format=%s").splitlines()) == 2  # nothing to commit: no second commit
