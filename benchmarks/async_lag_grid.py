@@ -469,6 +469,7 @@ def _run_claimed(cand: Candidate, name: str, args: argparse.Namespace, results: 
     for var in (pl.RECORD_ENV, pl.REPLAY_ENV):
         env.pop(var, None)
     print(f">>> {cand.name}/{name}: {' '.join(cmd)}", flush=True)
+    code = pl.code_revision()  # the commit the cell process starts at (a merge mid-cell must not change it)
     t0, cpu0 = time.time(), os.times()
     with open(out / "run.log", "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
@@ -480,7 +481,7 @@ def _run_claimed(cand: Candidate, name: str, args: argparse.Namespace, results: 
     first = pl._read_jsonl(out / "curve.jsonl")[0]["scores"]
     meta = {"cell": name, "candidate": cand.name,
             "async": "emulated: VLLMCPURollout(async_depth=d), weights d steps behind, nothing overlapped",
-            "flags": flags, "code": pl.code_revision(), "wall_s": round(time.time() - t0, 1),
+            "flags": flags, "code": code, "wall_s": round(time.time() - t0, 1),
             "cpu_s": round(cpu1.children_user + cpu1.children_system - cpu0.children_user - cpu0.children_system, 1),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu_kernels": args.cpu_kernels,
             "cpu": pl.cpu_fingerprint(), "lag_check": check or "passed",
