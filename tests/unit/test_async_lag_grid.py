@@ -465,3 +465,33 @@ def test_a_complete_cell_left_uncommitted_is_committed_on_resume(g, tmp_path):
     assert log[0].startswith("results: base_32x8/trl_d2_s3 (complete on disk but not committed") and len(log) == 2
     assert g.run_cell(cand, "trl_d2_s3", args, wait=False) is True
     assert len(git("log", "--format=%s").splitlines()) == 2  # nothing to commit: no second commit
+
+
+def test_cell_meta_records_the_commit_the_cell_started_at(g, tmp_path, monkeypatch):
+    """A merge into the experiment clone while a cell runs moves HEAD: ``cell_meta.json``'s ``code`` must be the
+    commit the cell process started at, not the one HEAD points to when it ends."""
+    import argparse
+    import types
+
+    revisions = iter(["started-at", "merged-mid-cell"])
+    monkeypatch.setattr(g.pl, "code_revision", lambda: next(revisions))
+    monkeypatch.setattr(g, "start_scores", lambda cand: [1, 0, 0, 0])
+
+    def fake_run(cmd, stdout, **kw):  # the cell process: its outputs as run_cell_in_process leaves them
+        out = tmp_path / "out" / "base_32x8" / "trl_d2_s3"
+        log = [{"step": t, "loss": 0.0, "step_time": 1.0, "rollout_corr/policy_lag_max": min(t - 1, 2),
+                "rollout_corr/policy_lag_mean": min(t - 1, 2), "rollout_corr/k3_kl": 0.001} for t in range(1, 33)]
+        (out / "log.jsonl").write_text("\n".join(json.dumps(r) for r in log) + "\n")
+        (out / "curve.jsonl").write_text(json.dumps({"step": 0, "scores": [1, 0, 0, 0]}) + "\n")
+        (out / "eval.json").write_text(json.dumps({"after": {"correct": 2, "total": 4, "accuracy": 0.5}}))
+        stdout.write("done\n")
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(g, "subprocess", types.SimpleNamespace(STDOUT=-2, run=fake_run))
+    args = argparse.Namespace(results=str(tmp_path / "results"), out=str(tmp_path / "out"), commit=False, lr=3e-5,
+                              check_every=8, check_size=128, eval_size=512, eval_max_tokens=32, cpu_kernels="native",
+                              engine_kl_max=0.03, main_out=str(tmp_path / "main"))
+    cand = g.candidate("base_32x8")
+    assert g.run_cell(cand, "trl_d2_s3", args, wait=False) is True
+    meta = json.loads((tmp_path / "results" / "base_32x8" / "trl_d2_s3" / "cell_meta.json").read_text())
+    assert meta["code"] == "started-at" and meta["lag_check"] == "passed" and meta["starts_at_start"] is True
