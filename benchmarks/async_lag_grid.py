@@ -32,7 +32,7 @@ Cells are ``<method>_d<d>_s<seed>`` (methods: ``policy_lag_experiment.METHODS``)
 ``--results/<candidate>/<cell>/`` (``--commit``); a committed cell is skipped (resumable). ``--cells`` runs the named
 cells of ``--candidate`` only and leaves RESULTS.md alone: two one-core runs side by side (the verdict counts every
 committed seed, so a seed run beside the one that calibrated is counted, not dropped). Each cell is claimed under a
-lock first, so two runners given the same list share it as one queue, never running a cell twice (``claim``).
+lock first, so two runners given the same list share it as one queue, never running a cell twice (``run_cell``).
 ``--report-only`` rewrites the generated RESULTS.md section (``async_lag_report``); ``--plan`` prints the cells in
 order with their core-hours.
 
@@ -45,7 +45,6 @@ order with their core-hours.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -396,45 +395,24 @@ def ensure_warmstart(args: argparse.Namespace) -> None:
     """Build the main grid's warm start under ``--main-out`` unless it is there (rebuilt at its committed code,
     checked against it), holding an exclusive lock on ``<main-out>/warmstart.lock``: two ``--cells`` runners side by
     side build it once (the second waits, then finds it), never into the same folder at the same time."""
-    import fcntl
-
     main_out = Path(args.main_out)
-    main_out.mkdir(parents=True, exist_ok=True)
-    with open(main_out / "warmstart.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with pl.file_lock(main_out / "warmstart.lock"):
         if not (main_out / pl.WARMSTART / "model.safetensors").exists():
             pl.run_cell(pl.WARMSTART, main_grid_args(args))
-
-
-@contextlib.contextmanager
-def claim(path: Path, wait: bool):
-    """Hold an exclusive ``fcntl`` lock on ``path`` (created) for the ``with`` body; yields True when held. With
-    ``wait`` False a lock another runner holds is not waited for: yields False at once. The lock goes with the
-    process, so a runner killed mid-cell never leaves a stale claim behind."""
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        yield True
 
 
 def run_cell(cand: Candidate, name: str, args: argparse.Namespace, wait: bool = True) -> bool:
     """Run one cell in a fresh process unless it is committed; keep its small outputs under ``--results`` and
     (``--commit``) commit them. Returns False when the cell process failed (its ``run.log`` stays in ``--out``).
 
-    A runner claims the cell first (``claim`` on ``<out>/<candidate>/<cell>.claim``): with ``wait`` False (the
+    A runner claims the cell first (``pl.file_lock`` on ``<out>/<candidate>/<cell>.claim``): with ``wait`` False (the
     ``--cells`` runners) a cell another runner is running is skipped (True), so two runners given the same list
     share it as one queue; with ``wait`` True (the phased driver, whose follow-up decision needs every grid cell)
     the runner waits for it, then finds it committed."""
     results = cell_folder(cand, name, Path(args.results))
     if committed(results):
         return _already_done(cand, name, results, args)
-    with claim(Path(args.out) / cand.name / f"{name}.claim", wait) as held:
+    with pl.file_lock(Path(args.out) / cand.name / f"{name}.claim", wait) as held:
         if not held:
             print(f"=== {cand.name}/{name}: another runner is running it; skipped here", flush=True)
             return True

@@ -64,6 +64,7 @@ and in the report.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -371,17 +372,31 @@ def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProc
     return proc
 
 
+@contextlib.contextmanager
+def file_lock(path: Path, wait: bool = True):
+    """Hold an exclusive ``fcntl`` lock on ``path`` (created, parents too) for the ``with`` body; yields True when
+    held. With ``wait`` False a lock another process holds is not waited for: yields False at once. The lock goes
+    with its process, so a runner killed mid-way never leaves a stale lock behind."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
 def commit_cell(results: Path, name: str, summary: str) -> None:
     """Commit ``results/<name>`` alone (``git commit -- <path>``: nothing else staged is taken along), holding an
     exclusive lock on ``.git/rollout-corr-commit.lock`` so that two runners side by side never meet git's index
     lock."""
-    import fcntl
-
     repo = Path(_git(results, "rev-parse", "--show-toplevel").stdout.strip())
     path = str((results / name).resolve().relative_to(repo))
     git_dir = Path(_git(repo, "rev-parse", "--absolute-git-dir").stdout.strip())
-    with open(git_dir / "rollout-corr-commit.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with file_lock(git_dir / "rollout-corr-commit.lock"):
         _git(repo, "add", "--", path)
         _git(repo, "commit", "-q", "-m", f"results: {results.name}/{name} ({summary})", "--", path)
 

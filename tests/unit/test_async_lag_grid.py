@@ -424,9 +424,9 @@ def test_two_cells_runners_with_one_list_share_it_as_a_queue(g, tmp_path, monkey
     args = argparse.Namespace(results=str(tmp_path / "results"), out=str(tmp_path / "out"), commit=False)
     cand = g.candidate("base_32x8")
     held = tmp_path / "out" / "base_32x8" / "tis_d2_s1.claim"
-    with g.claim(held, wait=False) as mine:  # "runner A" holds tis_d2_s1
+    with g.pl.file_lock(held, wait=False) as mine:  # "runner A" holds tis_d2_s1
         assert mine is True
-        with g.claim(held, wait=False) as theirs:
+        with g.pl.file_lock(held, wait=False) as theirs:
             assert theirs is False  # a second lock on the same file, not waited for
         assert g.run_cell(cand, "tis_d2_s1", args, wait=False) is True
         assert g.run_cell(cand, "rs_engine_d2_s1", args, wait=False) is True
@@ -436,7 +436,7 @@ def test_two_cells_runners_with_one_list_share_it_as_a_queue(g, tmp_path, monkey
     for name in ("tis_d2_s1", "rs_engine_d2_s1"):  # both committed now: neither runs again, waiting or not
         assert g.run_cell(cand, name, args, wait=True) is True
     assert ran == []
-    with g.claim(held, wait=False) as again:  # released with its runner
+    with g.pl.file_lock(held, wait=False) as again:  # released with its runner
         assert again is True
 
 
