@@ -587,6 +587,19 @@ def named_cells(names: list[str], cand_name: str | None, depth: int = DEPTH,
     return cand, list(names)
 
 
+def check_start_vendor(cand: Candidate, main_grid: Path = MAIN_GRID, here: str | None = None) -> None:
+    """``--cells``' vendor check: a ``warmstart`` design needs the main grid's warm start rebuilt bit for bit, so it
+    runs only on the main grid's CPU vendor (``policy_lag_experiment.check_vendor``); a ``base`` design starts from
+    the converted base model, the same weights on any vendor, so its cells run anywhere. Each cell records its CPU
+    (``cell_meta.json``) and the report pairs two cells of a seed only when they ran on one vendor (float32 bits
+    differ by vendor, so a pair across vendors is not a paired difference).
+
+    Raises:
+        RuntimeError: a ``warmstart`` design on another vendor than the main grid's (``check_vendor``'s message)."""
+    if cand.start == "warmstart":
+        pl.check_vendor(main_grid, here)
+
+
 def run(args: argparse.Namespace) -> None:
     """Phases 1-3 (``--stop-after`` ends early); every cell resumable and committed on its own."""
     pl.check_vendor(MAIN_GRID)  # the start's scores (and the warm start) are the AMD main grid's
@@ -650,8 +663,8 @@ def main() -> None:
         print("\n".join(plan_lines(Path(args.results), args.depth, args.followup_depth, args.min_seeds)))
         return
     if args.cells:
-        pl.check_vendor(MAIN_GRID)
         cand, names = named_cells(args.cells, args.candidate, args.depth, args.followup_depth)
+        check_start_vendor(cand)
         failed = [n for n in names if not run_cell(cand, n, args, wait=False)]
         if failed:
             raise SystemExit(f"cells failed: {failed}; see their run.log under {args.out}")

@@ -6,6 +6,7 @@ interval spans zero). Written into benchmarks/RESULTS.md between its own markers
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from pathlib import Path
@@ -26,26 +27,65 @@ def established(iv: stats.Interval) -> str:
     return "established" if iv.lo > 0 or iv.hi < 0 else "not established"
 
 
-def paired(a: dict[int, float], b: dict[int, float]) -> list[float]:
-    """a - b over the seeds both have ({seed: accuracy}), in seed order."""
-    return [a[s] - b[s] for s in sorted(a) if s in b]
+Vendors = dict[tuple[str, int], dict[int, "str | None"]]
+
+
+def paired(a: dict[int, float], b: dict[int, float], va: dict[int, str | None] | None = None,
+           vb: dict[int, str | None] | None = None) -> list[float]:
+    """a - b over the seeds both have ({seed: accuracy}), in seed order; with the cells' CPU vendors ({seed: vendor},
+    ``grid_vendors``) only over the seeds whose two cells ran on one vendor (float32 bits differ by vendor, so two
+    cells of a seed on two vendors do not share their sampling: not a paired difference)."""
+    return [a[s] - b[s] for s in sorted(a) if s in b and (va is None or vb is None or va.get(s) == vb.get(s))]
+
+
+def across_vendors(a: dict[int, float], b: dict[int, float], va: dict[int, str | None],
+                   vb: dict[int, str | None]) -> list[int]:
+    """The seeds both arms have whose two cells ran on different CPU vendors (left out of ``paired``)."""
+    return [s for s in sorted(a) if s in b and va.get(s) != vb.get(s)]
+
+
+def grid_vendors(cand: g.Candidate, results: Path, finals: dict[tuple[str, int], dict[int, float]]) -> Vendors:
+    """(method, d) -> {seed: "AMD" / "Intel" / None} for the cells in ``finals``: the vendor its ``cell_meta.json``
+    records (``policy_lag_experiment.cpu_vendor``; None where it records no CPU)."""
+    out: Vendors = {}
+    for (method, d), by_seed in finals.items():
+        for seed in by_seed:
+            path = g.cell_folder(cand, f"{method}_d{d}_s{seed}", results) / "cell_meta.json"
+            cpu = json.loads(path.read_text()).get("cpu", {}) if path.exists() else {}
+            out.setdefault((method, d), {})[seed] = g.pl.cpu_vendor(cpu.get("model", ""), cpu.get("vendor_id", ""))
+    return out
+
+
+def vendor_line(vendors: Vendors) -> str:
+    """One sentence: the seeds per CPU vendor over all arms (e.g. ``AMD: seeds 1, 2; Intel: seed 3``)."""
+    by: dict[str, set[int]] = {}
+    for by_seed in vendors.values():
+        for seed, v in by_seed.items():
+            by.setdefault(v or "unknown", set()).add(seed)
+    return "; ".join(f"{v}: seed{'s' if len(ss) > 1 else ''} {', '.join(map(str, sorted(ss)))}"
+                     for v, ss in sorted(by.items()))
 
 
 def arm_rows(finals: dict[tuple[str, int], dict[int, float]], start: float,
-             on_policy: tuple[str, int] = ("trl", 0)) -> list[str]:
+             on_policy: tuple[str, int] = ("trl", 0), vendors: Vendors | None = None) -> list[str]:
     """One table row per arm ((method, d) -> {seed: final accuracy}): seeds, mean final %, minus ``start`` over seeds
-    [95 % CI], p, and minus the on-policy arm paired by seed [95 % CI] (n seeds). Points are percentage points."""
+    [95 % CI], p, and minus the on-policy arm paired by seed [95 % CI] (n seeds; with ``vendors``, only seeds whose
+    two cells ran on one CPU vendor, ``paired``). Points are percentage points."""
+    vendors = vendors or {}
     rows = []
     ref = finals.get(on_policy, {})
     for (method, d), by_seed in sorted(finals.items(), key=lambda x: (x[0][1], x[0][0])):
         accs = [by_seed[s] for s in sorted(by_seed)]
         vs_start = stats.fmt_interval(stats.t_interval([a - start for a in accs]), p=True)
-        diffs = paired(by_seed, ref)
+        va, vb = vendors.get((method, d)), vendors.get(on_policy)
+        diffs = paired(by_seed, ref, va, vb)
         if (method, d) == on_policy:
             vs_on = "—"
         elif diffs:
             iv = stats.t_interval(diffs)
             vs_on = f"{stats.fmt_interval(iv)} ({len(diffs)}; {established(iv)})"
+            if va is not None and vb is not None and across_vendors(by_seed, ref, va, vb):
+                vs_on += f"; {len(across_vendors(by_seed, ref, va, vb))} across vendors left out"
         else:
             vs_on = "no paired seed yet"
         rows.append(f"| {method}_d{d} | {len(accs)} | {100 * statistics.fmean(accs):.1f} | {vs_start} | {vs_on} |")
@@ -53,19 +93,26 @@ def arm_rows(finals: dict[tuple[str, int], dict[int, float]], start: float,
             "| minus on-policy, paired by seed [95 % CI] (seeds; verdict) |", "|---|---|---|---|---|", *rows]
 
 
-def pair_rows(finals: dict[tuple[str, int], dict[int, float]], depth: int) -> list[str]:
+def pair_rows(finals: dict[tuple[str, int], dict[int, float]], depth: int, vendors: Vendors | None = None
+              ) -> list[str]:
     """Each arm at ``depth`` and the on-policy arm minus plain TRL at ``depth``, paired by seed: mean [95 % CI], p,
-    seeds (df), how many seeds A ended above B, and the verdict (``established``)."""
+    seeds (df), how many seeds A ended above B, and the verdict (``established``). With ``vendors``, a seed whose two
+    cells ran on different CPU vendors is left out (``paired``) and counted in the verdict column."""
+    vendors = vendors or {}
     ref = finals.get(("trl", depth))
+    vref = vendors.get(("trl", depth))
     rows = []
     for arm in sorted(a for a in finals if a != ("trl", depth) and a[1] in (0, depth)):
-        diffs = paired(finals[arm], ref or {})
+        va = vendors.get(arm)
+        diffs = paired(finals[arm], ref or {}, va, vref)
+        across = across_vendors(finals[arm], ref or {}, va, vref) if va is not None and vref is not None else []
+        note = f"; {len(across)} across vendors left out (seed {', '.join(map(str, across))})" if across else ""
         if not diffs:
-            rows.append(f"| {arm[0]}_d{arm[1]} - trl_d{depth} | 0 | no paired seed yet | — | — |")
+            rows.append(f"| {arm[0]}_d{arm[1]} - trl_d{depth} | 0 | no paired seed yet | — | —{note} |")
             continue
         iv = stats.t_interval(diffs)
         rows.append(f"| {arm[0]}_d{arm[1]} - trl_d{depth} | {iv.n} ({iv.df}) | {stats.fmt_interval(iv, p=True)} "
-                    f"| {sum(x > 0 for x in diffs)}/{len(diffs)} | {established(iv)} |")
+                    f"| {sum(x > 0 for x in diffs)}/{len(diffs)} | {established(iv)}{note} |")
     return ["| A - B (paired by seed) | seeds (df) | final, points [95 % CI], p | A above B | verdict |",
             "|---|---|---|---|---|", *rows]
 
@@ -190,9 +237,16 @@ def report(results: Path, depth: int = g.DEPTH, followup: int = 1, min_seeds: in
         lines += ["", "No candidate is calibrated yet: the grid has not started."]
     for cand in shown:
         finals, failed = grid_finals(cand, results, {0, depth, followup})
+        vendors = grid_vendors(cand, results, finals)
         start = statistics.fmean(g.start_scores(cand, main_grid))
         lines += ["", f"Grid in design `{cand.name}` ({cand.start}, {cand.steps} steps x {cand.prompts} prompts; "
-                  f"start {100 * start:.1f} %):", "", *arm_rows(finals, start), "", *pair_rows(finals, depth)]
+                  f"start {100 * start:.1f} %):", "", *arm_rows(finals, start, vendors=vendors), "",
+                  *pair_rows(finals, depth, vendors)]
+        kinds = {v for by_seed in vendors.values() for v in by_seed.values()}
+        if len(kinds) > 1:
+            lines += ["", f"CPU vendors of the cells: {vendor_line(vendors)}. Two cells of a seed are paired only "
+                      "on one vendor (float32 bits differ by vendor); the start's 512 scores are the AMD base "
+                      "model's, and a cell counts only when its step-0 check (128 of them) matches them exactly."]
         if failed:
             lines += ["", "Left out (lag check failed): " + "; ".join(failed) + "."]
         if cand is chosen:

@@ -495,3 +495,37 @@ def test_cell_meta_records_the_commit_the_cell_started_at(g, tmp_path, monkeypat
     assert g.run_cell(cand, "trl_d2_s3", args, wait=False) is True
     meta = json.loads((tmp_path / "results" / "base_32x8" / "trl_d2_s3" / "cell_meta.json").read_text())
     assert meta["code"] == "started-at" and meta["lag_check"] == "passed" and meta["starts_at_start"] is True
+
+
+def test_only_a_warm_start_design_is_held_to_the_main_grids_vendor(g, tmp_path):
+    grid = tmp_path / "policy_lag"
+    (grid / "tis_k1_s1").mkdir(parents=True)
+    (grid / "tis_k1_s1" / "cell_meta.json").write_text(json.dumps({"cpu": {"model": "AMD EPYC"}}))
+    g.check_start_vendor(g.candidate("base_32x8"), grid, here="Intel")  # the base model: any vendor
+    g.check_start_vendor(g.candidate("warm_32x8"), grid, here="AMD")
+    with pytest.raises(RuntimeError, match="run on AMD CPUs and this machine's is Intel"):
+        g.check_start_vendor(g.candidate("warm_32x8"), grid, here="Intel")  # a rebuilt warm start differs
+
+
+def test_a_seed_whose_two_cells_ran_on_two_vendors_is_not_paired(g, rep, tmp_path):
+    # FINALS with seed 3's trl_d2 cell on Intel and every other cell on AMD: bypass - trl at d = 2 pairs seeds 1 and
+    # 2 only: +0.08, +0.01: mean 0.045, sd 0.049497, s.e. 0.035, t(0.975, 1) = 12.7062: half 0.4447 -> [-40.0, +49.0]
+    vendors = {arm: {s: "AMD" for s in by_seed} for arm, by_seed in FINALS.items()}
+    vendors[("trl", 2)][3] = "Intel"
+    rows = rep.pair_rows(FINALS, 2, vendors)
+    assert rows[2].startswith("| bypass_d2 - trl_d2 | 2 (1) | +4.5 [-40.0, +49.0], p ")
+    assert rows[2].endswith("| 2/2 | not established; 1 across vendors left out (seed 3) |")
+    assert rows[3].startswith("| trl_d0 - trl_d2 | 2 (1) | +9.0 [")  # +0.10, +0.08
+    assert rep.paired(FINALS[("bypass", 2)], FINALS[("trl", 2)]) == pytest.approx([0.08, 0.01, 0.12])  # no vendors
+    arms = rep.arm_rows(FINALS, 0.20, vendors=vendors)
+    assert arms[4].endswith("| -9.0 [-21.7, +3.7] (2; not established); 1 across vendors left out |")
+    assert rep.vendor_line(vendors) == "AMD: seeds 1, 2, 3; Intel: seed 3"
+    # grid_vendors reads each cell's cell_meta.json "cpu" (vendor_id first, then the model name; None without it)
+    res = tmp_path / "async_lag"
+    cand = g.candidate("base_32x8")
+    for name, cpu in (("trl_d2_s1", {"model": "AMD EPYC", "vendor_id": "AuthenticAMD"}),
+                      ("trl_d2_s2", {"model": "Intel(R) Xeon(R) Processor"}), ("bypass_d2_s1", None)):
+        (res / cand.name / name).mkdir(parents=True)
+        (res / cand.name / name / "cell_meta.json").write_text(json.dumps({"cpu": cpu} if cpu else {}))
+    got = rep.grid_vendors(cand, res, {("trl", 2): {1: 0.3, 2: 0.4}, ("bypass", 2): {1: 0.5}})
+    assert got == {("trl", 2): {1: "AMD", 2: "Intel"}, ("bypass", 2): {1: None}}
