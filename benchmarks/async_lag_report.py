@@ -56,6 +56,15 @@ def grid_vendors(cand: g.Candidate, results: Path, finals: dict[tuple[str, int],
     return out
 
 
+def one_vendor(finals: dict[tuple[str, int], dict[int, float]], vendors: Vendors, vendor: str | None
+               ) -> dict[tuple[str, int], dict[int, float]]:
+    """``finals`` restricted to the cells that ran on ``vendor`` (arms left with no cell dropped): one vendor's
+    grid, as issue 47 asks runs to be grouped, next to the pooled table that counts each vendor's seeds."""
+    out = {arm: {s: a for s, a in by_seed.items() if vendors.get(arm, {}).get(s) == vendor}
+           for arm, by_seed in finals.items()}
+    return {arm: by_seed for arm, by_seed in out.items() if by_seed}
+
+
 def vendor_line(vendors: Vendors) -> str:
     """One sentence: the seeds per CPU vendor over all arms (e.g. ``AMD: seeds 1, 2; Intel: seed 3``)."""
     by: dict[str, set[int]] = {}
@@ -246,7 +255,11 @@ def report(results: Path, depth: int = g.DEPTH, followup: int = 1, min_seeds: in
         if len(kinds) > 1:
             lines += ["", f"CPU vendors of the cells: {vendor_line(vendors)}. Two cells of a seed are paired only "
                       "on one vendor (float32 bits differ by vendor); the start's 512 scores are the AMD base "
-                      "model's, and a cell counts only when its step-0 check (128 of them) matches them exactly."]
+                      "model's, and a cell counts only when its step-0 check (128 of them) matches them exactly. "
+                      "The same paired differences on each vendor alone:"]
+            for vendor in sorted(kinds, key=str):
+                lines += ["", f"On {vendor or 'an unknown vendor'} only:", "",
+                          *pair_rows(one_vendor(finals, vendors, vendor), depth)]
         if failed:
             lines += ["", "Left out (lag check failed): " + "; ".join(failed) + "."]
         if cand is chosen:

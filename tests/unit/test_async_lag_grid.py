@@ -529,3 +529,17 @@ def test_a_seed_whose_two_cells_ran_on_two_vendors_is_not_paired(g, rep, tmp_pat
         (res / cand.name / name / "cell_meta.json").write_text(json.dumps({"cpu": cpu} if cpu else {}))
     got = rep.grid_vendors(cand, res, {("trl", 2): {1: 0.3, 2: 0.4}, ("bypass", 2): {1: 0.5}})
     assert got == {("trl", 2): {1: "AMD", 2: "Intel"}, ("bypass", 2): {1: None}}
+
+
+def test_one_vendors_grid_is_its_cells_only(rep):
+    vendors = {arm: {s: "AMD" for s in by_seed} for arm, by_seed in FINALS.items()}
+    vendors[("trl", 2)][3] = "Intel"
+    vendors[("bypass", 2)][3] = "Intel"
+    amd = rep.one_vendor(FINALS, vendors, "AMD")
+    assert amd == {("trl", 0): {1: 0.40, 2: 0.44, 3: 0.42}, ("trl", 2): {1: 0.30, 2: 0.36},
+                   ("bypass", 2): {1: 0.38, 2: 0.37}}
+    assert rep.one_vendor(FINALS, vendors, "Intel") == {("trl", 2): {3: 0.33}, ("bypass", 2): {3: 0.45}}
+    # seed 3's bypass and trl cells ran on one vendor (Intel): paired in the pooled table, 3 seeds as without vendors
+    assert rep.pair_rows(FINALS, 2, vendors)[2] == rep.pair_rows(FINALS, 2)[2]
+    assert rep.pair_rows(rep.one_vendor(FINALS, vendors, "Intel"), 2)[2] == (
+        "| bypass_d2 - trl_d2 | 1 (0) | +12.0 (n = 1: no interval) | 1/1 | n = 1: no interval |")
