@@ -432,6 +432,92 @@ def _already_done(cand: Candidate, name: str, results: Path, args: argparse.Name
     return True
 
 
+def cell_env(cpu_kernels: str) -> dict[str, str]:
+    """A cell process's environment: this repository and (``cpu_kernels`` ``"avx2"``) ``benchmarks/avx2_kernels``
+    on PYTHONPATH, one OpenMP thread, no warm-start rebuild, no rollout record or replay."""
+    pin = [str(pl.AVX2_KERNELS)] if cpu_kernels == "avx2" else []
+    path = os.pathsep.join(p for p in (str(ROOT), *pin, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", pl.REBUILD_ENV: "0"}
+    for var in (pl.RECORD_ENV, pl.REPLAY_ENV):
+        env.pop(var, None)
+    return env
+
+
+def start_check_path(cand: Candidate, vendor: str | None, results: Path) -> Path:
+    """Where ``--start-check`` commits this vendor's evaluation of a ``base`` design's start."""
+    return results / cand.name / f"start_{vendor or 'unknown'}.json"
+
+
+def start_check(cand: Candidate, args: argparse.Namespace) -> dict:
+    """Evaluate a ``base`` design's start (the base model) on the 512 held-out items on this machine, as a cell's
+    evaluation does (``policy_lag_experiment.greedy_eval`` in a cell's environment: float32, one thread, the pinned
+    kernels), and compare the 0/1 scores with the committed start's (``start_scores``: the AMD main grid's). A
+    cell's step-0 check covers the first 128 items only; this covers all of them, so a seed run on another vendor
+    is measured against its own start where the two differ. Written to ``start_check_path`` (and committed with
+    ``--commit``).
+
+    Returns:
+        ``{"vendor", "cpu", "correct", "total", "scores", "same_as_start", "differ_at", "seconds", "code"}``;
+        ``differ_at`` lists the item indices whose score differs from the committed start's.
+
+    Raises:
+        ValueError: a ``warmstart`` design (its start is the warm start, rebuilt on its grid's vendor only).
+        RuntimeError: the evaluation process failed (its output is in the message)."""
+    if cand.start != "base":
+        raise ValueError(f"--start-check is for a design that starts from the base model; {cand.name} starts from "
+                         "the warm start")
+    cpu = pl.cpu_fingerprint()
+    vendor = pl.cpu_vendor(cpu.get("model", ""), cpu.get("vendor_id", ""))
+    out = Path(args.out) / cand.name / "start_check"
+    out.mkdir(parents=True, exist_ok=True)
+    flags = cell_flags("trl_d0_s1", cand, out, args)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--run-start-check", str(out / "eval.json"),
+           str(args.eval_size), str(args.eval_max_tokens), "--", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=cell_env(args.cpu_kernels))
+    if proc.returncode:
+        raise RuntimeError(f"--start-check failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    ev = json.loads((out / "eval.json").read_text())
+    committed = start_scores(cand)
+    differ = [i for i, (a, b) in enumerate(zip(ev["scores"], committed)) if a != b]
+    rec = {"vendor": vendor, "cpu": cpu, "correct": ev["correct"], "total": ev["total"], "scores": ev["scores"],
+           "same_as_start": not differ and len(ev["scores"]) == len(committed), "differ_at": differ,
+           "seconds": ev["seconds"], "code": pl.code_revision()}
+    path = start_check_path(cand, vendor, Path(args.results))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec, indent=1) + "\n")
+    print(f"<<< {cand.name} start on {vendor}: {ev['correct']}/{ev['total']}, committed start "
+          f"{int(sum(committed))}/{len(committed)}; {len(differ)} items differ", flush=True)
+    if args.commit:
+        pl.commit_cell(path.parent, path.name, f"its start evaluated on {vendor}: {ev['correct']}/{ev['total']}, "
+                       f"{len(differ)} items differ from the committed start")
+    return rec
+
+
+def start_check_in_process(out: str, eval_size: int, max_tokens: int, flags: list[str]) -> None:
+    """The ``--run-start-check`` entry point: the base model and tokenizer as the recipe's trainer loads them
+    (float32), the held-out task of the cell's flags, ``greedy_eval`` on its first ``eval_size`` items."""
+    import types
+
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import grpo_recipe_utils as ru
+    from grpo_rollout_corr import ModelConfig, RolloutCorrGRPOConfig, ScriptArguments, TrlParser
+
+    script_args, _, model_args = TrlParser(
+        (ScriptArguments, RolloutCorrGRPOConfig, ModelConfig)).parse_args_and_config(args=flags)
+    torch.set_num_threads(1)
+    _, held_out = ru.make_task_splits(script_args.task, json.loads(script_args.task_config), script_args.train_size,
+                                      script_args.train_seed, eval_size, script_args.eval_seed,
+                                      script_args.instruction)
+    tok = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=torch.float32)
+    shim = types.SimpleNamespace(processing_class=tok, model=model,
+                                 accelerator=types.SimpleNamespace(unwrap_model=lambda m: m))
+    Path(out).write_text(json.dumps(pl.greedy_eval(shim, held_out, eval_size, max_tokens)))
+
+
 def _run_claimed(cand: Candidate, name: str, args: argparse.Namespace, results: Path) -> bool:
     """``run_cell``'s body once its claim is held."""
     if cand.start == "warmstart":
@@ -441,11 +527,7 @@ def _run_claimed(cand: Candidate, name: str, args: argparse.Namespace, results: 
     flags = cell_flags(name, cand, out, args)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--run-cell", name, str(args.check_every),
            str(args.check_size), str(args.eval_size), str(args.eval_max_tokens), "--", *flags]
-    pin = [str(pl.AVX2_KERNELS)] if args.cpu_kernels == "avx2" else []
-    path = os.pathsep.join(p for p in (str(ROOT), *pin, os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", pl.REBUILD_ENV: "0"}
-    for var in (pl.RECORD_ENV, pl.REPLAY_ENV):
-        env.pop(var, None)
+    env = cell_env(args.cpu_kernels)
     print(f">>> {cand.name}/{name}: {' '.join(cmd)}", flush=True)
     code = pl.code_revision()  # the commit the cell process starts at (a merge mid-cell must not change it)
     t0, cpu0 = time.time(), os.times()
@@ -633,6 +715,9 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--run-cell":
         run_cell_in_process(sys.argv[2], sys.argv[8:], *map(int, sys.argv[3:7]))
         return
+    if len(sys.argv) > 2 and sys.argv[1] == "--run-start-check":
+        start_check_in_process(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[6:])
+        return
     import async_lag_report
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -658,9 +743,15 @@ def main() -> None:
                     help="run these cells of --candidate only (e.g. trl_d0_s2) and leave RESULTS.md alone; a "
                          "cell another runner is running is skipped, so runners given one list share it")
     ap.add_argument("--no-write", action="store_true", help="print the report; leave RESULTS.md alone")
+    ap.add_argument("--start-check", action="store_true",
+                    help="evaluate --candidate's base-model start on this machine's CPU, compare with the committed "
+                         "start's scores, write <results>/<candidate>/start_<vendor>.json, exit")
     args = ap.parse_args()
     if args.plan:
         print("\n".join(plan_lines(Path(args.results), args.depth, args.followup_depth, args.min_seeds)))
+        return
+    if args.start_check:
+        start_check(candidate(args.candidate or "base_32x8"), args)
         return
     if args.cells:
         cand, names = named_cells(args.cells, args.candidate, args.depth, args.followup_depth)

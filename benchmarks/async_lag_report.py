@@ -65,6 +65,19 @@ def one_vendor(finals: dict[tuple[str, int], dict[int, float]], vendors: Vendors
     return {arm: by_seed for arm, by_seed in out.items() if by_seed}
 
 
+def start_check_lines(cand: g.Candidate, results: Path) -> list[str]:
+    """One line per committed ``--start-check`` of ``cand`` (``<results>/<candidate>/start_<vendor>.json``): the
+    vendor, its score of the start and how many of the items differ from the committed start's scores."""
+    out = []
+    for path in sorted((results / cand.name).glob("start_*.json")):
+        r = json.loads(path.read_text())
+        same = ("the same 0/1 score on every item as the committed start's" if r["same_as_start"]
+                else f"{len(r['differ_at'])} items scored otherwise than in the committed start's")
+        out.append(f"* The start evaluated on {r['vendor']} (`--start-check`, {r['cpu'].get('model', '?')}): "
+                   f"{r['correct']}/{r['total']}, {same}.")
+    return out
+
+
 def vendor_line(vendors: Vendors) -> str:
     """One sentence: the seeds per CPU vendor over all arms (e.g. ``AMD: seeds 1, 2; Intel: seed 3``)."""
     by: dict[str, set[int]] = {}
@@ -255,8 +268,9 @@ def report(results: Path, depth: int = g.DEPTH, followup: int = 1, min_seeds: in
         if len(kinds) > 1:
             lines += ["", f"CPU vendors of the cells: {vendor_line(vendors)}. Two cells of a seed are paired only "
                       "on one vendor (float32 bits differ by vendor); the start's 512 scores are the AMD base "
-                      "model's, and a cell counts only when its step-0 check (128 of them) matches them exactly. "
-                      "The same paired differences on each vendor alone:"]
+                      "model's, and a cell counts only when its step-0 check (128 of them) matches them exactly."]
+            checks = start_check_lines(cand, results)
+            lines += (["", *checks] if checks else []) + ["", "The same paired differences on each vendor alone:"]
             for vendor in sorted(kinds, key=str):
                 lines += ["", f"On {vendor or 'an unknown vendor'} only:", "",
                           *pair_rows(one_vendor(finals, vendors, vendor), depth)]

@@ -1,8 +1,11 @@
 """benchmarks/async_lag_grid.py and async_lag_report.py (issue 47, the emulated d = 2 grid): the calibration's
 decision rule, the cells' names, flags and lag check, and the report's rows, on hand-computed values."""
 
+import argparse
 import json
 import math
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -543,3 +546,37 @@ def test_one_vendors_grid_is_its_cells_only(rep):
     assert rep.pair_rows(FINALS, 2, vendors)[2] == rep.pair_rows(FINALS, 2)[2]
     assert rep.pair_rows(rep.one_vendor(FINALS, vendors, "Intel"), 2)[2] == (
         "| bypass_d2 - trl_d2 | 1 (0) | +12.0 (n = 1: no interval) | 1/1 | n = 1: no interval |")
+
+
+def test_start_check_compares_this_vendors_start_item_by_item(g, rep, tmp_path, monkeypatch):
+    """``--start-check`` runs the evaluation in a cell's environment (a subprocess, faked here: it writes scores
+    that differ from the committed start's at items 1 and 3), records which items differ and writes
+    start_<vendor>.json; the report quotes it. A warm-start design is refused."""
+    cand = g.candidate("base_32x8")
+    monkeypatch.setattr(g, "start_scores", lambda c, main_grid=None: [1, 0, 0, 1])
+    monkeypatch.setattr(g.pl, "cpu_fingerprint", lambda: {"model": "Intel(R) Xeon(R)", "vendor_id": "GenuineIntel"})
+    seen, real_run = {}, subprocess.run
+
+    def fake_run(cmd, **kw):
+        if "--run-start-check" not in cmd:
+            return real_run(cmd, **kw)  # git (code_revision)
+        seen["cmd"], seen["env"] = cmd, kw["env"]
+        out = cmd[cmd.index("--run-start-check") + 1]
+        Path(out).write_text(json.dumps({"correct": 3, "total": 4, "scores": [1, 1, 0, 0], "seconds": 1.0}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(g.subprocess, "run", fake_run)
+    args = argparse.Namespace(out=str(tmp_path / "out"), results=str(tmp_path / "res"), eval_size=4,
+                              eval_max_tokens=32, cpu_kernels="avx2", lr=3e-5, main_out=str(tmp_path / "main"),
+                              commit=False)
+    rec = g.start_check(cand, args)
+    assert rec["vendor"] == "Intel" and rec["differ_at"] == [1, 3] and not rec["same_as_start"]
+    assert seen["env"]["OMP_NUM_THREADS"] == "1" and str(g.pl.AVX2_KERNELS) in seen["env"]["PYTHONPATH"]
+    assert seen["cmd"][seen["cmd"].index("--run-start-check") + 2] == "4"  # the eval size
+    path = g.start_check_path(cand, "Intel", tmp_path / "res")
+    assert json.loads(path.read_text())["scores"] == [1, 1, 0, 0]
+    assert rep.start_check_lines(cand, tmp_path / "res") == [
+        "* The start evaluated on Intel (`--start-check`, Intel(R) Xeon(R)): 3/4, 2 items scored otherwise than in "
+        "the committed start's."]
+    with pytest.raises(ValueError, match="starts from the warm start"):
+        g.start_check(g.candidate("warm_32x8"), args)
