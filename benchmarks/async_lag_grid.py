@@ -190,10 +190,14 @@ def grid_seeds(verdict: Verdict, minimum: int = MIN_GRID_SEEDS) -> int:
     return max(minimum, verdict.seeds_needed or 0, verdict.n if verdict.status == MEASURABLE else 0)
 
 
-def lag_effect_established(trl_d: dict[int, float], trl_0: dict[int, float]) -> bool:
+def lag_effect_established(trl_d: dict[int, float], trl_0: dict[int, float],
+                           vendors: tuple[dict[int, str | None], dict[int, str | None]] | None = None) -> bool:
     """Plain TRL's lag effect at the grid's depth, paired by seed ({seed: accuracy}): its 95 % t-interval (n - 1 df)
-    lies clear of zero. False below 2 paired seeds."""
-    diffs = [trl_d[s] - trl_0[s] for s in sorted(trl_d) if s in trl_0]
+    lies clear of zero. With ``vendors`` (the two arms' {seed: CPU vendor}) only the seeds whose two cells ran on one
+    vendor pair (``same_vendor``), as in the report. False below 2 paired seeds."""
+    va, vb = vendors or ({}, {})
+    diffs = [trl_d[s] - trl_0[s] for s in sorted(trl_d)
+             if s in trl_0 and (vendors is None or same_vendor(va.get(s), vb.get(s)))]
     if len(diffs) < 2:
         return False
     iv = stats.t_interval(diffs)
@@ -210,6 +214,25 @@ def cell_folder(cand: Candidate, name: str, results: Path) -> Path:
             if s == seed:
                 return RESULTS / rel
     return results / cand.name / name
+
+
+def cell_vendor(cand: Candidate, name: str, results: Path) -> str | None:
+    """The CPU vendor cell ``name`` ran on ("AMD" / "Intel"): its ``cell_meta.json`` ``cpu``
+    (``policy_lag_experiment.cpu_vendor``); for a reused cell of another grid that records none, that grid's vendor
+    (``policy_lag_experiment.grid_vendor``); None where nothing says (cells from before the field)."""
+    folder = cell_folder(cand, name, results)
+    path = folder / "cell_meta.json"
+    cpu = (json.loads(path.read_text()).get("cpu") or {}) if path.exists() else {}
+    vendor = pl.cpu_vendor(cpu.get("model", ""), cpu.get("vendor_id", ""))
+    if vendor is None and folder.parent != results / cand.name and folder.parent.is_dir():
+        vendor = pl.grid_vendor(folder.parent)
+    return vendor
+
+
+def same_vendor(a: str | None, b: str | None) -> bool:
+    """Two cells of a seed form a pair: they ran on one CPU vendor (float32 bits differ by vendor). Two cells that
+    both record none are from before the field, when every cell ran on one machine: a pair, as they always were."""
+    return a == b
 
 
 def start_scores(cand: Candidate, main_grid: Path = MAIN_GRID) -> list[int]:
@@ -457,15 +480,23 @@ def start_check(cand: Candidate, args: argparse.Namespace) -> dict:
     ``--commit``).
 
     Returns:
-        ``{"vendor", "cpu", "correct", "total", "scores", "same_as_start", "differ_at", "seconds", "code"}``;
+        ``{"vendor", "cpu", "correct", "total", "max_tokens", "scores", "same_as_start", "differ_at", "seconds",
+        "code"}``;
         ``differ_at`` lists the item indices whose score differs from the committed start's.
 
     Raises:
-        ValueError: a ``warmstart`` design (its start is the warm start, rebuilt on its grid's vendor only).
+        ValueError: a ``warmstart`` design (its start is the warm start, rebuilt on its grid's vendor only), or an
+            ``--eval-size`` / ``--eval-max-tokens`` other than the committed start's (the message names them).
         RuntimeError: the evaluation process failed (its output is in the message)."""
     if cand.start != "base":
         raise ValueError(f"--start-check is for a design that starts from the base model; {cand.name} starts from "
                          "the warm start")
+    committed = start_scores(cand)
+    committed_tokens = json.loads((MAIN_GRID / pl.WARMSTART / "eval.json").read_text()).get("max_tokens")
+    if args.eval_size != len(committed) or args.eval_max_tokens != committed_tokens:
+        raise ValueError(f"--start-check compares item by item with the committed start ({len(committed)} items at "
+                         f"{committed_tokens} tokens): run it with --eval-size {len(committed)} --eval-max-tokens "
+                         f"{committed_tokens}, not {args.eval_size} / {args.eval_max_tokens}")
     cpu = pl.cpu_fingerprint()
     vendor = pl.cpu_vendor(cpu.get("model", ""), cpu.get("vendor_id", ""))
     out = Path(args.out) / cand.name / "start_check"
@@ -477,9 +508,9 @@ def start_check(cand: Candidate, args: argparse.Namespace) -> dict:
     if proc.returncode:
         raise RuntimeError(f"--start-check failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     ev = json.loads((out / "eval.json").read_text())
-    committed = start_scores(cand)
     differ = [i for i, (a, b) in enumerate(zip(ev["scores"], committed)) if a != b]
-    rec = {"vendor": vendor, "cpu": cpu, "correct": ev["correct"], "total": ev["total"], "scores": ev["scores"],
+    rec = {"vendor": vendor, "cpu": cpu, "correct": ev["correct"], "total": ev["total"],
+           "max_tokens": args.eval_max_tokens, "scores": ev["scores"],
            "same_as_start": not differ and len(ev["scores"]) == len(committed), "differ_at": differ,
            "seconds": ev["seconds"], "code": pl.code_revision()}
     path = start_check_path(cand, vendor, Path(args.results))
@@ -677,9 +708,18 @@ def check_start_vendor(cand: Candidate, main_grid: Path = MAIN_GRID, here: str |
     differ by vendor, so a pair across vendors is not a paired difference).
 
     Raises:
-        RuntimeError: a ``warmstart`` design on another vendor than the main grid's (``check_vendor``'s message)."""
+        RuntimeError: a ``warmstart`` design on another vendor than the main grid's (``check_vendor``'s message), or
+            any design on a machine whose vendor ``cpu_vendor`` cannot tell (its cells could pair with nothing)."""
     if cand.start == "warmstart":
         pl.check_vendor(main_grid, here)
+        return
+    if here is None:
+        cpu = pl.cpu_fingerprint()
+        here = pl.cpu_vendor(cpu.get("model", ""), cpu.get("vendor_id", ""))
+    if not here:
+        raise RuntimeError("this machine's CPU vendor is unknown (neither /proc/cpuinfo's vendor_id nor its model "
+                           "name says AMD or Intel): its cells could not be paired with any other; run them on an AMD "
+                           "or Intel machine")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -703,7 +743,9 @@ def run(args: argparse.Namespace) -> None:
     res = Path(args.results)
     acc = {d: {s: passing_accuracy(cand, f"trl_d{d}_s{s}", res, args.engine_kl_max) for s in range(1, n + 1)}
            for d in (0, args.depth)}  # the cells the report keeps
-    if lag_effect_established(*({s: a for s, a in acc[d].items() if a is not None} for d in (args.depth, 0))):
+    kept = {d: {s: a for s, a in acc[d].items() if a is not None} for d in (args.depth, 0)}
+    vend = tuple({s: cell_vendor(cand, f"trl_d{d}_s{s}", res) for s in kept[d]} for d in (args.depth, 0))
+    if lag_effect_established(kept[args.depth], kept[0], vend):
         for name in followup_cells(n, args.followup_depth):
             if not run_cell(cand, name, args):
                 raise RuntimeError(f"follow-up cell {cand.name}/{name} failed; see its run.log")

@@ -33,27 +33,24 @@ Vendors = dict[tuple[str, int], dict[int, "str | None"]]
 def paired(a: dict[int, float], b: dict[int, float], va: dict[int, str | None] | None = None,
            vb: dict[int, str | None] | None = None) -> list[float]:
     """a - b over the seeds both have ({seed: accuracy}), in seed order; with the cells' CPU vendors ({seed: vendor},
-    ``grid_vendors``) only over the seeds whose two cells ran on one vendor (float32 bits differ by vendor, so two
-    cells of a seed on two vendors do not share their sampling: not a paired difference)."""
-    return [a[s] - b[s] for s in sorted(a) if s in b and (va is None or vb is None or va.get(s) == vb.get(s))]
+    ``grid_vendors``) only over the seeds whose two cells ran on one vendor (``async_lag_grid.same_vendor``: float32
+    bits differ by vendor, so two cells of a seed on two vendors do not share their sampling: not a paired
+    difference)."""
+    return [a[s] - b[s] for s in sorted(a)
+            if s in b and (va is None or vb is None or g.same_vendor(va.get(s), vb.get(s)))]
 
 
 def across_vendors(a: dict[int, float], b: dict[int, float], va: dict[int, str | None],
                    vb: dict[int, str | None]) -> list[int]:
     """The seeds both arms have whose two cells ran on different CPU vendors (left out of ``paired``)."""
-    return [s for s in sorted(a) if s in b and va.get(s) != vb.get(s)]
+    return [s for s in sorted(a) if s in b and not g.same_vendor(va.get(s), vb.get(s))]
 
 
 def grid_vendors(cand: g.Candidate, results: Path, finals: dict[tuple[str, int], dict[int, float]]) -> Vendors:
-    """(method, d) -> {seed: "AMD" / "Intel" / None} for the cells in ``finals``: the vendor its ``cell_meta.json``
-    records (``policy_lag_experiment.cpu_vendor``; None where it records no CPU)."""
-    out: Vendors = {}
-    for (method, d), by_seed in finals.items():
-        for seed in by_seed:
-            path = g.cell_folder(cand, f"{method}_d{d}_s{seed}", results) / "cell_meta.json"
-            cpu = json.loads(path.read_text()).get("cpu", {}) if path.exists() else {}
-            out.setdefault((method, d), {})[seed] = g.pl.cpu_vendor(cpu.get("model", ""), cpu.get("vendor_id", ""))
-    return out
+    """(method, d) -> {seed: "AMD" / "Intel" / None} for the cells in ``finals`` (``async_lag_grid.cell_vendor``:
+    what its ``cell_meta.json`` records, a reused cell's grid's vendor, None where nothing says)."""
+    return {(method, d): {seed: g.cell_vendor(cand, f"{method}_d{d}_s{seed}", results) for seed in by_seed}
+            for (method, d), by_seed in finals.items()}
 
 
 def one_vendor(finals: dict[tuple[str, int], dict[int, float]], vendors: Vendors, vendor: str | None
@@ -73,19 +70,26 @@ def start_check_lines(cand: g.Candidate, results: Path) -> list[str]:
         r = json.loads(path.read_text())
         same = ("the same 0/1 score on every item as the committed start's" if r["same_as_start"]
                 else f"{len(r['differ_at'])} items scored otherwise than in the committed start's")
-        out.append(f"* The start evaluated on {r['vendor']} (`--start-check`, {r['cpu'].get('model', '?')}): "
-                   f"{r['correct']}/{r['total']}, {same}.")
+        out.append(f"* The start evaluated on {r['vendor'] or 'an unknown vendor'} (`--start-check`, "
+                   f"{(r['cpu'] or {}).get('model', '?')}, {r['total']} items at {r.get('max_tokens', '?')} "
+                   f"tokens): {r['correct']}/{r['total']}, {same}.")
     return out
 
 
 def vendor_line(vendors: Vendors) -> str:
-    """One sentence: the seeds per CPU vendor over all arms (e.g. ``AMD: seeds 1, 2; Intel: seed 3``)."""
+    """One sentence: the seeds per CPU vendor, and for a seed whose cells ran on two vendors which cell ran where
+    (e.g. ``AMD: seeds 1, 2; Intel: seed 3 (seed 3: trl_d0 on AMD; trl_d2, bypass_d2 on Intel)``)."""
     by: dict[str, set[int]] = {}
-    for by_seed in vendors.values():
+    cells: dict[int, dict[str, list[str]]] = {}
+    for (method, d), by_seed in sorted(vendors.items(), key=lambda x: (x[0][1], x[0][0])):
         for seed, v in by_seed.items():
             by.setdefault(v or "unknown", set()).add(seed)
-    return "; ".join(f"{v}: seed{'s' if len(ss) > 1 else ''} {', '.join(map(str, sorted(ss)))}"
+            cells.setdefault(seed, {}).setdefault(v or "unknown", []).append(f"{method}_d{d}")
+    text = "; ".join(f"{v}: seed{'s' if len(ss) > 1 else ''} {', '.join(map(str, sorted(ss)))}"
                      for v, ss in sorted(by.items()))
+    split = ["seed " + str(seed) + ": " + "; ".join(f"{', '.join(names)} on {v}" for v, names in sorted(per.items()))
+             for seed, per in sorted(cells.items()) if len(per) > 1]
+    return text + (f" ({'; '.join(split)})" if split else "")
 
 
 def arm_rows(finals: dict[tuple[str, int], dict[int, float]], start: float,
@@ -110,6 +114,8 @@ def arm_rows(finals: dict[tuple[str, int], dict[int, float]], start: float,
                 vs_on += f"; {len(across_vendors(by_seed, ref, va, vb))} across vendors left out"
         else:
             vs_on = "no paired seed yet"
+            if va is not None and vb is not None and across_vendors(by_seed, ref, va, vb):
+                vs_on += f" ({len(across_vendors(by_seed, ref, va, vb))} across vendors left out)"
         rows.append(f"| {method}_d{d} | {len(accs)} | {100 * statistics.fmean(accs):.1f} | {vs_start} | {vs_on} |")
     return ["| arm (d = async depth, emulated) | seeds | final % mean | minus start [95 % CI], p "
             "| minus on-policy, paired by seed [95 % CI] (seeds; verdict) |", "|---|---|---|---|---|", *rows]
@@ -268,7 +274,8 @@ def report(results: Path, depth: int = g.DEPTH, followup: int = 1, min_seeds: in
         if len(kinds) > 1:
             lines += ["", f"CPU vendors of the cells: {vendor_line(vendors)}. Two cells of a seed are paired only "
                       "on one vendor (float32 bits differ by vendor); the start's 512 scores are the AMD base "
-                      "model's, and a cell counts only when its step-0 check (128 of them) matches them exactly."]
+                      "model's, and a cell counts only when its step-0 check (128 of them) matches them exactly. A "
+                      "pair split across vendors stays unpaired (a cell's folder holds one run, on one vendor)."]
             checks = start_check_lines(cand, results)
             lines += (["", *checks] if checks else []) + ["", "The same paired differences on each vendor alone:"]
             for vendor in sorted(kinds, key=str):

@@ -522,7 +522,12 @@ def test_a_seed_whose_two_cells_ran_on_two_vendors_is_not_paired(g, rep, tmp_pat
     assert rep.paired(FINALS[("bypass", 2)], FINALS[("trl", 2)]) == pytest.approx([0.08, 0.01, 0.12])  # no vendors
     arms = rep.arm_rows(FINALS, 0.20, vendors=vendors)
     assert arms[4].endswith("| -9.0 [-21.7, +3.7] (2; not established); 1 across vendors left out |")
-    assert rep.vendor_line(vendors) == "AMD: seeds 1, 2, 3; Intel: seed 3"
+    assert rep.vendor_line(vendors) == (
+        "AMD: seeds 1, 2, 3; Intel: seed 3 (seed 3: trl_d0, bypass_d2 on AMD; trl_d2 on Intel)")
+    # an arm with no seed paired says why: its only seed ran on the other vendor
+    lone = rep.arm_rows({("trl", 0): {1: 0.4}, ("tis", 2): {1: 0.3}}, 0.2,
+                        vendors={("trl", 0): {1: "AMD"}, ("tis", 2): {1: "Intel"}})
+    assert lone[3].endswith("| no paired seed yet (1 across vendors left out) |")
     # grid_vendors reads each cell's cell_meta.json "cpu" (vendor_id first, then the model name; None without it)
     res = tmp_path / "async_lag"
     cand = g.candidate("base_32x8")
@@ -576,7 +581,37 @@ def test_start_check_compares_this_vendors_start_item_by_item(g, rep, tmp_path, 
     path = g.start_check_path(cand, "Intel", tmp_path / "res")
     assert json.loads(path.read_text())["scores"] == [1, 1, 0, 0]
     assert rep.start_check_lines(cand, tmp_path / "res") == [
-        "* The start evaluated on Intel (`--start-check`, Intel(R) Xeon(R)): 3/4, 2 items scored otherwise than in "
-        "the committed start's."]
+        "* The start evaluated on Intel (`--start-check`, Intel(R) Xeon(R), 4 items at 32 tokens): 3/4, 2 items "
+        "scored otherwise than in the committed start's."]
     with pytest.raises(ValueError, match="starts from the warm start"):
         g.start_check(g.candidate("warm_32x8"), args)
+    # a shorter evaluation would compare only the first items: refused, naming the settings to use
+    with pytest.raises(ValueError, match="run it with --eval-size 4 --eval-max-tokens 32, not 3 / 32"):
+        g.start_check(cand, argparse.Namespace(**{**vars(args), "eval_size": 3}))
+    assert json.loads(path.read_text())["max_tokens"] == 32
+
+
+def test_the_phased_driver_pairs_the_lag_effect_within_a_vendor_and_reused_cells_take_their_grids(g, tmp_path,
+                                                                                                  monkeypatch):
+    # trl_d0 - trl_d2: seeds 1-3 +0.10, +0.08, +0.09 (established, as in FINALS); seed 3's trl_d2 on Intel leaves
+    # +0.10, +0.08: t(0.975, 1) x 0.01 = 0.127 > 0.09, not established
+    d2, d0 = FINALS[("trl", 2)], FINALS[("trl", 0)]
+    assert g.lag_effect_established(d2, d0)
+    amd = {1: "AMD", 2: "AMD", 3: "AMD"}
+    assert g.lag_effect_established(d2, d0, (amd, amd))
+    assert not g.lag_effect_established(d2, d0, ({**amd, 3: "Intel"}, amd))
+    # a reused cell (warm_32x8's trl_d0_s1 is policy_lag/trl_k1_s1) that records no CPU takes its grid's vendor
+    monkeypatch.setattr(g, "RESULTS", tmp_path)
+    for name, meta in (("trl_k1_s1", {}), ("tis_k1_s1", {"cpu": {"model": "AMD EPYC"}})):
+        (tmp_path / "policy_lag" / name).mkdir(parents=True)
+        (tmp_path / "policy_lag" / name / "cell_meta.json").write_text(json.dumps(meta))
+    res = tmp_path / "async_lag"
+    assert g.cell_vendor(g.candidate("warm_32x8"), "trl_d0_s1", res) == "AMD"
+    (res / "warm_32x8" / "trl_d2_s1").mkdir(parents=True)  # our own cell with no CPU recorded: None, no fallback
+    (res / "warm_32x8" / "trl_d2_s1" / "cell_meta.json").write_text(json.dumps({"cpu": None}))
+    assert g.cell_vendor(g.candidate("warm_32x8"), "trl_d2_s1", res) is None
+
+
+def test_a_machine_of_unknown_vendor_runs_no_cell(g, tmp_path):
+    with pytest.raises(RuntimeError, match="CPU vendor is unknown"):
+        g.check_start_vendor(g.candidate("base_32x8"), tmp_path / "policy_lag", here="")
