@@ -121,11 +121,13 @@ def arm_rows(finals: dict[tuple[str, int], dict[int, float]], start: float,
             "| minus on-policy, paired by seed [95 % CI] (seeds; verdict) |", "|---|---|---|---|---|", *rows]
 
 
-def pair_rows(finals: dict[tuple[str, int], dict[int, float]], depth: int, vendors: Vendors | None = None
-              ) -> list[str]:
+def pair_rows(finals: dict[tuple[str, int], dict[int, float]], depth: int, vendors: Vendors | None = None,
+              planned: int | None = None) -> list[str]:
     """Each arm at ``depth`` and the on-policy arm minus plain TRL at ``depth``, paired by seed: mean [95 % CI], p,
     seeds (df), how many seeds A ended above B, and the verdict (``established``). With ``vendors``, a seed whose two
-    cells ran on different CPU vendors is left out (``paired``) and counted in the verdict column."""
+    cells ran on different CPU vendors is left out (``paired``) and counted in the verdict column. With ``planned``
+    (the grid's paired seeds), a verdict on fewer seeds is marked interim: a look before the planned end, whose
+    "established" a later seed can undo (the t-interval's 95 % holds at the planned n, not at every look)."""
     vendors = vendors or {}
     ref = finals.get(("trl", depth))
     vref = vendors.get(("trl", depth))
@@ -139,8 +141,9 @@ def pair_rows(finals: dict[tuple[str, int], dict[int, float]], depth: int, vendo
             rows.append(f"| {arm[0]}_d{arm[1]} - trl_d{depth} | 0 | no paired seed yet | — | —{note} |")
             continue
         iv = stats.t_interval(diffs)
+        interim = f" (interim: {iv.n} of {planned} planned seeds)" if planned and iv.n < planned else ""
         rows.append(f"| {arm[0]}_d{arm[1]} - trl_d{depth} | {iv.n} ({iv.df}) | {stats.fmt_interval(iv, p=True)} "
-                    f"| {sum(x > 0 for x in diffs)}/{len(diffs)} | {established(iv)}{note} |")
+                    f"| {sum(x > 0 for x in diffs)}/{len(diffs)} | {established(iv)}{interim}{note} |")
     return ["| A - B (paired by seed) | seeds (df) | final, points [95 % CI], p | A above B | verdict |",
             "|---|---|---|---|---|", *rows]
 
@@ -267,9 +270,10 @@ def report(results: Path, depth: int = g.DEPTH, followup: int = 1, min_seeds: in
         finals, failed = grid_finals(cand, results, {0, depth, followup})
         vendors = grid_vendors(cand, results, finals)
         start = statistics.fmean(g.start_scores(cand, main_grid))
+        planned = g.grid_seeds(g.verdict_of(cand, results, main_grid), min_seeds) if cand is chosen else None
         lines += ["", f"Grid in design `{cand.name}` ({cand.start}, {cand.steps} steps x {cand.prompts} prompts; "
                   f"start {100 * start:.1f} %):", "", *arm_rows(finals, start, vendors=vendors), "",
-                  *pair_rows(finals, depth, vendors)]
+                  *pair_rows(finals, depth, vendors, planned)]
         kinds = {v for by_seed in vendors.values() for v in by_seed.values()}
         if len(kinds) > 1:
             lines += ["", f"CPU vendors of the cells: {vendor_line(vendors)}. Two cells of a seed are paired only "
@@ -280,7 +284,7 @@ def report(results: Path, depth: int = g.DEPTH, followup: int = 1, min_seeds: in
             lines += (["", *checks] if checks else []) + ["", "The same paired differences on each vendor alone:"]
             for vendor in sorted(kinds, key=str):
                 lines += ["", f"On {vendor or 'an unknown vendor'} only:", "",
-                          *pair_rows(one_vendor(finals, vendors, vendor), depth)]
+                          *pair_rows(one_vendor(finals, vendors, vendor), depth, planned=planned)]
         if failed:
             lines += ["", "Left out (lag check failed): " + "; ".join(failed) + "."]
         if cand is chosen:

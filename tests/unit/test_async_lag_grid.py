@@ -615,3 +615,11 @@ def test_the_phased_driver_pairs_the_lag_effect_within_a_vendor_and_reused_cells
 def test_a_machine_of_unknown_vendor_runs_no_cell(g, tmp_path):
     with pytest.raises(RuntimeError, match="CPU vendor is unknown"):
         g.check_start_vendor(g.candidate("base_32x8"), tmp_path / "policy_lag", here="")
+
+
+def test_a_verdict_before_the_planned_seeds_is_marked_interim(rep):
+    # FINALS at 3 paired seeds of 5 planned: trl_d0 - trl_d2 is established (+9.0 [+6.5, +11.5]) but only interim
+    rows = rep.pair_rows(FINALS, 2, planned=5)
+    assert rows[3] == ("| trl_d0 - trl_d2 | 3 (2) | +9.0 [+6.5, +11.5], p 0.0041 | 3/3 | established (interim: 3 of 5 "
+                       "planned seeds) |")
+    assert rep.pair_rows(FINALS, 2, planned=3)[3].endswith("| 3/3 | established |")  # the planned end: final
