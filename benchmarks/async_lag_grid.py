@@ -223,7 +223,7 @@ def cell_vendor(cand: Candidate, name: str, results: Path) -> str | None:
     folder = cell_folder(cand, name, results)
     path = folder / "cell_meta.json"
     cpu = (json.loads(path.read_text()).get("cpu") or {}) if path.exists() else {}
-    vendor = pl.cpu_vendor(cpu.get("model", ""), cpu.get("vendor_id", ""))
+    vendor = pl.vendor_of(cpu)
     if vendor is None and folder.parent != results / cand.name and folder.parent.is_dir():
         vendor = pl.grid_vendor(folder.parent)
     return vendor
@@ -498,7 +498,7 @@ def start_check(cand: Candidate, args: argparse.Namespace) -> dict:
                          f"{committed_tokens} tokens): run it with --eval-size {len(committed)} --eval-max-tokens "
                          f"{committed_tokens}, not {args.eval_size} / {args.eval_max_tokens}")
     cpu = pl.cpu_fingerprint()
-    vendor = pl.cpu_vendor(cpu.get("model", ""), cpu.get("vendor_id", ""))
+    vendor = pl.vendor_of(cpu)
     out = Path(args.out) / cand.name / "start_check"
     out.mkdir(parents=True, exist_ok=True)
     flags = cell_flags("trl_d0_s1", cand, out, args)
@@ -714,8 +714,7 @@ def check_start_vendor(cand: Candidate, main_grid: Path = MAIN_GRID, here: str |
         pl.check_vendor(main_grid, here)
         return
     if here is None:
-        cpu = pl.cpu_fingerprint()
-        here = pl.cpu_vendor(cpu.get("model", ""), cpu.get("vendor_id", ""))
+        here = pl.vendor_of()
     if not here:
         raise RuntimeError("this machine's CPU vendor is unknown (neither /proc/cpuinfo's vendor_id nor its model "
                            "name says AMD or Intel): its cells could not be paired with any other; run them on an AMD "

@@ -40,9 +40,12 @@ def paired(a: dict[int, float], b: dict[int, float], va: dict[int, str | None] |
             if s in b and (va is None or vb is None or g.same_vendor(va.get(s), vb.get(s)))]
 
 
-def across_vendors(a: dict[int, float], b: dict[int, float], va: dict[int, str | None],
-                   vb: dict[int, str | None]) -> list[int]:
-    """The seeds both arms have whose two cells ran on different CPU vendors (left out of ``paired``)."""
+def across_vendors(a: dict[int, float], b: dict[int, float], va: dict[int, str | None] | None,
+                   vb: dict[int, str | None] | None) -> list[int]:
+    """The seeds both arms have whose two cells ran on different CPU vendors (left out of ``paired``); none when
+    either arm's vendors are not given."""
+    if va is None or vb is None:
+        return []
     return [s for s in sorted(a) if s in b and not g.same_vendor(va.get(s), vb.get(s))]
 
 
@@ -105,17 +108,16 @@ def arm_rows(finals: dict[tuple[str, int], dict[int, float]], start: float,
         vs_start = stats.fmt_interval(stats.t_interval([a - start for a in accs]), p=True)
         va, vb = vendors.get((method, d)), vendors.get(on_policy)
         diffs = paired(by_seed, ref, va, vb)
+        across = across_vendors(by_seed, ref, va, vb)
         if (method, d) == on_policy:
             vs_on = "—"
         elif diffs:
             iv = stats.t_interval(diffs)
             vs_on = f"{stats.fmt_interval(iv)} ({len(diffs)}; {established(iv)})"
-            if va is not None and vb is not None and across_vendors(by_seed, ref, va, vb):
-                vs_on += f"; {len(across_vendors(by_seed, ref, va, vb))} across vendors left out"
+            if across:
+                vs_on += f"; {len(across)} across vendors left out"
         else:
-            vs_on = "no paired seed yet"
-            if va is not None and vb is not None and across_vendors(by_seed, ref, va, vb):
-                vs_on += f" ({len(across_vendors(by_seed, ref, va, vb))} across vendors left out)"
+            vs_on = "no paired seed yet" + (f" ({len(across)} across vendors left out)" if across else "")
         rows.append(f"| {method}_d{d} | {len(accs)} | {100 * statistics.fmean(accs):.1f} | {vs_start} | {vs_on} |")
     return ["| arm (d = async depth, emulated) | seeds | final % mean | minus start [95 % CI], p "
             "| minus on-policy, paired by seed [95 % CI] (seeds; verdict) |", "|---|---|---|---|---|", *rows]
@@ -135,7 +137,7 @@ def pair_rows(finals: dict[tuple[str, int], dict[int, float]], depth: int, vendo
     for arm in sorted(a for a in finals if a != ("trl", depth) and a[1] in (0, depth)):
         va = vendors.get(arm)
         diffs = paired(finals[arm], ref or {}, va, vref)
-        across = across_vendors(finals[arm], ref or {}, va, vref) if va is not None and vref is not None else []
+        across = across_vendors(finals[arm], ref or {}, va, vref)
         note = f"; {len(across)} across vendors left out (seed {', '.join(map(str, across))})" if across else ""
         if not diffs:
             rows.append(f"| {arm[0]}_d{arm[1]} - trl_d{depth} | 0 | no paired seed yet | — | —{note} |")

@@ -431,6 +431,12 @@ def cpu_vendor(model: str, vendor_id: str = "") -> str | None:
     return None
 
 
+def vendor_of(cpu: dict | None = None) -> str | None:
+    """``cpu_vendor`` of a ``cpu_fingerprint`` record (this machine's when ``cpu`` is None; an empty record: None)."""
+    cpu = cpu_fingerprint() if cpu is None else cpu
+    return cpu_vendor(cpu.get("model", ""), cpu.get("vendor_id", ""))
+
+
 def grid_vendor(results: Path) -> str | None:
     """The CPU vendor a grid's committed cells ran on (``cell_meta.json``'s ``cpu`` model; cells from before that
     field count as unknown), None when no committed cell says.
@@ -438,7 +444,7 @@ def grid_vendor(results: Path) -> str | None:
     Raises:
         RuntimeError: the committed cells ran on more than one vendor (such a grid has no single warm start)."""
     cpus = [json.loads(m.read_text()).get("cpu") or {} for m in results.glob("*/cell_meta.json")]
-    found = {cpu_vendor(c.get("model", ""), c.get("vendor_id", "")) for c in cpus} - {None}
+    found = {vendor_of(c) for c in cpus} - {None}
     if len(found) > 1:
         raise RuntimeError(f"{results} holds cells from CPUs of several vendors ({sorted(found)}): its cells are not "
                            "comparable; move the odd ones to a grid of their own.")
@@ -455,8 +461,7 @@ def check_vendor(results: Path, here: str | None = None) -> None:
             grid under another ``--results`` folder, e.g. ``benchmarks/results/policy_lag_intel``)."""
     want = grid_vendor(results)
     if here is None:
-        cpu = cpu_fingerprint()
-        here = cpu_vendor(cpu.get("model", ""), cpu.get("vendor_id", ""))
+        here = vendor_of()
     if want and here != want:
         raise RuntimeError(
             f"the grid in {results} was run on {want} CPUs and this machine's is {here or 'unknown'}: MKL's float32 "
