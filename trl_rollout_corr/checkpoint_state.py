@@ -2,9 +2,11 @@
 restored when training resumes from it (the one checkpoint mechanism of the features).
 
 Every rank writes ``rollout_corr_features.rank-<r>.pt`` (``torch.save``) into ``checkpoint-<global_step>`` when the
-Trainer has saved it (``on_save``): the state is per rank (the rollout records' counters, the lag split's kept weights
-or this rank's shards of them), so each rank reads back its own file. The file holds ``{"format", "global_step",
-"rank", "world_size", "features": [names in FEATURES order], "state": {name: state_dict}}``.
+Trainer has saved it (``on_save``; with ``push_to_hub``, before the Trainer pushes the checkpoint,
+``save_before_push``, so the pushed checkpoint holds it too): the state is per rank (the rollout records' counters,
+the lag split's kept weights or this rank's shards of them), so each rank reads back its own file. The file holds
+``{"format", "global_step", "rank", "world_size", "features": [names in FEATURES order], "state": {name:
+state_dict}}``.
 
 A run resumed from a checkpoint (``RolloutCorrGRPOTrainer.train(resume_from_checkpoint=...)``, resolved as the Trainer
 resolves it: ``trl_compat.resume_checkpoint``) restores every feature's state at ``on_train_begin``: after the
@@ -23,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -58,6 +60,23 @@ def save(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | str) -> Path:
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     torch.save(payload, tmp)
     os.replace(tmp, path)
+    return path
+
+
+def save_before_push(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | str) -> Optional[Path]:
+    """Write this rank's file into checkpoint ``folder`` before the Trainer pushes it to the Hub, then wait for every
+    rank (so the main process uploads every rank's file; the checkpoint folder is shared, as the Trainer's own
+    checkpoint requires), and remember it so that ``on_save`` does not write it a second time.
+
+    Called by ``RolloutCorrGRPOTrainer._push_from_checkpoint`` on every rank (``trl_compat.pushes_checkpoints``).
+    Returns the path written, or None with ``hub_strategy="end"`` (nothing is pushed from a checkpoint then:
+    ``on_save`` writes the file as without a push, and no rank waits).
+    """
+    if not trl_compat.pushes_checkpoints(trainer.args):
+        return None
+    path = save(trainer, folder)
+    trainer.accelerator.wait_for_everyone()
+    trainer.rollout_corr_state_saved = (str(Path(folder)), int(trainer.state.global_step))
     return path
 
 
@@ -140,7 +159,9 @@ def callback(trainer: "RolloutCorrGRPOTrainer"):
 
     class FeatureState(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
-            save(trainer, trl_compat.checkpoint_folder(args, state.global_step))
+            folder = trl_compat.checkpoint_folder(args, state.global_step)
+            if trainer.rollout_corr_state_saved != (str(folder), int(state.global_step)):
+                save(trainer, folder)  # else written already, before the Hub push (save_before_push)
 
         def on_train_begin(self, args, state, control, **kwargs):
             folder, trainer.rollout_corr_resume_from = trainer.rollout_corr_resume_from, None

@@ -162,8 +162,9 @@ def test_outputs_a_person_reads(chat_llama_dir, tmp_path, capsys):
 
 class FakeHub:
     """``HfApi.create_repo`` / ``HfApi.upload_folder`` replaced at the class (the shared ``transformers`` client
-    included): records each upload's files after huggingface_hub's own pattern filtering, with README.md's text as
-    it was at upload time. Any other Hub call goes to ``HF_ENDPOINT`` = a closed local port and fails the test."""
+    included): records each upload's files after huggingface_hub's own pattern filtering, with README.md's text (and
+    the features' state file's step) as they were at upload time, done at the call (``run_as_future``: a finished
+    future). Any other Hub call goes to ``HF_ENDPOINT`` = a closed local port and fails the test."""
 
     def __init__(self, monkeypatch):
         from huggingface_hub import HfApi
@@ -182,14 +183,24 @@ class FakeHub:
 
     def upload_folder(self, *, repo_id, folder_path, commit_message=None, ignore_patterns=None,
                       allow_patterns=None, run_as_future=False, **kwargs):
+        import torch
         from huggingface_hub.utils import filter_repo_objects
 
         root = Path(folder_path)
         files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
         kept = list(filter_repo_objects(files, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
         readme = (root / "README.md").read_text() if "README.md" in kept else None
-        self.uploads.append({"repo_id": repo_id, "message": commit_message, "files": kept, "readme": readme})
-        return None
+        features = root / "rollout_corr_features.rank-00000.pt"  # checkpoint_state's file, read at upload time
+        state_step = torch.load(features, weights_only=False)["global_step"] if features.name in kept else None
+        self.uploads.append({"repo_id": repo_id, "message": commit_message, "files": kept, "readme": readme,
+                             "path_in_repo": kwargs.get("path_in_repo"), "state_step": state_step})
+        if not run_as_future:
+            return None
+        from concurrent.futures import Future
+
+        done = Future()  # uploaded already, at call time: the Trainer's push-in-progress check sees it done
+        done.set_result(None)
+        return done
 
 
 def test_push_to_hub_uploads_the_card_with_the_correction_section(chat_llama_dir, tmp_path, monkeypatch):
@@ -211,3 +222,37 @@ def test_push_to_hub_uploads_the_card_with_the_correction_section(chat_llama_dir
         assert "# Model Card for tiny-rc" in card and "huggingface.co/datasets" not in card
     local = (out / "README.md").read_text()
     assert local == hub.uploads[-1]["readme"]  # the local card keeps the section too
+
+
+def test_hub_strategy_checkpoint_pushes_the_feature_state_with_each_checkpoint(chat_llama_dir, tmp_path,
+                                                                               monkeypatch):
+    """transformers pushes a checkpoint (``_push_from_checkpoint``) before the callbacks' ``on_save``: the pushed
+    ``last-checkpoint`` must already hold the features' state file of its own step (``save_before_push``), written
+    once per checkpoint, so a run resumed from the Hub's checkpoint restores the features instead of starting them
+    fresh."""
+    import torch
+
+    from trl_rollout_corr import checkpoint_state
+
+    saved = []
+    real_save = checkpoint_state.save
+
+    def counting_save(trainer, folder):
+        saved.append(Path(folder).name)
+        return real_save(trainer, folder)
+
+    monkeypatch.setattr(checkpoint_state, "save", counting_save)
+    hub = FakeHub(monkeypatch)
+    out = tmp_path / "pushed_ckpt"
+    _run(chat_llama_dir, out, "--max_steps", "2", "--push_to_hub", "true", "--hub_model_id", "someone/tiny-rc",
+         "--save_strategy", "steps", "--save_steps", "1", "--hub_strategy", "checkpoint", "--hub_always_push", "true")
+    pushed = [u for u in hub.uploads if u["path_in_repo"] == "last-checkpoint"]
+    assert [u["message"] for u in pushed] == ["Training in progress, step 1, checkpoint",
+                                             "Training in progress, step 2, checkpoint"]
+    for step, upload in enumerate(pushed, start=1):
+        assert "rollout_corr_features.rank-00000.pt" in upload["files"] and "trainer_state.json" in upload["files"]
+        assert upload["state_step"] == step  # the file of the pushed checkpoint's own step
+    assert saved == ["checkpoint-1", "checkpoint-2"]  # once per checkpoint: on_save did not write it again
+    for step in (1, 2):
+        local = torch.load(out / f"checkpoint-{step}" / "rollout_corr_features.rank-00000.pt", weights_only=False)
+        assert local["global_step"] == step

@@ -966,3 +966,36 @@ def test_trl_coupling_checkpoint_state_pins(tmp_path):
         (tmp_path / f"checkpoint-{step}").mkdir()
     latest = trl_compat.resume_checkpoint(collections.namedtuple("Args", "output_dir")(str(tmp_path)), True)
     assert latest == str(tmp_path / "checkpoint-12")
+
+
+def test_trl_coupling_checkpoint_push_pins():
+    """``trl_compat.pushes_checkpoints``' assumptions (for ``checkpoint_state.save_before_push`` and
+    ``RolloutCorrGRPOTrainer._push_from_checkpoint``) about transformers 5.x: ``_save_checkpoint`` calls
+    ``_push_from_checkpoint(<checkpoint folder>)`` on every rank (no rank test around the call) after writing the
+    folder's trainer state, before rotating old checkpoints and before the callbacks' ``on_save``; the push returns
+    at once with ``hub_strategy="end"`` and on ranks other than the main one, and uploads the folder itself as
+    ``last-checkpoint`` / under its own name."""
+    from transformers import Trainer
+    from transformers.trainer_utils import HubStrategy
+
+    from trl_rollout_corr import RolloutCorrGRPOTrainer
+
+    save = inspect.getsource(Trainer._save_checkpoint)
+    call = "        if self.args.push_to_hub:\n            self._push_from_checkpoint(output_dir)\n"
+    assert call in save
+    assert (save.index("self.state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))") < save.index(call)
+            < save.index("rotate_checkpoints("))
+    push = inspect.getsource(Trainer._push_from_checkpoint)
+    assert push.count("def _push_from_checkpoint(self, checkpoint_folder: str)") == 1
+    early = "if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:\n            return"
+    assert early in push
+    assert "folder_path=checkpoint_folder," in push and '"last-checkpoint"' in push
+    assert "_push_from_checkpoint" in RolloutCorrGRPOTrainer.__dict__  # the override the coupling serves
+    assert "checkpoint_state.save_before_push(self, checkpoint_folder)" in inspect.getsource(
+        RolloutCorrGRPOTrainer._push_from_checkpoint)
+    args = collections.namedtuple("Args", "push_to_hub hub_strategy")
+    assert [trl_compat.pushes_checkpoints(args(True, s)) for s in ("every_save", "checkpoint", "all_checkpoints")] \
+        == [True, True, True]
+    assert not trl_compat.pushes_checkpoints(args(True, "end"))
+    assert not trl_compat.pushes_checkpoints(args(True, HubStrategy.END))
+    assert not trl_compat.pushes_checkpoints(args(False, "checkpoint"))

@@ -116,3 +116,37 @@ def test_a_checkpoint_with_the_files_of_some_ranks_only_starts_fresh_on_every_ra
     checkpoint_state.save(_trainer([_Plain(), _Counter(4)], rank=1, world=2, step=4), tmp_path)  # rank 1: step 4
     messages = run_ranks(2, resume)
     assert messages[0] == messages[1] and "of another format or step than this run resumes at (step 5" in messages[0]
+
+
+def test_the_file_is_written_before_a_checkpoint_push_once_and_every_rank_waits(tmp_path):
+    """``save_before_push`` (``RolloutCorrGRPOTrainer._push_from_checkpoint``): with a checkpoint push the file is
+    written, every rank waits, and ``on_save`` of that checkpoint does not write it again; with
+    ``hub_strategy="end"`` (no checkpoint push) or no push at all, nothing is written there and nobody waits, and
+    ``on_save`` writes it as always."""
+    waits = []
+
+    def trainer(push, strategy, step):
+        t = _trainer([_Counter(step)], step=step)
+        t.accelerator.wait_for_everyone = lambda: waits.append(step)
+        t.args = types.SimpleNamespace(push_to_hub=push, hub_strategy=strategy, output_dir=str(tmp_path))
+        t.rollout_corr_state_saved = None
+        return t
+
+    t = trainer(True, "checkpoint", 3)
+    path = checkpoint_state.save_before_push(t, tmp_path / "checkpoint-3")
+    assert path == tmp_path / "checkpoint-3" / "rollout_corr_features.rank-00000.pt"
+    assert torch.load(path, weights_only=True)["state"]["counter"]["count"] == 3 and waits == [3]
+    assert t.rollout_corr_state_saved == (str(tmp_path / "checkpoint-3"), 3)
+    stamp = path.stat().st_mtime_ns
+    t.rollout_corr_features[0].count = 99  # had on_save written again, the file would say 99
+    checkpoint_state.callback(t).on_save(t.args, t.state, None)
+    assert torch.load(path, weights_only=True)["state"]["counter"]["count"] == 3 and path.stat().st_mtime_ns == stamp
+    for push, strategy in ((True, "end"), (False, "checkpoint")):
+        t = trainer(push, strategy, 4)
+        assert checkpoint_state.save_before_push(t, tmp_path / "checkpoint-4") is None
+        assert not (tmp_path / "checkpoint-4").exists() and waits == [3]
+        checkpoint_state.callback(t).on_save(t.args, t.state, None)  # the next checkpoint: on_save writes it
+        saved = torch.load(tmp_path / "checkpoint-4" / "rollout_corr_features.rank-00000.pt", weights_only=True)
+        assert saved["global_step"] == 4 and saved["state"]["counter"]["count"] == 4
+        (tmp_path / "checkpoint-4" / "rollout_corr_features.rank-00000.pt").unlink()
+        (tmp_path / "checkpoint-4").rmdir()

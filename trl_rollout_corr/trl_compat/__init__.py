@@ -92,6 +92,7 @@ from .trainer_state import (
     micro_step,
     micro_steps_at,
     micro_steps_trained,
+    pushes_checkpoints,
     resume_checkpoint,
     wrap_optimizer_step,
 )
@@ -121,5 +122,6 @@ __all__ = [
     "VLLM_CLIENT_HOOKED", "LOOPBACK_HOSTS", "trainer_versions", "install_vllm_client_cpu_weight_sync",
     "vllm_param_name", "sharded_backend", "dropped_fsdp", "full_parameter_bytes", "fsdp2_wrapped_method",
     "wrap_optimizer_step", "generate_every", "first_optimizer_step", "micro_step", "micro_steps_at",
-    "micro_steps_trained", "loader_skips_itself", "generation_prompt_ids", "checkpoint_folder", "resume_checkpoint",
+    "micro_steps_trained", "loader_skips_itself", "generation_prompt_ids", "checkpoint_folder", "pushes_checkpoints",
+    "resume_checkpoint",
 ]

@@ -138,6 +138,17 @@ def checkpoint_folder(args, step: int) -> Path:
     return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{int(step)}"
 
 
+def pushes_checkpoints(args) -> bool:
+    """Whether transformers 5.x's ``Trainer._save_checkpoint`` pushes each checkpoint to the Hub: it calls
+    ``_push_from_checkpoint(<checkpoint folder>)`` on every rank after writing the folder and before the callbacks'
+    ``on_save``, when ``push_to_hub``; that method returns at once with ``hub_strategy="end"`` (and on every rank
+    but the main one), else uploads (``every_save``: the model files; ``checkpoint`` / ``all_checkpoints``: also the
+    checkpoint folder)."""
+    from transformers.trainer_utils import HubStrategy
+
+    return bool(getattr(args, "push_to_hub", False)) and HubStrategy(args.hub_strategy) != HubStrategy.END
+
+
 def resume_checkpoint(args, resume_from_checkpoint: Any) -> Optional[str]:
     """The checkpoint ``Trainer.train(resume_from_checkpoint=...)`` resumes from: ``True`` the latest under
     ``args.output_dir`` (None when there is none, or no such folder: the Trainer refuses that itself), a path that
