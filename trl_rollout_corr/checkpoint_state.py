@@ -65,12 +65,18 @@ def save(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | str) -> Path:
 
 def save_before_push(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | str) -> Optional[Path]:
     """Write this rank's file into checkpoint ``folder`` before the Trainer pushes it to the Hub, then wait for every
-    rank (so the main process uploads every rank's file; the checkpoint folder is shared, as the Trainer's own
-    checkpoint requires), and remember it so that ``on_save`` does not write it a second time.
+    rank (so the main process uploads every rank's file when the ranks share the folder: one node, or a shared
+    filesystem), and remember it so that ``on_save`` does not write it a second time.
+
+    With a disk per node (``save_on_each_node``) the main process uploads its own node's files only; a run resumed
+    from that push finds the files of some ranks only and starts every feature fresh, with one warning (``load``).
+    The Hub's ``last-checkpoint`` keeps files an earlier push left there: after a resume on fewer ranks, the extra
+    ranks' older files stay, and resuming that snapshot on the old number of ranks is refused (``load``: a file of
+    another step; delete those files).
 
     Called by ``RolloutCorrGRPOTrainer._push_from_checkpoint`` on every rank (``trl_compat.pushes_checkpoints``).
-    Returns the path written, or None with ``hub_strategy="end"`` (nothing is pushed from a checkpoint then:
-    ``on_save`` writes the file as without a push, and no rank waits).
+    Returns the path written, or None when no checkpoint is pushed (``push_to_hub`` False, or
+    ``hub_strategy="end"``): ``on_save`` then writes the file as always, and no rank waits.
     """
     if not trl_compat.pushes_checkpoints(trainer.args):
         return None

@@ -526,3 +526,37 @@ def test_dump_every_2_resumes_to_the_uninterrupted_records(llama_dir, tmp_path):
     assert set(window_3.column("micro_step").to_pylist()) == {2}
     assert set(window_3.column("generation_batch").to_pylist()) == {2}
     _assert_same_rows(dump, expected)
+
+
+@pytest.mark.slow
+def test_two_ranks_push_both_feature_files_with_each_checkpoint(llama_dir, tmp_path):
+    """2 ranks (torchrun + gloo, real DDP), ``hub_strategy="checkpoint"``, a checkpoint every step, rank 1 writing
+    its state file 2 s late: each pushed ``last-checkpoint`` holds BOTH ranks' feature files of its own step (the
+    main process uploads only after every rank wrote: ``checkpoint_state.save_before_push``), each rank writes its
+    file once per checkpoint, and only rank 0 uploads."""
+    import os
+    import socket
+    import sys
+    from pathlib import Path
+
+    from torchrun import run_torchrun
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(Path(__file__).resolve().parents[1] / "helpers" / "dist_push_worker.py"), str(out), str(llama_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    proc = run_torchrun(cmd, env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((out / f"result.rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert [r["writes"] for r in ranks] == [["checkpoint-1", "checkpoint-2"]] * 2
+    assert ranks[1]["uploads"] == []
+    pushed = [u for u in ranks[0]["uploads"] if u["path_in_repo"] == "last-checkpoint"]
+    files = ["rollout_corr_features.rank-00000.pt", "rollout_corr_features.rank-00001.pt"]
+    assert [(u["message"], u["files"], u["steps"]) for u in pushed] == [
+        ("Training in progress, step 1, checkpoint", files, [1, 1]),
+        ("Training in progress, step 2, checkpoint", files, [2, 2])]
