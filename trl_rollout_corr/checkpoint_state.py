@@ -11,9 +11,11 @@ state_dict}}``.
 A run resumed from a checkpoint (``RolloutCorrGRPOTrainer.train(resume_from_checkpoint=...)``, resolved as the Trainer
 resolves it: ``trl_compat.resume_checkpoint``) restores every feature's state at ``on_train_begin``: after the
 Trainer loaded the model, the optimizer and ``TrainerState``, before the first step. It refuses, naming the fix, a
-file of another world size, step or format, and (on every rank) a checkpoint holding the files of some ranks only;
-a checkpoint without the file (plain TRL's, an older version's) or of other features than the run's starts the
-missing features fresh, with one warning (``load``).
+file of another step or format; a checkpoint without the file (plain TRL's, an older version's), of other features
+than the run's, saved by another number of processes or holding the files of some ranks only starts the features
+concerned fresh, on every rank alike, with one warning (``load``). So does a checkpoint transformers writes on
+SIGTERM (``enable_jit_checkpoint``: it calls ``_save_checkpoint`` with no ``on_save``, possibly inside a step), which
+holds no feature state.
 
 The coupling to transformers' Trainer (the checkpoint folder, the resolution of ``resume_from_checkpoint``, the
 order of saving, loading and the callbacks) is in ``trl_compat.trainer_state``, pinned in
