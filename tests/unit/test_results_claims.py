@@ -154,7 +154,7 @@ def claims_and_generated(results: str) -> tuple[str, str]:
 
 # the commands (the claims table's cmd column) whose numbers a script writes into the generated tables; the others
 # (E, V, Y, SH, Q) ran as LOG.md records them, and their rows may quote LOG.md, as may a row that names LOG.md
-GENERATED_CMDS = {"P", "PI", "D", "M", "S", "C", "T"}
+GENERATED_CMDS = {"P", "PI", "D", "M", "S", "C", "T", "AS"}
 
 
 def unsupported_claim_rows(claims: str, generated: str, log: str) -> list[str]:
