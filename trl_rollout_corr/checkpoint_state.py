@@ -76,7 +76,12 @@ def save_before_push(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | st
     ranks' older files stay, and resuming that snapshot on the old number of ranks is refused (``load``: a file of
     another step; delete those files).
 
-    Called by ``RolloutCorrGRPOTrainer._push_from_checkpoint`` on every rank (``trl_compat.pushes_checkpoints``).
+    Why: transformers 5.x's ``_save_checkpoint`` calls ``_push_from_checkpoint`` on every rank BEFORE the callbacks'
+    ``on_save``, and the main process uploads the folder then, in the background (``hub_strategy="checkpoint"``: as
+    ``last-checkpoint``); a file written at ``on_save`` would miss that upload or race it, and a run resumed from the
+    Hub's checkpoint would start every feature fresh. Called by ``RolloutCorrGRPOTrainer._push_from_checkpoint`` on
+    every rank, before ``super()``; the coupling is ``trl_compat.pushes_checkpoints``, pinned in
+    ``tests/trainer/test_trl_compat.py``.
     Returns the path written, or None when no checkpoint is pushed (``push_to_hub`` False, or
     ``hub_strategy="end"``): ``on_save`` then writes the file as always, and no rank waits.
     """

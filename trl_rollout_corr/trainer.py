@@ -180,8 +180,7 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
         self.rollout_corr_mode = build_mode(self)
         self.rollout_corr_features = build_features(self)
         self.rollout_corr_resume_from: Optional[str] = None  # the checkpoint train() resumes from (checkpoint_state)
-        # (checkpoint folder, step) whose feature state was written before its Hub push (checkpoint_state)
-        self.rollout_corr_state_saved: Optional[tuple[str, int]] = None
+        self.rollout_corr_state_saved: Optional[tuple[str, int]] = None  # (folder, step) saved before a push
         self.add_callback(checkpoint_state.callback(self))  # every feature's state saved and restored
         self._skip_trl_old = self.rollout_corr_mode.replaces_trl_old_forward or any(
             f.replaces_trl_old_forward for f in self.rollout_corr_features)
@@ -377,17 +376,8 @@ class RolloutCorrGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ checkpoints on the Hub
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """The Trainer's checkpoint push (``push_to_hub=True``, ``hub_strategy`` ``every_save``, ``checkpoint`` or
-        ``all_checkpoints``), with every rank's feature-state file already in ``checkpoint_folder``.
-
-        transformers 5.x calls this from ``_save_checkpoint`` on every rank BEFORE the callbacks' ``on_save``, and the
-        main process uploads the folder then (``hub_strategy="checkpoint"``: as ``last-checkpoint``), so the file
-        ``checkpoint_state``'s ``on_save`` writes would miss that upload, or race the background upload, and a run
-        resumed from the Hub's checkpoint would start every feature fresh. Here each rank writes its file first
-        (``checkpoint_state.save_before_push``, which waits for every rank), then TRL/transformers push; ``on_save``
-        does not write it again. The coupling is ``trl_compat.pushes_checkpoints``'s, pinned in
-        ``tests/trainer/test_trl_compat.py``.
-        """
+        """The Trainer's checkpoint push (``push_to_hub``), with every rank's feature-state file already in the folder:
+        transformers pushes before the callbacks' ``on_save`` (``checkpoint_state.save_before_push``)."""
         checkpoint_state.save_before_push(self, checkpoint_folder)
         super()._push_from_checkpoint(checkpoint_folder)
 

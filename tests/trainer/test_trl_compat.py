@@ -182,7 +182,8 @@ def test_trl_coupling_trainer_signature_and_our_names_do_not_shadow_trl():
     hooks = {"__init__", "_generate_single_turn", "_generate", "_calculate_rewards",
              "_get_per_token_logps_and_entropies", "_generate_and_score_completions", "_compute_loss", "log",
              "create_model_card", "_tag_names",  # the model card (trl_rollout_corr/model_card.py)
-             "get_train_dataloader", "train"}  # asynchronous generation (async_generation.py)
+             "get_train_dataloader", "train",  # asynchronous generation (async_generation.py)
+             "_push_from_checkpoint"}  # the features' state in a pushed checkpoint (checkpoint_state.py)
     ours = set(vars(RolloutCorrGRPOTrainer)) - hooks - {"__module__", "__qualname__", "__doc__", "__firstlineno__",
                                                          "__static_attributes__"}
     assert ours and not [name for name in ours if hasattr(GRPOTrainer, name)]
