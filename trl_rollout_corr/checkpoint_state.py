@@ -82,6 +82,7 @@ def save_before_push(trainer: "RolloutCorrGRPOTrainer", folder: os.PathLike | st
     Hub's checkpoint would start every feature fresh. Called by ``RolloutCorrGRPOTrainer._push_from_checkpoint`` on
     every rank, before ``super()``; the coupling is ``trl_compat.pushes_checkpoints``, pinned in
     ``tests/trainer/test_trl_compat.py``.
+
     Returns the path written, or None when no checkpoint is pushed (``push_to_hub`` False, or
     ``hub_strategy="end"``): ``on_save`` then writes the file as always, and no rank waits.
     """
